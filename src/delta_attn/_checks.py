@@ -1,0 +1,168 @@
+"""Input validation shared by every operator.
+
+Every public wrapper calls these before anything runs. Each error names the argument, what was
+expected and what came, and is a ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
+shape or value). Value checks that need the host to read a device tensor (``cu_seqlens``,
+``state_indices``) are skipped while ``torch.compile`` traces, where they would break the graph.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def tensor(name: str, x, ndim: Optional[int] = None, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+           shape_doc: str = "") -> torch.Tensor:
+    """``x`` is a tensor of rank ``ndim`` whose dtype is one of ``dtypes``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' ' + shape_doc if shape_doc else ''}, "
+                        f"got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D{' ' + shape_doc if shape_doc else ''}, "
+                         f"got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must be {_dtype_names(dtypes)}, got {x.dtype}")
+    return x
+
+
+def same_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for n, t in named[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{n} must have the dtype of {first_name} ({first.dtype}), got {t.dtype}")
+    return first.dtype
+
+
+def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for n, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{n} must be on the device of {first_name} ({first.device}), got {t.device}")
+    return first.device
+
+
+def dim_equal(what: str, name: str, got: int, ref_name: str, expected: int) -> None:
+    if got != expected:
+        raise ValueError(f"{name} {what} must equal {ref_name}'s ({expected}), got {got}")
+
+
+def shape_equal(name: str, x: torch.Tensor, expected: Tuple[int, ...], doc: str = "") -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}{' ' + doc if doc else ''}, "
+                         f"got {tuple(x.shape)}")
+
+
+def heads_divide(name_many: str, many: int, name_few: str, few: int) -> None:
+    if few <= 0 or many % few != 0:
+        raise ValueError(f"{name_many} ({many}) must be a multiple of {name_few} ({few})")
+
+
+def positive_dim(name: str, value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def one_of(name: str, value, allowed: Sequence) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+
+
+def number(name: str, value, low: Optional[float] = None, high: Optional[float] = None,
+           high_inclusive: bool = True, doc: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    bad = (low is not None and value < low) or (
+        high is not None and (value > high if high_inclusive else value >= high))
+    if bad or value != value:
+        rng = doc or f"in [{low}, {high}{']' if high_inclusive else ')'}"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+    return float(value)
+
+
+def window(window_size) -> Tuple[int, int]:
+    """window_size is a pair of ints, each >= -1 (-1: unbounded)."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+            isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if any(w < -1 for w in window_size):
+        raise ValueError(f"window_size entries must be >= -1 (-1 means unbounded), got {tuple(window_size)}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device,
+               max_seqlen: Optional[int] = None, max_seqlen_name: str = "max_seqlen") -> int:
+    """cu_seqlens is int32, 1-D with >= 2 entries, starts at 0, non-decreasing, ends at ``total``
+    and ``max_seqlen`` (when given) is >= the longest sequence. Returns the number of sequences."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of the inputs ({device}), got {cu.device}")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
+        raise TypeError(f"{max_seqlen_name} must be an int, got {type(max_seqlen).__name__}")
+    if _tracing():
+        return cu.numel() - 1
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
+    if max_seqlen is not None and max_seqlen < max(lengths):
+        raise ValueError(f"{max_seqlen_name} must be >= the longest sequence in {name} ({max(lengths)}), "
+                         f"got {max_seqlen}")
+    return len(lengths)
+
+
+def state(name: str, s: Optional[torch.Tensor], expected: Tuple[int, ...], device: torch.device,
+          doc: str) -> None:
+    if s is None:
+        return
+    tensor(name, s, len(expected), (torch.float32, torch.float64), doc)
+    shape_equal(name, s, expected, doc)
+    if s.device != device:
+        raise ValueError(f"{name} must be on the device of the inputs ({device}), got {s.device}")
+
+
+def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device: torch.device) -> None:
+    if indices is None:
+        if pool != batch:
+            raise ValueError(f"state must have one slot per sequence (batch {batch}) when state_indices "
+                             f"is None, got {pool} slots")
+        return
+    tensor("state_indices", indices, 1, INDEX_DTYPES, "(B,)")
+    shape_equal("state_indices", indices, (batch,), "(one slot per sequence)")
+    if indices.device != device:
+        raise ValueError(f"state_indices must be on the device of the inputs ({device}), got {indices.device}")
+    if _tracing() or batch == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= pool:
+        raise ValueError(f"state_indices must lie in [0, {pool}) (the state pool), got values from {lo} to {hi}")
+    if torch.unique(indices).numel() != batch:
+        raise ValueError("state_indices must not repeat a slot: two sequences would update one state")
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value

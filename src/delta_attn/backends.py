@@ -1,0 +1,254 @@
+"""Backend registry and dispatch.
+
+A *backend* (``torch``, ``triton``, ``cudnn``, ``sdpa``) declares, for each operator it implements,
+a :class:`Capability`: device types, dtypes, head dims, optional features, minimum compute
+capability and the Python package it needs. :meth:`Backend.not_supported_reasons` turns a
+:class:`Call` (what one call of an operator asks for) into readable reasons.
+
+Dispatch: an explicit backend runs the call or raises :class:`UnsupportedError` listing all its
+reasons; ``"auto"`` walks the operator's policy order (:func:`auto_order`) and takes the first
+backend with no reasons. :func:`explain_call` reports the choice and why every other backend was
+passed over. Implementations are named as ``"module:function"`` strings and imported on first use,
+so ``import delta_attn`` compiles no kernel and imports no optional package.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import torch
+
+BACKEND_NAMES = ("auto", "triton", "cudnn", "sdpa", "torch")
+
+# every operator name the registry knows
+OPS = ("flash", "flash_varlen", "kda", "kda_step", "diag", "diag_step")
+
+
+class UnsupportedError(ValueError, NotImplementedError):
+    """The requested backend (or every backend, for ``auto``) cannot run this call."""
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """``auto`` resolved to the plain-PyTorch reference path on a GPU (slow but correct)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one operator call needs from a backend."""
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    head_dims: Tuple[int, ...]
+    features: FrozenSet[str] = frozenset()
+    needs_grad: bool = False
+
+    def describe(self) -> str:
+        feats = ", ".join(sorted(self.features)) or "no options"
+        grad = " + backward" if self.needs_grad else ""
+        dims = "x".join(str(d) for d in self.head_dims)
+        return f"{self.op}{grad} on {self.device.type}, {str(self.dtype).replace('torch.', '')}, head dims {dims}, {feats}"
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What one backend supports for one operator."""
+    impl: str                                   # "module:function", imported on first use
+    device_types: Tuple[str, ...] = ("cuda",)
+    dtypes: Tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    features: FrozenSet[str] = frozenset()      # optional features it supports
+    backward: bool = True
+    min_compute_capability: Optional[Tuple[int, int]] = None
+    requires: Tuple[str, ...] = ()              # importable module names
+    install_hint: str = ""
+    head_dims: Optional[Callable[[Tuple[int, ...]], Optional[str]]] = None   # -> reason or None
+    check: Optional[Callable[[Call], List[str]]] = None                      # extra reasons
+
+
+def package_available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
+    """Compute capability of a CUDA device (None elsewhere). Tests monkeypatch this."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+class Backend:
+    def __init__(self, name: str, description: str, device_rule: Optional[Callable[[Call], List[str]]] = None):
+        self.name = name
+        self.description = description
+        self.capabilities: Dict[str, Capability] = {}
+        self._device_rule = device_rule
+        self._loaded: Dict[str, Callable] = {}
+
+    def register(self, op: str, capability: Capability) -> None:
+        if op not in OPS:
+            raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
+        self.capabilities[op] = capability
+        self._loaded.pop(op, None)
+
+    def not_supported_reasons(self, call: Call) -> List[str]:
+        cap = self.capabilities.get(call.op)
+        if cap is None:
+            return [f"has no implementation of {call.op}"]
+        reasons: List[str] = []
+        missing = [m for m in cap.requires if not package_available(m)]
+        if missing:
+            reasons.append(f"{', '.join(missing)} not installed" + (f" — {cap.install_hint}" if cap.install_hint else ""))
+        if self._device_rule is not None:
+            reasons += self._device_rule(call)
+        elif call.device.type not in cap.device_types:
+            reasons.append(f"runs on {'/'.join(cap.device_types)} tensors, got {call.device.type}")
+        if call.device.type == "cuda" and not torch.cuda.is_available():
+            reasons.append("no CUDA GPU visible")
+        if cap.min_compute_capability is not None and call.device.type == "cuda":
+            cc = device_capability(call.device)
+            if cc is not None and cc < cap.min_compute_capability:
+                want = ".".join(map(str, cap.min_compute_capability))
+                reasons.append(f"needs compute capability >= {want}, device has {cc[0]}.{cc[1]}")
+        if call.dtype not in cap.dtypes:
+            reasons.append(f"supports {', '.join(_dtype_name(d) for d in cap.dtypes)}, got {_dtype_name(call.dtype)}")
+        if cap.head_dims is not None:
+            why = cap.head_dims(call.head_dims)
+            if why:
+                reasons.append(why)
+        unsupported = sorted(call.features - cap.features)
+        if unsupported:
+            reasons.append(f"does not support {', '.join(unsupported)}")
+        if call.needs_grad and not cap.backward:
+            reasons.append("has no backward pass (inputs require grad)")
+        if cap.check is not None:
+            reasons += cap.check(call)
+        return reasons
+
+    def implementation(self, op: str) -> Callable:
+        fn = self._loaded.get(op)
+        if fn is None:
+            module, _, attr = self.capabilities[op].impl.partition(":")
+            fn = getattr(importlib.import_module(module), attr)
+            self._loaded[op] = fn
+        return fn
+
+
+def _triton_device_rule(call: Call) -> List[str]:
+    if call.device.type == "cuda":
+        return []
+    if call.device.type == "cpu" and triton_interpreter_on():
+        return []
+    return [f"runs on cuda tensors (or cpu tensors with TRITON_INTERPRET=1), got {call.device.type}"]
+
+
+BACKENDS: Dict[str, Backend] = {
+    "torch": Backend("torch", "the reference path in plain PyTorch (any device, autograd; slow)"),
+    "triton": Backend("triton", "delta-attn's Triton kernels", device_rule=_triton_device_rule),
+    "cudnn": Backend("cudnn", "NVIDIA cuDNN fused attention (SDPA's cuDNN backend, cudnn-frontend graphs)"),
+    "sdpa": Backend("sdpa", "PyTorch's own fused kernels (SDPA flash / memory-efficient, varlen_attn)"),
+}
+
+
+def register(backend: str, op: str, capability: Capability) -> None:
+    """Declare that ``backend`` implements ``op`` with ``capability``."""
+    BACKENDS[backend].register(op, capability)
+
+
+# ---------------------------------------------------------------------------------------------
+# auto policy
+# ---------------------------------------------------------------------------------------------
+
+# Default preference per operator, fastest first. The measurements behind each order are in
+# docs/DISPATCH.md; an operator may install a finer policy with set_auto_policy.
+_DEFAULT_ORDER: Dict[str, Tuple[str, ...]] = {
+    "flash": ("cudnn", "triton", "sdpa", "torch"),
+    "flash_varlen": ("triton", "cudnn", "sdpa", "torch"),
+    "kda": ("triton", "torch"),
+    "kda_step": ("triton", "torch"),
+    "diag": ("triton", "torch"),
+    "diag_step": ("triton", "torch"),
+}
+_POLICIES: Dict[str, Callable[[Call], Sequence[str]]] = {}
+
+
+def set_auto_policy(op: str, policy: Callable[[Call], Sequence[str]]) -> None:
+    """Install ``policy(call) -> backend names, preferred first`` for ``op``."""
+    _POLICIES[op] = policy
+
+
+def auto_order(call: Call) -> Tuple[str, ...]:
+    policy = _POLICIES.get(call.op)
+    order = tuple(policy(call)) if policy is not None else _DEFAULT_ORDER[call.op]
+    # every registered backend appears once, unlisted ones last
+    return order + tuple(n for n in BACKENDS if n not in order)
+
+
+@dataclass
+class Explanation:
+    """Which backend a call uses and why the others were passed over."""
+    call: Call
+    requested: str
+    chosen: Optional[str]
+    considered: List[Tuple[str, List[str]]] = field(default_factory=list)   # (backend, reasons) in order
+
+    def __str__(self) -> str:
+        lines = [f"{self.call.describe()}",
+                 f"requested backend: {self.requested}" + (" (policy order: " + ", ".join(n for n, _ in self.considered) + ")"
+                                                          if self.requested == "auto" else "")]
+        lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none — no backend can run this call")
+        for name, reasons in self.considered:
+            if name == self.chosen:
+                continue
+            if reasons:
+                lines.append(f"  {name}: passed over — " + "; ".join(reasons))
+            elif self.chosen is not None and self.requested == "auto":
+                lines.append(f"  {name}: could run it, lower in the policy order")
+        return "\n".join(lines)
+
+
+def explain_call(call: Call, backend: str = "auto") -> Explanation:
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKEND_NAMES)}, got {backend!r}")
+    names = auto_order(call) if backend == "auto" else (backend,)
+    ex = Explanation(call=call, requested=backend, chosen=None)
+    for name in names:
+        reasons = BACKENDS[name].not_supported_reasons(call)
+        ex.considered.append((name, reasons))
+        if not reasons and ex.chosen is None:
+            ex.chosen = name
+    return ex
+
+
+_warned: set = set()
+
+
+def select(call: Call, backend: str = "auto") -> Callable:
+    """The implementation that runs ``call`` on ``backend`` (or raises UnsupportedError)."""
+    ex = explain_call(call, backend)
+    if ex.chosen is None:
+        if backend == "auto":
+            detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in ex.considered)
+            raise UnsupportedError(f"no backend can run {call.describe()} — {detail}")
+        reasons = ex.considered[0][1]
+        raise UnsupportedError(f"backend {backend!r} cannot run {call.describe()}: " + "; ".join(reasons))
+    if backend == "auto" and ex.chosen == "torch" and call.device.type == "cuda":
+        key = (call.op, call.dtype, call.head_dims, call.features)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn("delta_attn: auto runs the slow reference path for this call\n" + str(ex),
+                          ReferenceFallbackWarning, stacklevel=3)
+    return BACKENDS[ex.chosen].implementation(call.op)

@@ -1,0 +1,114 @@
+"""Public gated diagonal attention entry points (``gated_diag_attn``, ``gated_diag_step``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ... import _checks as C
+from ...backends import Call, Capability, explain_call, register, select
+
+
+@dataclass(frozen=True)
+class DiagArgs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    initial_state: Optional[torch.Tensor]
+    output_final_state: bool
+    cu_seqlens: Optional[torch.Tensor]
+    num_seqs: int
+    state: Optional[torch.Tensor] = None            # gated_diag_step: the state pool, updated in place
+    state_indices: Optional[torch.Tensor] = None
+
+    def call(self, op: str) -> Call:
+        feats = set()
+        if self.cu_seqlens is not None:
+            feats.add("varlen")
+        if self.initial_state is not None:
+            feats.add("initial_state")
+        if self.output_final_state:
+            feats.add("final_state")
+        if self.state_indices is not None:
+            feats.add("state_indices")
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.g, self.initial_state))
+        return Call(op=op, device=self.q.device, dtype=self.q.dtype, head_dims=(self.q.shape[-1],),
+                    features=frozenset(feats), needs_grad=needs_grad)
+
+
+def _validate_qkvg(q, k, v, g):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
+        C.tensor(name, t, 4, shape_doc="(B, T, H, D)")
+    C.same_dtype(q=q, k=k, v=v)
+    if g.dtype not in (q.dtype, torch.float32):
+        raise TypeError(f"g must have the dtype of q ({q.dtype}) or float32, got {g.dtype}")
+    C.same_device(q=q, k=k, v=v, g=g)
+    for name, t in (("k", k), ("v", v), ("g", g)):
+        C.shape_equal(name, t, tuple(q.shape), "(the shape of q: B, T, H, D)")
+    C.positive_dim("heads", q.shape[2])
+    C.positive_dim("head dim D", q.shape[3])
+
+
+def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlens=None) -> DiagArgs:
+    _validate_qkvg(q, k, v, g)
+    C.flag("output_final_state", output_final_state)
+    b, t, h, d = q.shape
+    n = b
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {b}")
+        n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)
+    C.state("initial_state", initial_state, (n, h, d), q.device, "(N, H, D) float32")
+    return DiagArgs(q, k, v, g, initial_state, output_final_state, cu_seqlens, n)
+
+
+def validate_step(q, k, v, g, state, state_indices=None) -> DiagArgs:
+    _validate_qkvg(q, k, v, g)
+    b, t, h, d = q.shape
+    C.positive_dim("new tokens per sequence (q.shape[1])", t)
+    C.tensor("state", state, 3, (torch.float32, torch.float64), "(P, H, D) float32 state pool")
+    C.shape_equal("state", state, (state.shape[0], h, d), "(P, H, D)")
+    if state.device != q.device:
+        raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
+    C.state_indices(state_indices, b, state.shape[0], q.device)
+    return DiagArgs(q, k, v, g, None, False, None, b, state=state, state_indices=state_indices)
+
+
+def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    backend="auto"):
+    """Gated diagonal linear attention: ``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t``.
+
+    q, k, v, g (B, T, H, D); ``initial_state`` (N, H, D) float32; with ``cu_seqlens`` B == 1.
+    Returns ``(o (B, T, H, D), final_state (N, H, D) float32 or None)``.
+
+    >>> import torch, delta_attn as da
+    >>> q, k, v = torch.randn(3, 2, 9, 4, 8).unbind(0)
+    >>> o, s = da.gated_diag_attn(q, k, v, -torch.rand(2, 9, 4, 8), output_final_state=True, backend="torch")
+    >>> o.shape, s.shape
+    (torch.Size([2, 9, 4, 8]), torch.Size([2, 4, 8]))
+    """
+    args = validate(q, k, v, g, initial_state, output_final_state, cu_seqlens)
+    return select(args.call("diag"), backend)(args)
+
+
+def gated_diag_step(q, k, v, g, state, *, state_indices=None, backend="auto"):
+    """Decode: the diagonal recurrence over new tokens from a state pool (P, H, D), updated in place.
+
+    Sequence b reads and writes ``state[state_indices[b]]`` (``state[b]`` when None). Inference only.
+    """
+    args = validate_step(q, k, v, g, state, state_indices)
+    return select(args.call("diag_step"), backend)(args)
+
+
+gated_diag_attn.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call("diag"), backend)
+gated_diag_step.plan = lambda *a, backend="auto", **kw: explain_call(
+    validate_step(*a, **kw).call("diag_step"), backend)
+
+_FEATURES = frozenset({"varlen", "initial_state", "final_state", "state_indices"})
+_ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
+register("torch", "diag", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag", **_ANY))
+register("torch", "diag_step", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag_step", backward=False,
+                                          **_ANY))

@@ -1,0 +1,176 @@
+"""Public Kimi Delta Attention entry points (``kda``, ``kda_step``) and their validation.
+
+Backends receive a normalised :class:`KDAArgs` / :class:`KDAStepArgs`. ``kda`` returns
+``(o, final_state or None)``; ``kda_step`` returns o and updates ``state`` in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ... import _checks as C
+from ...backends import Call, Capability, explain_call, register, select
+
+SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
+
+
+@dataclass(frozen=True)
+class KDAArgs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    scale: float
+    initial_state: Optional[torch.Tensor]
+    output_final_state: bool
+    cu_seqlens: Optional[torch.Tensor]
+    num_seqs: int
+    use_qk_l2norm: bool
+    A_log: Optional[torch.Tensor]
+    dt_bias: Optional[torch.Tensor]
+    lower_bound: Optional[float]
+    state: Optional[torch.Tensor] = None            # kda_step: the state pool, updated in place
+    state_indices: Optional[torch.Tensor] = None    # kda_step: slot of each sequence
+
+    def call(self, op: str) -> Call:
+        feats = set()
+        if self.cu_seqlens is not None:
+            feats.add("varlen")
+        if self.initial_state is not None:
+            feats.add("initial_state")
+        if self.output_final_state:
+            feats.add("final_state")
+        if self.use_qk_l2norm:
+            feats.add("qk_l2norm")
+        if self.A_log is not None:
+            feats.add("gate_lower_bound" if self.lower_bound is not None else "gate_softplus")
+        if self.v.shape[2] != self.q.shape[2]:
+            feats.add("gva")
+        if self.state_indices is not None:
+            feats.add("state_indices")
+        tensors = (self.q, self.k, self.v, self.g, self.beta, self.initial_state, self.A_log, self.dt_bias)
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return Call(op=op, device=self.q.device, dtype=self.q.dtype,
+                    head_dims=(self.q.shape[-1], self.v.shape[-1]), features=frozenset(feats),
+                    needs_grad=needs_grad)
+
+
+def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias, lower_bound):
+    C.tensor("q", q, 4, shape_doc="(B, T, H, K)")
+    C.tensor("k", k, 4, shape_doc="(B, T, H, K)")
+    C.tensor("v", v, 4, shape_doc="(B, T, HV, V)")
+    C.tensor("g", g, 4, shape_doc="(B, T, HV, K)")
+    C.tensor("beta", beta, 3, shape_doc="(B, T, HV)")
+    C.same_dtype(q=q, k=k, v=v)
+    for name, t in (("g", g), ("beta", beta)):
+        if t.dtype not in (q.dtype, torch.float32):
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}) or float32, got {t.dtype}")
+    C.same_device(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    C.shape_equal("k", k, (b, t, h, kd), "(the shape of q)")
+    C.dim_equal("batch and length", "v", tuple(v.shape[:2]), "q", (b, t))
+    C.positive_dim("q heads", h)
+    C.positive_dim("key dim K", kd)
+    C.positive_dim("value dim V", vd)
+    C.heads_divide("value heads HV (v.shape[2])", hv, "query heads H (q.shape[2])", h)
+    C.shape_equal("g", g, (b, t, hv, kd), "(B, T, HV, K)")
+    C.shape_equal("beta", beta, (b, t, hv), "(B, T, HV)")
+    if scale is None:
+        scale = kd ** -0.5
+    scale = C.number("scale", scale)
+    C.flag("use_qk_l2norm", use_qk_l2norm)
+    if A_log is None:
+        if dt_bias is not None:
+            raise ValueError("dt_bias needs A_log: the in-kernel gate is -exp(A_log) * softplus(g + dt_bias)")
+        if lower_bound is not None:
+            raise ValueError("lower_bound needs A_log: the bounded gate is lower_bound * sigmoid(exp(A_log) * (g + dt_bias))")
+    else:
+        C.tensor("A_log", A_log, 1, (torch.float32, torch.float64), "(HV,)")
+        C.shape_equal("A_log", A_log, (hv,), "(HV,)")
+        if dt_bias is not None:
+            C.tensor("dt_bias", dt_bias, 1, (torch.float32, torch.float64), "(HV * K,)")
+            C.shape_equal("dt_bias", dt_bias, (hv * kd,), "(HV * K,)")
+        if lower_bound is not None:
+            lower_bound = C.number("lower_bound", lower_bound, doc="a finite number < 0")
+            if not lower_bound < 0 or lower_bound == float("-inf"):
+                raise ValueError(f"lower_bound must be a finite number < 0, got {lower_bound}")
+    return scale, lower_bound
+
+
+def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+             use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None) -> KDAArgs:
+    scale, lower_bound = _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
+                                   lower_bound)
+    C.flag("output_final_state", output_final_state)
+    b, t, _, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    n = b
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {b}")
+        n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)
+    C.state("initial_state", initial_state, (n, hv, kd, vd), q.device, "(N, HV, K, V) float32")
+    return KDAArgs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, n, use_qk_l2norm,
+                   A_log, dt_bias, lower_bound)
+
+
+def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
+                  dt_bias=None, lower_bound=None) -> KDAArgs:
+    scale, lower_bound = _validate(q, k, v, g, beta, scale, None, use_qk_l2norm, A_log, dt_bias, lower_bound)
+    b, t, _, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    C.positive_dim("new tokens per sequence (q.shape[1])", t)
+    C.tensor("state", state, 4, (torch.float32, torch.float64), "(P, HV, K, V) float32 state pool")
+    C.shape_equal("state", state, (state.shape[0], hv, kd, vd), "(P, HV, K, V)")
+    if state.device != q.device:
+        raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
+    C.state_indices(state_indices, b, state.shape[0], q.device)
+    return KDAArgs(q, k, v, g, beta, scale, None, False, None, b, use_qk_l2norm, A_log, dt_bias, lower_bound,
+                   state=state, state_indices=state_indices)
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+        use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, backend="auto"):
+    """Kimi Delta Attention over whole sequences (chunked on the Triton backend).
+
+    q, k (B, T, H, K); v (B, T, HV, V), HV % H == 0; g (B, T, HV, K) log decay (or the raw gate
+    when ``A_log`` is given); beta (B, T, HV); ``initial_state`` (N, HV, K, V) float32; with
+    ``cu_seqlens`` B == 1 and N = len(cu_seqlens) - 1. Returns ``(o (B, T, HV, V), final_state)``,
+    final_state (N, HV, K, V) float32 when ``output_final_state`` else None.
+
+    >>> import torch, delta_attn as da
+    >>> q, k = torch.randn(2, 1, 6, 2, 8).unbind(0)
+    >>> v, g, beta = torch.randn(1, 6, 2, 8), -torch.rand(1, 6, 2, 8), torch.rand(1, 6, 2)
+    >>> o, s = da.kda(q, k, v, g, beta, output_final_state=True, backend="torch")
+    >>> o.shape, s.shape
+    (torch.Size([1, 6, 2, 8]), torch.Size([1, 2, 8, 8]))
+    """
+    args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                    A_log, dt_bias, lower_bound)
+    return select(args.call("kda"), backend)(args)
+
+
+def kda_step(q, k, v, g, beta, state, *, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
+             dt_bias=None, lower_bound=None, backend="auto"):
+    """Decode: KDA over a few new tokens per sequence from a state pool, updated in place.
+
+    q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32; sequence b reads and
+    writes ``state[state_indices[b]]`` (``state[b]`` when None). Inference only. Returns o (B, T, HV, V).
+    """
+    args = validate_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, A_log, dt_bias,
+                         lower_bound)
+    return select(args.call("kda_step"), backend)(args)
+
+
+kda.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call("kda"), backend)
+kda_step.plan = lambda *a, backend="auto", **kw: explain_call(validate_step(*a, **kw).call("kda_step"), backend)
+
+_FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_softplus",
+                       "gate_lower_bound", "gva", "state_indices"})
+_ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
+register("torch", "kda", Capability(impl="delta_attn.ops.kda.torch_impl:kda", **_ANY))
+register("torch", "kda_step", Capability(impl="delta_attn.ops.kda.torch_impl:kda_step", backward=False, **_ANY))

@@ -1,0 +1,273 @@
+"""The specification of every delta-attn operator, in plain PyTorch.
+
+These functions define what the kernels must compute (DESIGN.md, "Semantics"). They are written
+for clarity, not speed, run on any device and in any floating dtype (float64 included), and
+support autograd, so they also serve as the ``backend="torch"`` path.
+
+Precision: with ``upcast=True`` (default) half-precision inputs are computed in float32 and float64
+inputs in float64; the output is cast back to the input dtype. With ``upcast=False`` the arithmetic
+runs in the input dtype, which is what the error rule of the tests compares against ("the same
+computation done in PyTorch in the kernel's precision").
+
+Shapes (B batch, T/Sq/Sk tokens, H heads, D/K/V head dims, N states):
+  attention            q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> (B, Sq, Hq, Dv),
+                       lse (B, Hq, Sq)
+  attention_varlen     q (total_q, Hq, D) ("thd") or (Hq, total_q, D) ("htd") -> same layout,
+                       lse (Hq, total_q)
+  kda                  q, k (B, T, H, K), v (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV),
+                       states (N, HV, K, V)
+  gated_diag           q, k, v, g (B, T, H, D), states (N, H, D)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "attention_mask",
+    "kda",
+    "kda_gate",
+    "l2norm",
+    "gated_diag",
+    "L2NORM_EPS",
+]
+
+L2NORM_EPS = 1e-6
+
+
+def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    if not upcast:
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------------
+
+def attention_mask(sq: int, sk: int, window_size: Tuple[int, int] = (-1, -1), causal: bool = False,
+                   device=None) -> torch.Tensor:
+    """Boolean (Sq, Sk) mask of the keys each query may see.
+
+    Query i sees key j when ``i + Sk - Sq - wl <= j <= i + Sk - Sq + wr``; a negative bound is
+    unbounded and ``causal`` sets ``wr = 0`` (bottom-right aligned, as flash-attn >= 2.1).
+    """
+    wl, wr = window_size
+    if causal:
+        wr = 0
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    diag = i + sk - sq
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if wl >= 0:
+        visible &= j >= diag - wl
+    if wr >= 0:
+        visible &= j <= diag + wr
+    return visible
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float] = None,
+              causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+              dropout_mask: Optional[torch.Tensor] = None, upcast: bool = True
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention. Returns ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq))``.
+
+    ``dropout_mask`` (B, Hq, Sq, Sk) bool marks the kept probabilities; kept ones are scaled by
+    ``1 / (1 - dropout_p)``. The LSE is that of the scores before dropout. A query row that sees no
+    key gets a zero output and ``lse = +inf`` (flash-attn's convention, so ``exp(s - lse) = 0``).
+    """
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dt = _compute_dtype(q.dtype, upcast)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    # GQA: query head h reads key/value head h // (Hq / Hk)
+    group = hq // hk
+    qf = q.to(dt).transpose(1, 2)                                   # (B, Hq, Sq, D)
+    kf = k.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)   # (B, Hq, Sk, D)
+    vf = v.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dt)
+        slopes = slopes.view(1, hq, 1, 1) if slopes.dim() == 1 else slopes.view(b, hq, 1, 1)
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s - slopes * (i + sk - sq - j).abs().to(dt)
+    visible = attention_mask(sq, sk, window_size, causal, device=q.device)
+    s = s.masked_fill(~visible, float("-inf"))
+    row_visible = visible.any(dim=-1)                                # (Sq,)
+    # empty rows get finite scores so that neither the softmax nor its gradient sees -inf - -inf
+    s = torch.where(row_visible[:, None], s, torch.zeros_like(s))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.where(row_visible[:, None], p, torch.zeros_like(p))
+    lse = torch.where(row_visible, lse, torch.full_like(lse, float("inf")))
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            raise ValueError("reference.attention: dropout_p > 0 needs the dropout_mask it applies")
+        p = p * dropout_mask.to(dt) / (1.0 - dropout_p)
+    out = torch.matmul(p, vf).transpose(1, 2)
+    return out.to(q.dtype), lse.float() if dt != torch.float64 else lse
+
+
+def _seq_slices(cu_seqlens: torch.Tensor):
+    cu = cu_seqlens.tolist()
+    return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, *, softmax_scale: Optional[float] = None,
+                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                     dropout_p: float = 0.0, dropout_masks: Optional[Sequence[torch.Tensor]] = None,
+                     layout: str = "thd", upcast: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed variable-length attention: each sequence is an independent dense call.
+
+    ``layout="thd"``: tensors (total, H, D); ``"htd"``: (H, total, D). Returns ``(out, lse)`` with
+    out in the layout of q and lse (Hq, total_q). ``dropout_masks[i]`` is sequence i's keep-mask
+    (1, Hq, Sq_i, Sk_i). ``alibi_slopes`` (B, Hq) is indexed by sequence.
+    """
+    if layout == "htd":
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    hq, dv = q.shape[1], v.shape[2]
+    lse_dtype = torch.float64 if _compute_dtype(q.dtype, upcast) == torch.float64 else torch.float32
+    outs, lses = [], []
+    for i, ((q0, q1), (k0, k1)) in enumerate(zip(_seq_slices(cu_seqlens_q), _seq_slices(cu_seqlens_k))):
+        if k1 == k0:   # no key at all: zero output, lse = +inf
+            outs.append(q.new_zeros(q1 - q0, hq, dv, dtype=v.dtype))
+            lses.append(torch.full((hq, q1 - q0), float("inf"), dtype=lse_dtype, device=q.device))
+            continue
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
+        o_i, l_i = attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
+                             causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=slopes,
+                             dropout_p=dropout_p,
+                             dropout_mask=None if dropout_masks is None else dropout_masks[i],
+                             upcast=upcast)
+        outs.append(o_i[0])
+        lses.append(l_i[0].to(lse_dtype))
+    out = torch.cat(outs, 0) if outs else q.new_zeros(0, hq, dv, dtype=v.dtype)
+    lse = torch.cat(lses, 1) if lses else torch.zeros(hq, 0, dtype=lse_dtype, device=q.device)
+    if layout == "htd":
+        out = out.transpose(0, 1)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Kimi Delta Attention
+# ----------------------------------------------------------------------------------------------
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (the q/k normalisation of KDA)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: Optional[torch.Tensor] = None,
+             lower_bound: Optional[float] = None) -> torch.Tensor:
+    """The in-kernel KDA gate: raw gate input g (B, T, HV, K) -> log decay.
+
+    ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
+    ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``. A_log (HV,), dt_bias (HV*K,).
+    """
+    hv, kdim = g.shape[-2], g.shape[-1]
+    x = g if dt_bias is None else g + dt_bias.to(g.dtype).view(hv, kdim)
+    a = A_log.to(g.dtype).exp().view(hv, 1)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def _prepare_kda(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, lower_bound, upcast):
+    dt = _compute_dtype(q.dtype, upcast)
+    q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if A_log is not None:
+        g = kda_gate(g, A_log.to(dt), None if dt_bias is None else dt_bias.to(dt), lower_bound)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # GVA: value head hv reads query/key head hv // (HV / H)
+    group = v.shape[2] // q.shape[2]
+    q = q.repeat_interleave(group, dim=2) * scale
+    k = k.repeat_interleave(group, dim=2)
+    return q, k, v, g, beta, dt
+
+
+def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+        scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+        output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+        use_qk_l2norm: bool = False, A_log: Optional[torch.Tensor] = None,
+        dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None,
+        upcast: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention, token by token. Returns ``(o (B, T, HV, V), final_state or None)``.
+
+    Per sequence and value head, from S = initial_state (or 0), for each t:
+      S <- Diag(exp(g_t)) S                        (channel-wise decay of the K rows)
+      S <- S + beta_t k_t (v_t - S^T k_t)^T        (delta rule)
+      o_t = S^T (scale * q_t)
+    The final state is float32 (float64 for float64 inputs).
+    """
+    qs, ks, vs, gs, bs, dt = _prepare_kda(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias,
+                                          lower_bound, upcast)
+    b, t, hv, vdim = v.shape
+    kdim = q.shape[-1]
+    if cu_seqlens is None:
+        bounds = [(bi, 0, t) for bi in range(b)]
+    else:
+        bounds = [(0, s0, s1) for (s0, s1) in _seq_slices(cu_seqlens)]
+    state_dt = torch.float64 if dt == torch.float64 else torch.float32
+    outs, finals = [], []
+    for n, (bi, t0, t1) in enumerate(bounds):
+        if initial_state is not None:
+            S = initial_state[n].to(dt)
+        else:
+            S = torch.zeros(hv, kdim, vdim, dtype=dt, device=q.device)
+        for ti in range(t0, t1):
+            S = S * gs[bi, ti].exp().unsqueeze(-1)
+            kt, vt, bt = ks[bi, ti], vs[bi, ti], bs[bi, ti]
+            pred = torch.einsum("hkv,hk->hv", S, kt)
+            S = S + torch.einsum("hk,hv->hkv", kt, bt.unsqueeze(-1) * (vt - pred))
+            outs.append(torch.einsum("hkv,hk->hv", S, qs[bi, ti]))
+        finals.append(S.to(state_dt))
+    o = torch.stack(outs, 0) if outs else v.new_zeros(0, hv, vdim, dtype=dt)
+    o = o.view(b, t, hv, vdim).to(v.dtype)
+    return o, (torch.stack(finals, 0) if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# gated diagonal attention
+# ----------------------------------------------------------------------------------------------
+
+def gated_diag(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+               initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+               cu_seqlens: Optional[torch.Tensor] = None, upcast: bool = True
+               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated diagonal (element-wise) linear attention. Returns ``(o (B, T, H, D), final_state)``.
+
+    Per sequence, channel by channel: ``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t``.
+    """
+    dt = _compute_dtype(q.dtype, upcast)
+    b, t, h, d = q.shape
+    qf, kf, vf, gf = (x.to(dt) for x in (q, k, v, g))
+    if cu_seqlens is None:
+        bounds = [(bi, 0, t) for bi in range(b)]
+    else:
+        bounds = [(0, s0, s1) for (s0, s1) in _seq_slices(cu_seqlens)]
+    state_dt = torch.float64 if dt == torch.float64 else torch.float32
+    outs, finals = [], []
+    for n, (bi, t0, t1) in enumerate(bounds):
+        s = initial_state[n].to(dt) if initial_state is not None else qf.new_zeros(h, d)
+        for ti in range(t0, t1):
+            s = gf[bi, ti].exp() * s + kf[bi, ti] * vf[bi, ti]
+            outs.append(qf[bi, ti] * s)
+        finals.append(s.to(state_dt))
+    o = torch.stack(outs, 0) if outs else qf.new_zeros(0, h, d)
+    o = o.view(b, t, h, d).to(q.dtype)
+    return o, (torch.stack(finals, 0) if output_final_state else None)

@@ -1,0 +1,83 @@
+"""Numerics helpers for tests and for the benchmark's correctness gate.
+
+The error rule (DESIGN.md, flash-attn's rule): a kernel's result passes when its largest absolute
+error against the float64 reference is at most ``factor`` times the error of the same computation
+done in PyTorch in the kernel's precision, plus a small floor; ``factor`` is 2 for forward outputs
+and 3 for gradients. NaN or inf where the reference is finite never passes.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from . import _outputs
+
+FORWARD_FACTOR = 2.0
+GRADIENT_FACTOR = 3.0
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    error: float        # max |out - ref64|
+    baseline: float     # max |ref_lowp - ref64|
+    bound: float        # factor * baseline + floor
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def default_floor(ref64: torch.Tensor) -> float:
+    scale = float(ref64.abs().max()) if ref64.numel() else 0.0
+    return 1e-5 * max(1.0, scale)
+
+
+def check(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, kind: str = "fwd",
+          floor: Optional[float] = None, name: str = "output") -> Verdict:
+    """Apply the error rule. ``kind`` is ``"fwd"`` (factor 2) or ``"grad"`` (factor 3)."""
+    if kind not in ("fwd", "grad"):
+        raise ValueError(f"kind must be 'fwd' or 'grad', got {kind!r}")
+    if tuple(out.shape) != tuple(ref64.shape):
+        return Verdict(False, float("inf"), 0.0, 0.0,
+                       f"{name}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
+    factor = FORWARD_FACTOR if kind == "fwd" else GRADIENT_FACTOR
+    out64, ref64, low64 = (t.detach().to(torch.float64).cpu() for t in (out, ref64, ref_lowp))
+    finite_ref = torch.isfinite(ref64)
+    # where the reference itself is +-inf (an lse of an empty row), the result must match it exactly
+    if not torch.equal(out64[~finite_ref], ref64[~finite_ref]):
+        return Verdict(False, float("inf"), 0.0, 0.0, f"{name}: non-finite entries differ from the reference")
+    if not torch.isfinite(out64[finite_ref]).all():
+        bad = int((~torch.isfinite(out64[finite_ref])).sum())
+        return Verdict(False, float("nan"), 0.0, 0.0, f"{name}: {bad} NaN/inf entries where the reference is finite")
+    if ref64[finite_ref].numel() == 0:
+        return Verdict(True, 0.0, 0.0, 0.0, f"{name}: empty")
+    err = float((out64 - ref64)[finite_ref].abs().max())
+    base = float((low64 - ref64)[finite_ref].abs().max())
+    if base != base:
+        base = float("inf")
+    fl = default_floor(ref64[finite_ref]) if floor is None else floor
+    bound = factor * base + fl
+    ok = err <= bound
+    return Verdict(ok, err, base, bound,
+                   f"{name}: max error {err:.3e} {'<=' if ok else '>'} {factor:g} x {base:.3e} + {fl:.1e} = {bound:.3e}")
+
+
+def assert_close(out, ref64, ref_lowp, *, kind: str = "fwd", floor: Optional[float] = None,
+                 name: str = "output") -> Verdict:
+    v = check(out, ref64, ref_lowp, kind=kind, floor=floor, name=name)
+    assert v.ok, v.message
+    return v
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Inside this block kernels' floating outputs start as NaN, so unwritten elements fail."""
+    _outputs._poison_depth += 1
+    try:
+        yield
+    finally:
+        _outputs._poison_depth -= 1

@@ -1,0 +1,36 @@
+"""Shared test set-up: seeded RNG, the `gpu` marker, the Triton interpreter on CPU-only machines."""
+import os
+
+import torch
+
+# The Triton interpreter must be switched on before any kernel module is imported: on a machine
+# with no GPU, `backend="triton"` then runs the same kernels on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: none is visible (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "tests/gpu/" in str(item.path).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.gpu)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def poisoned():
+    """Kernel outputs start as NaN inside the test."""
+    from delta_attn.testing import poison_outputs
+    with poison_outputs():
+        yield
