@@ -1,0 +1,120 @@
+"""Backend registry: capabilities, readable reasons, explicit-backend errors, auto order, explain()."""
+import pytest
+import torch
+
+import delta_attn as da
+from delta_attn import backends
+from delta_attn.backends import Backend, Call, Capability, UnsupportedError
+
+
+def fake_call(**over):
+    kw = dict(op="flash", device=torch.device("cuda"), dtype=torch.bfloat16, head_dims=(128, 128),
+              features=frozenset({"causal"}), needs_grad=True)
+    kw.update(over)
+    return Call(**kw)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend a CUDA device of compute capability 8.0 is present."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "device_capability", lambda device: (8, 0))
+
+
+def make_backend():
+    b = Backend("fake", "a test backend")
+    b.register("flash", Capability(impl="builtins:len", dtypes=(torch.float16,), features=frozenset({"causal"}),
+                                   backward=False, min_compute_capability=(9, 0), requires=("no_such_module_xyz",),
+                                   install_hint="pip install xyz",
+                                   head_dims=lambda dims: None if dims[0] <= 64 else f"head dim <= 64, got {dims[0]}"))
+    return b
+
+
+def test_reasons_name_every_unmet_requirement(fake_gpu):
+    reasons = make_backend().not_supported_reasons(fake_call(features=frozenset({"causal", "softcap"})))
+    text = " | ".join(reasons)
+    assert "no_such_module_xyz not installed — pip install xyz" in text
+    assert "compute capability >= 9.0, device has 8.0" in text
+    assert "supports float16, got bfloat16" in text
+    assert "head dim <= 64, got 128" in text
+    assert "does not support softcap" in text
+    assert "no backward pass" in text
+    assert len(reasons) == 6
+
+
+def test_reasons_for_missing_op_and_device():
+    b = make_backend()
+    assert b.not_supported_reasons(fake_call(op="kda")) == ["has no implementation of kda"]
+    r = b.not_supported_reasons(fake_call(device=torch.device("cpu")))
+    assert any("runs on cuda tensors, got cpu" in x for x in r)
+
+
+def test_triton_backend_accepts_cpu_only_under_interpreter(monkeypatch):
+    rule = backends._triton_device_rule
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert rule(fake_call(device=torch.device("cpu")))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert rule(fake_call(device=torch.device("cpu"))) == []
+
+
+def test_explicit_backend_raises_one_error_with_all_reasons(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "sdpa", make_backend())
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(UnsupportedError) as e:
+        da.flash_attn_func(q, q, q, backend="sdpa")
+    msg = str(e.value)
+    assert "backend 'sdpa' cannot run flash" in msg and "not installed" in msg and "runs on cuda" in msg
+    assert isinstance(e.value, ValueError) and isinstance(e.value, NotImplementedError)
+
+
+def test_auto_walks_the_policy_and_explains(monkeypatch):
+    q = torch.randn(1, 4, 2, 16)
+    ex = da.explain(da.flash_attn_func, q, q, q, causal=True)
+    assert ex.chosen == "torch" and ex.requested == "auto"
+    names = [n for n, _ in ex.considered]
+    assert names.index("torch") == len(names) - 1        # the reference path comes last
+    text = str(ex)
+    assert "chosen: torch" in text
+    for name, reasons in ex.considered[:-1]:
+        assert reasons and f"{name}: passed over" in text
+    # a custom policy reorders, and explain() reflects it
+    monkeypatch.setitem(backends._POLICIES, "flash", lambda call: ("torch",))
+    assert da.explain("flash_attn_func", q, q, q).considered[0][0] == "torch"
+
+
+def test_explain_validates_like_the_call():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="softcap"):
+        da.explain(da.flash_attn_func, q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="op must be one of"):
+        da.explain(len, q)
+
+
+def test_auto_warns_once_when_a_gpu_call_lands_on_the_reference(fake_gpu, monkeypatch):
+    monkeypatch.setattr(backends, "_warned", set())
+    call = fake_call(op="kda", head_dims=(64, 64), features=frozenset(), needs_grad=False)
+    order = backends.auto_order(call)
+    blocked = {n: ["blocked in this test"] for n in order if n != "torch"}
+    for n in blocked:
+        monkeypatch.setattr(backends.BACKENDS[n], "not_supported_reasons", lambda c, n=n: blocked[n])
+    with pytest.warns(backends.ReferenceFallbackWarning, match="blocked in this test"):
+        backends.select(call)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backends.select(call)           # second time: silent
+
+
+def test_unknown_op_registration_is_refused():
+    with pytest.raises(ValueError, match="unknown operator"):
+        Backend("x", "").register("softmax", Capability(impl="a:b"))
+
+
+def test_every_registered_capability_points_at_a_real_function():
+    for backend in backends.BACKENDS.values():
+        for op, cap in backend.capabilities.items():
+            module, _, attr = cap.impl.partition(":")
+            assert module.startswith("delta_attn."), cap.impl
+            # the torch backend must load anywhere; others may need their package
+            if backend.name == "torch":
+                assert callable(backend.implementation(op))
