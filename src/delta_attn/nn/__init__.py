@@ -1,0 +1,23 @@
+"""Layers for models built on the delta-attn operators.
+
+Every layer takes ``backend=`` ("auto" by default) and passes it to the operators, so the same
+module runs the Triton / cuDNN kernels on a GPU and the ``torch`` reference path anywhere else.
+
+- :class:`MultiheadAttention`: causal self-attention, GQA, rotary, padding mask or ``cu_seqlens``, KV cache
+- :class:`GQACrossAttention`: queries from the input, keys/values from a memory
+- :class:`KimiDeltaAttention`: the KDA layer of Kimi Linear (short conv, gated delta rule, gated RMSNorm)
+- :class:`GatedDiagonalAttention`: the same layer around gated diagonal attention
+- :class:`HybridLM`: a small decoder LM mixing those layers (3 linear : 1 attention by default), with
+  cached ``generate``
+"""
+from .attention import GQACrossAttention, MultiheadAttention
+from .cache import CrossAttentionCache, KVCache, RecurrentCache
+from .linear_attention import GatedDiagonalAttention, KimiDeltaAttention
+from ._utils import RMSNorm, RotaryEmbedding, ShortConvolution
+from .hybrid import HybridCache, HybridConfig, HybridLM
+
+__all__ = [
+    "MultiheadAttention", "GQACrossAttention", "KimiDeltaAttention", "GatedDiagonalAttention",
+    "KVCache", "RecurrentCache", "CrossAttentionCache", "RMSNorm", "RotaryEmbedding", "ShortConvolution",
+    "HybridConfig", "HybridLM", "HybridCache",
+]
