@@ -215,3 +215,22 @@ ALL_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "dropout", "gq
 _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=ALL_FEATURES)
 register("torch", "flash", Capability(impl="delta_attn.ops.flash.torch_impl:attention", **_ANY))
 register("torch", "flash_varlen", Capability(impl="delta_attn.ops.flash.torch_impl:attention", **_ANY))
+
+# ---------------------------------------------------------------------------------------------
+# the triton backend: delta-attn's kernels (ops/flash/kernels_*.py), fp16/bf16, forward + backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _triton_head_dims(dims) -> Optional[str]:
+    d, dv = dims[0], dims[-1]
+    if d != dv:
+        return f"needs the same head dim for q/k and v, got {d} and {dv}"
+    if d % 8 or not 8 <= d <= 256:
+        return f"supports head dims that are multiples of 8 from 8 to 256, got {d}"
+    return None
+
+
+_TRITON = dict(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), head_dims=_triton_head_dims,
+               features=ALL_FEATURES - {"head_dim_v"}, requires=("triton",), install_hint="pip install triton")
+register("triton", "flash", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
+register("triton", "flash_varlen", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
