@@ -1,0 +1,228 @@
+"""backend="triton" flash attention on CPU through the Triton interpreter (TRITON_INTERPRET=1).
+
+Every feature at tiny odd sizes, fp16 (the interpreter's bf16 tl.dot is broken), against the float64
+reference with the DESIGN error rule (forward 2x, gradients 3x the error of the same computation
+in fp16), outputs poisoned with NaN before the kernels write them.
+"""
+import pytest
+import torch
+
+import delta_attn as da
+from delta_attn import reference
+from delta_attn.backends import UnsupportedError
+from delta_attn.testing import assert_close
+
+pytest.importorskip("triton")
+DT = torch.float16
+
+
+def _inputs(shapes, dtype=DT, scale=1.0):
+    return [(torch.randn(s, dtype=torch.float32) * scale).to(dtype).requires_grad_() for s in shapes]
+
+
+def _grads(out, inputs, do):
+    return torch.autograd.grad(out, inputs, do)
+
+
+def _check_all(got, ref64, reflow, names):
+    for g, r, l, n in zip(got, ref64, reflow, names):
+        assert_close(g, r, l, kind="grad" if n.startswith("d") else "fwd", name=n)
+
+
+def _compare_dense(q, k, v, *, dropout_mask=None, **kw):
+    """Run ours and the reference (float64 and fp16) and check out, lse, dq, dk, dv."""
+    out, lse, none = da.flash_attn_func(q, k, v, return_attn_probs=True, backend="triton", **kw)
+    assert none is None and lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    rkw = {n: kw[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p")
+           if n in kw}
+    res = {}
+    for name, dt, up in (("64", torch.float64, True), ("low", q.dtype, False)):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = reference.attention(*xs, dropout_mask=dropout_mask, upcast=up, **rkw)
+        res[name] = (o, l, *_grads(o, xs, do.to(dt)))
+    _check_all((out, lse, *grads), res["64"], res["low"], ("out", "lse", "dq", "dk", "dv"))
+    return out, lse, grads
+
+
+# (B, Sq, Sk, Hq, Hk, D, options): odd lengths, Sq != Sk, GQA 1 / 4, D 8..256
+DENSE_CASES = [
+    (2, 17, 63, 4, 1, 48, dict()),
+    (1, 63, 17, 2, 2, 96, dict(causal=True)),                       # Sq > Sk: first rows see nothing
+    (1, 33, 33, 4, 1, 48, dict(window_size=(7, 3))),
+    (2, 17, 40, 2, 1, 48, dict(causal=True, window_size=(5, -1), softcap=1.5)),
+    (1, 1, 63, 2, 2, 8, dict(softmax_scale=0.3)),                    # one query
+    (1, 40, 1, 2, 1, 16, dict(causal=True)),                         # one key, rows before it masked
+    (1, 9, 20, 1, 1, 256, dict(window_size=(-1, 2))),
+    (1, 30, 30, 2, 2, 48, dict(window_size=(0, 0))),                 # the diagonal only
+    (1, 20, 50, 2, 2, 32, dict(window_size=(3, -1))),                # rows see a short band far right
+]
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-{c[6]}")
+def test_dense_matches_reference(case, poisoned):
+    b, sq, sk, hq, hk, d, kw = case
+    q, k, v = _inputs([(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)])
+    _compare_dense(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["slopes(H)", "slopes(B,H)"])
+def test_alibi_with_softcap(per_batch, poisoned):
+    b, sq, sk, hq, hk, d = 2, 17, 34, 4, 2, 48
+    q, k, v = _inputs([(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)])
+    slopes = torch.rand((b, hq) if per_batch else (hq,)) * 0.5
+    _compare_dense(q, k, v, alibi_slopes=slopes, softcap=5.0, causal=per_batch)
+
+
+def test_fully_masked_rows_zero_output_inf_lse_zero_grad(poisoned):
+    # Sq > Sk with causal: query i < Sq - Sk sees no key
+    q, k, v = _inputs([(1, 20, 2, 16), (1, 5, 2, 16), (1, 5, 2, 16)])
+    out, lse, (dq, dk, dv) = _compare_dense(q, k, v, causal=True)
+    assert torch.equal(out[:, :15], torch.zeros_like(out[:, :15]))
+    assert torch.isinf(lse[:, :, :15]).all() and (lse[:, :, :15] > 0).all()
+    assert torch.equal(dq[:, :15], torch.zeros_like(dq[:, :15]))
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def _varlen_ref(q, k, v, cu_q, cu_k, layout, do, masks=None, **kw):
+    res = {}
+    for name, dt, up in (("64", torch.float64, True), ("low", q.dtype, False)):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = reference.attention_varlen(*xs, cu_q, cu_k, layout=layout, dropout_masks=masks, upcast=up, **kw)
+        res[name] = (o, l, *_grads(o, xs, do.to(dt)))
+    return res
+
+
+@pytest.mark.parametrize("layout", ["thd", "htd"])
+def test_varlen_matches_reference(layout, poisoned):
+    # zero-length q and k sequences, a length-1 sequence, Sq != Sk per sequence, GQA 4
+    lq, lk = [0, 1, 17, 5, 40], [3, 0, 25, 5, 33]
+    hq, hk, d = 4, 1, 48
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    tq, tk = sum(lq), sum(lk)
+    shp = (lambda t, h: (t, h, d)) if layout == "thd" else (lambda t, h: (h, t, d))
+    q, k, v = _inputs([shp(tq, hq), shp(tk, hk), shp(tk, hk)])
+    slopes = torch.rand(len(lq), hq)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes)
+    out, lse, _ = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq) + 3, max(lk), return_attn_probs=True,
+                                            layout=layout, backend="triton", **kw)
+    assert lse.shape == (hq, tq)
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    res = _varlen_ref(q, k, v, cu_q, cu_k, layout, do, **kw)
+    _check_all((out, lse, *grads), res["64"], res["low"], ("out", "lse", "dq", "dk", "dv"))
+
+
+def test_varlen_window_noncausal_equals_per_sequence_loop(poisoned):
+    lq, lk = [7, 19, 1], [12, 19, 9]
+    cu_q = torch.tensor([0, 7, 26, 27], dtype=torch.int32)
+    cu_k = torch.tensor([0, 12, 31, 40], dtype=torch.int32)
+    q, k, v = _inputs([(27, 2, 32), (40, 2, 32), (40, 2, 32)])
+    kw = dict(window_size=(4, 6))
+    out = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 19, backend="triton", **kw)
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    res = _varlen_ref(q, k, v, cu_q, cu_k, "thd", do, **kw)
+    _check_all((out, *grads), (res["64"][0], *res["64"][2:]), (res["low"][0], *res["low"][2:]),
+               ("out", "dq", "dk", "dv"))
+    # structural identity: each sequence alone through the dense path gives the same numbers
+    for i in range(3):
+        a, b, c, e = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        o_i = da.flash_attn_func(q[None, a:b].detach(), k[None, c:e].detach(), v[None, c:e].detach(),
+                                 backend="triton", **kw)
+        torch.testing.assert_close(o_i[0], out[a:b].detach(), atol=2e-3, rtol=0)
+
+
+def _seed_of_next_call(seed_value):
+    from delta_attn.ops.flash.triton_impl import draw_dropout_seed
+    torch.manual_seed(seed_value)
+    return draw_dropout_seed("cpu")
+
+
+def test_dropout_matches_reference_with_regenerated_mask(poisoned):
+    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    b, sq, sk, hq, hk, d, p = 2, 17, 40, 4, 1, 32, 0.3
+    q, k, v = _inputs([(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)])
+    mask = dropout_keep_mask(_seed_of_next_call(11), b, hq, sq, sk, p)
+    kept = mask.float().mean().item()
+    assert abs(kept - (1 - p)) < 0.03, kept
+    torch.manual_seed(11)
+    out, _, grads = _compare_dense(q, k, v, dropout_p=p, causal=True, dropout_mask=mask)
+    # reproducible under torch.manual_seed; another seed gives another mask
+    torch.manual_seed(11)
+    again = da.flash_attn_func(q, k, v, dropout_p=p, causal=True, backend="triton")
+    assert torch.equal(again, out)
+    torch.manual_seed(12)
+    other = da.flash_attn_func(q, k, v, dropout_p=p, causal=True, backend="triton")
+    assert not torch.equal(other, out)
+
+
+def test_dropout_varlen(poisoned):
+    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    lq, lk, p, hq = [5, 0, 18], [9, 4, 18], 0.2, 2
+    cu_q = torch.tensor([0, 5, 5, 23], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 13, 31], dtype=torch.int32)
+    q, k, v = _inputs([(23, hq, 16), (31, hq, 16), (31, hq, 16)])
+    full = dropout_keep_mask(_seed_of_next_call(5), 3, hq, 18, 18, p, rng_stride=18)
+    masks = [full[i:i + 1, :, :lq[i], :lk[i]] for i in range(3)]
+    torch.manual_seed(5)
+    out = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 18, 18, dropout_p=p, backend="triton")
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    res = _varlen_ref(q, k, v, cu_q, cu_k, "thd", do, masks=masks, dropout_p=p)
+    _check_all((out, *grads), (res["64"][0], *res["64"][2:]), (res["low"][0], *res["low"][2:]),
+               ("out", "dq", "dk", "dv"))
+
+
+def test_deterministic_gradients_bit_identical():
+    q, k, v = _inputs([(1, 33, 4, 32), (1, 47, 1, 32), (1, 47, 1, 32)])
+    do = torch.randn(1, 33, 4, 32).to(DT)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        out = da.flash_attn_func(q, k, v, causal=True, dropout_p=0.1, deterministic=True, backend="triton")
+        runs.append(_grads(out, (q, k, v), do))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_float32_input_is_refused_with_reasons():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(UnsupportedError, match="supports float16, bfloat16, got float32"):
+        da.flash_attn_func(q, q, q, backend="triton")
+    with pytest.raises(UnsupportedError, match="multiples of 8"):
+        x = torch.randn(1, 4, 2, 12, dtype=DT)
+        da.flash_attn_func(x, x, x, backend="triton")
+
+
+def test_torch_compile_fullgraph_through_custom_op():
+    q, k, v = _inputs([(1, 17, 2, 16), (1, 20, 1, 16), (1, 20, 1, 16)])
+
+    def f(q, k, v):
+        out, lse, _ = da.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, backend="triton")
+        return out.float().square().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    loss_e = f(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v))
+    torch.testing.assert_close(loss, loss_e)
+    for a, b in zip(grads, grads_e):
+        assert torch.equal(a, b)
+
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(7, 3, 16, dtype=DT)
+        k = torch.empty(9, 1, 16, dtype=DT)
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse, seed = torch.ops.delta_attn.flash_attn_fwd(q, k, k, cu, cu, 5, 6, "thd", 0.25, -1, 0, 0.0, None, 0.0)
+        assert out.shape == (7, 3, 16) and lse.shape == (3, 7) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.delta_attn.flash_attn_bwd(out, q, k, k, out, lse, seed, cu, cu, 5, 6, "thd", 0.25,
+                                                         -1, 0, 0.0, None, 0.0)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
