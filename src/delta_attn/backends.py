@@ -204,11 +204,14 @@ class Explanation:
     requested: str
     chosen: Optional[str]
     considered: List[Tuple[str, List[str]]] = field(default_factory=list)   # (backend, reasons) in order
+    policy_note: Optional[str] = None     # why the auto policy orders backends this way (policy.describe)
 
     def __str__(self) -> str:
         lines = [f"{self.call.describe()}",
                  f"requested backend: {self.requested}" + (" (policy order: " + ", ".join(n for n, _ in self.considered) + ")"
                                                           if self.requested == "auto" else "")]
+        if self.policy_note:
+            lines.append(f"policy: {self.policy_note}")
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none — no backend can run this call")
         for name, reasons in self.considered:
             if name == self.chosen:
@@ -225,6 +228,9 @@ def explain_call(call: Call, backend: str = "auto") -> Explanation:
         raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKEND_NAMES)}, got {backend!r}")
     names = auto_order(call) if backend == "auto" else (backend,)
     ex = Explanation(call=call, requested=backend, chosen=None)
+    describe = getattr(_POLICIES.get(call.op), "describe", None) if backend == "auto" else None
+    if describe is not None:
+        ex.policy_note = describe(call)
     for name in names:
         reasons = BACKENDS[name].not_supported_reasons(call)
         ex.considered.append((name, reasons))
@@ -236,8 +242,12 @@ def explain_call(call: Call, backend: str = "auto") -> Explanation:
 _warned: set = set()
 
 
-def select(call: Call, backend: str = "auto") -> Callable:
-    """The implementation that runs ``call`` on ``backend`` (or raises UnsupportedError)."""
+@torch.compiler.assume_constant_result
+def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[int, ...],
+            features: Tuple[str, ...], needs_grad: bool, backend: str) -> str:
+    """The backend that runs the call (imports its implementation now). Runs eagerly even while
+    torch.compile traces, so dispatch never breaks a graph: the choice is a constant of the trace."""
+    call = Call(op, device, dtype, head_dims, frozenset(features), needs_grad)
     ex = explain_call(call, backend)
     if ex.chosen is None:
         if backend == "auto":
@@ -250,5 +260,13 @@ def select(call: Call, backend: str = "auto") -> Callable:
         if key not in _warned:
             _warned.add(key)
             warnings.warn("delta_attn: auto runs the slow reference path for this call\n" + str(ex),
-                          ReferenceFallbackWarning, stacklevel=3)
-    return BACKENDS[ex.chosen].implementation(call.op)
+                          ReferenceFallbackWarning, stacklevel=4)
+    BACKENDS[ex.chosen].implementation(call.op)
+    return ex.chosen
+
+
+def select(call: Call, backend: str = "auto") -> Callable:
+    """The implementation that runs ``call`` on ``backend`` (or raises UnsupportedError)."""
+    name = _choose(call.op, call.device, call.dtype, tuple(call.head_dims), tuple(sorted(call.features)),
+                   call.needs_grad, backend)
+    return BACKENDS[name]._loaded[call.op]
