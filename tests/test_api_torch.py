@@ -88,3 +88,15 @@ def test_decode_is_inference_only():
         da.gated_diag_step(q, q, q, q, torch.zeros(1, 2, 4), backend="torch")
     with torch.no_grad():
         da.gated_diag_step(q, q, q, q, torch.zeros(1, 2, 4), backend="torch")
+
+
+def test_dispatch_traces_under_torch_compile_fullgraph():
+    """Validation and backend choice run at trace time: no graph break from the public wrappers."""
+    def f(q, k, v, g):
+        a = da.flash_attn_func(q, k, v, causal=True, backend="torch")
+        b = da.gated_diag_attn(q, k, v, g, backend="torch")[0]
+        return a + b
+    x = torch.randn(1, 8, 2, 16)
+    g = -torch.rand(1, 8, 2, 16)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(x, x, x, g), f(x, x, x, g))

@@ -242,7 +242,6 @@ def explain_call(call: Call, backend: str = "auto") -> Explanation:
 _warned: set = set()
 
 
-@torch.compiler.assume_constant_result
 def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[int, ...],
             features: Tuple[str, ...], needs_grad: bool, backend: str) -> str:
     """The backend that runs the call (imports its implementation now). Runs eagerly even while
@@ -263,6 +262,11 @@ def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[
                           ReferenceFallbackWarning, stacklevel=4)
     BACKENDS[ex.chosen].implementation(call.op)
     return ex.chosen
+
+
+# torch.compiler.assume_constant_result(_choose), without importing torch._dynamo (and with it
+# sympy and triton) at `import delta_attn`: the decorator only sets this attribute.
+_choose._dynamo_marked_constant = True
 
 
 def select(call: Call, backend: str = "auto") -> Callable:
