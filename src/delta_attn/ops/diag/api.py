@@ -112,3 +112,9 @@ _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, f
 register("torch", "diag", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag", **_ANY))
 register("torch", "diag_step", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag_step", backward=False,
                                           **_ANY))
+
+_TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
+               features=_FEATURES, requires=("triton",), install_hint="pip install triton")
+register("triton", "diag", Capability(impl="delta_attn.ops.diag.triton_impl:gated_diag", **_TRITON))
+register("triton", "diag_step", Capability(impl="delta_attn.ops.diag.triton_impl:gated_diag_step", backward=False,
+                                           **_TRITON))

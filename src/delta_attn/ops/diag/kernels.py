@@ -1,0 +1,311 @@
+"""Triton kernels of gated diagonal attention: ``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t``.
+
+Layout: q, k, v, g, o are packed ``(total, H, D)`` (a fixed batch ``(B, T, H, D)`` is the packed batch
+of B sequences of T tokens), so every (head, channel block) is one *chain* along the packed time axis.
+Sequence boundaries inside a chain are handled by the scan itself: at a sequence's first token the
+decay is replaced by 0 and the initial state is folded into the input (``b = exp(g) * s0 + k * v``),
+so the state never leaks from one sequence into the next and a chain starts from state 0.
+
+Forward (``_diag_fwd_kernel``), one program per (time tile of BT rows, chain), single pass:
+  1. take a ticket from a global counter (tiles are processed in ticket order, so every earlier tile of
+     the chain has already started: the look-back below cannot dead-lock);
+  2. load the tile, scan the affine maps ``s -> a_t s + b_t`` along time in registers;
+  3. publish the tile's aggregate map (A, B) per channel, then *decoupled look-back*: compose the
+     predecessors' published maps until one with A == 0 (an inclusive prefix, a sequence start or a
+     full decay), which gives the state entering the tile;
+  4. publish the tile's inclusive state (A = 0, B = state at its last row), write ``o = q * s`` and
+     the final states of the sequences that end in the tile.
+Every published word packs (valid bit | A bits, B bits) into one int64 per channel, so a reader needs
+no memory fence: a word is either zero (not yet written) or a complete, consistent pair.
+The forward's workspace ends holding the state at the end of every tile: the backward's carries.
+
+Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the first:
+  ``ds_t = exp(g_{t+1}) ds_{t+1} + do_t q_t (+ dfinal at a sequence end)``, a reverse scan with
+  look-back to the right; the states ``s_t`` are recomputed from the forward's tile carries; then
+  ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
+  ``d s0 = exp(g_first) ds_first``. Inputs are read once and gradients written once.
+
+Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# a published word with the valid bit set, A = 0 and B = 0: "state 0, nothing before matters"
+INCL_ZERO = -(1 << 63)
+
+
+@triton.jit
+def _scan_combine(a1, b1, a2, b2):
+    # (a1, b1) then (a2, b2): s -> a2 (a1 s + b1) + b2
+    return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def _outer_combine(a1, b1, a2, b2):
+    # outer (a1, b1) applied after inner (a2, b2): s -> a1 (a2 s + b2) + b1
+    return a1 * a2, a1 * b2 + b1
+
+
+@triton.jit
+def _pack(a, b):
+    """(valid, A, B) -> int64 word: bit 63 valid, bits 62..32 |A| (A >= 0), bits 31..0 B."""
+    a_bits = a.to(tl.int32, bitcast=True).to(tl.int64) & 0x7FFFFFFF
+    b_bits = b.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return ((a_bits << 32) | b_bits) | INCL_ZERO
+
+
+@triton.jit
+def _unpack(word):
+    a = ((word >> 32) & 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    b = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return word < 0, a, b
+
+
+@triton.jit
+def _last_row(x, rows_local, BT: tl.constexpr):
+    return tl.sum(tl.where(rows_local[:, None] == BT - 1, x, 0.0), axis=0)
+
+
+@triton.jit
+def _first_row(x, rows_local):
+    return tl.sum(tl.where(rows_local[:, None] == 0, x, 0.0), axis=0)
+
+
+@triton.jit
+def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
+    """Carry entering tile j: compose the published maps of tiles j-1, j-2, ... (j+1, ... when
+    REVERSE) until, per channel, a map with A == 0 (an inclusive prefix) or the chain's end."""
+    i = tl.arange(0, W)
+    acc_a = tl.full(chan.shape, 1.0, tl.float32)
+    acc_b = tl.zeros(chan.shape, tl.float32)
+    done = cmask == 0
+    cur = j
+    while tl.max((done == 0).to(tl.int32), axis=0) > 0:
+        # window of W neighbours, nearest first; outside the chain reads as "state 0"
+        if REVERSE:
+            w = cur + 1 + i
+            inside = w < n_tiles
+        else:
+            w = cur - 1 - i
+            inside = w >= 0
+        ptrs = ws + w.to(tl.int64)[:, None] * stride_tile + chan[None, :]
+        word = tl.load(ptrs, mask=inside[:, None] & cmask[None, :], other=INCL_ZERO, volatile=True)
+        ready, a, b = _unpack(word)
+        # per channel the nearest inclusive map; every map up to it must be published
+        first_stop = tl.min(tl.where(ready & (a == 0.0), i[:, None], W), axis=0)
+        need = (i[:, None] <= first_stop[None, :]) & (done == 0)[None, :]
+        missing = tl.max((need & (ready == 0)).to(tl.int32), axis=0)
+        if missing == 0:
+            am = tl.where(need, a, 1.0)
+            bm = tl.where(need, b, 0.0)
+            ca, cb = tl.associative_scan((am, bm), 0, _outer_combine)
+            wa = tl.sum(tl.where(i[:, None] == W - 1, ca, 0.0), axis=0)
+            wb = tl.sum(tl.where(i[:, None] == W - 1, cb, 0.0), axis=0)
+            acc_b = tl.where(done, acc_b, acc_b + acc_a * wb)
+            acc_a = tl.where(done, acc_a, acc_a * wa)
+            done = done | (first_stop < W) | (acc_a == 0.0)
+            if REVERSE:
+                cur = cur + W
+            else:
+                cur = cur - W
+    return acc_b
+
+
+@triton.jit
+def _seq_info(rows, cu, T_seq, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
+    """Sequence index of each packed row and whether the row starts / ends its sequence."""
+    if IS_VARLEN:
+        # largest n < N with cu[n] <= row (zero-length sequences share cu values: take the last)
+        lo = tl.zeros(rows.shape, tl.int32)
+        hi = tl.zeros(rows.shape, tl.int32) + (N - 1)
+        for _ in tl.static_range(LOG_N):
+            mid = (lo + hi + 1) // 2
+            go = tl.load(cu + mid).to(tl.int64) <= rows
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+        seq = lo
+        start = rows == tl.load(cu + seq).to(tl.int64)
+        end = rows == tl.load(cu + seq + 1).to(tl.int64) - 1
+    else:
+        seq = (rows // T_seq).to(tl.int32)
+        pos = rows - seq.to(tl.int64) * T_seq
+        start = pos == 0
+        end = pos == T_seq - 1
+    return seq, start, end
+
+
+@triton.jit
+def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
+                     T_seq, total, N, H, D, n_tiles, n_db,
+                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
+    # 1. ticket -> (tile j, head h, channel block)
+    ticket = tl.atomic_add(counter, 1)
+    n_chains = H * n_db
+    j = ticket // n_chains
+    c = ticket % n_chains
+    h = c // n_db
+    db = c % n_db
+    HD = H * D
+    r = tl.arange(0, BT)
+    rows = j.to(tl.int64) * BT + r
+    cols = db * BD + tl.arange(0, BD)
+    rmask = rows < total
+    cmask = cols < D
+    m = rmask[:, None] & cmask[None, :]
+    chan = h * D + cols
+    off = rows[:, None] * HD + chan[None, :]
+    seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
+
+    # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
+    gt = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+    decay = tl.exp(gt)
+    b = tl.load(k + off, mask=m, other=0.0).to(tl.float32) * tl.load(v + off, mask=m, other=0.0).to(tl.float32)
+    if HAS_H0:
+        s0 = tl.load(h0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
+    a = tl.where(start[:, None], 0.0, decay)
+    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
+
+    # 3. publish the aggregate, look back for the state entering the tile
+    a_tile = _last_row(ca, r, BT)
+    b_tile = _last_row(cb, r, BT)
+    wptr = ws + j.to(tl.int64) * HD + chan
+    tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
+    s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+
+    # 4. publish the inclusive state, write o and the final states
+    tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * s_in + b_tile), mask=cmask)
+    s = ca * s_in[None, :] + cb
+    qt = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(o + off, (qt * s).to(o.dtype.element_ty), mask=m)
+    if STORE_FINAL:
+        tl.store(ht + seq.to(tl.int64)[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
+        if IS_VARLEN:
+            # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
+            if j == 0:
+                n = tl.zeros([1], tl.int64)
+                while tl.sum(n) < N:
+                    nb = tl.sum(n)
+                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+                    if HAS_H0:
+                        sn = tl.load(h0 + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+                    else:
+                        sn = tl.zeros([BD], tl.float32)
+                    tl.store(ht + nb * HD + chan, sn, mask=cmask & empty_seq)
+                    n += 1
+
+
+@triton.jit
+def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, counter, cu,
+                     T_seq, total, N, H, D, n_tiles, n_db, carry_stride,
+                     HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
+    # 1. ticket -> tile j counted from the end, head h, channel block
+    ticket = tl.atomic_add(counter, 1)
+    n_chains = H * n_db
+    j = n_tiles - 1 - ticket // n_chains
+    c = ticket % n_chains
+    h = c // n_db
+    db = c % n_db
+    HD = H * D
+    r = tl.arange(0, BT)
+    rows = j.to(tl.int64) * BT + r
+    cols = db * BD + tl.arange(0, BD)
+    rmask = rows < total
+    cmask = cols < D
+    m = rmask[:, None] & cmask[None, :]
+    chan = h * D + cols
+    off = rows[:, None] * HD + chan[None, :]
+    seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
+
+    # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end)
+    rows1 = rows + 1
+    seq1, start1, end1 = _seq_info(rows1, cu, T_seq, N, IS_VARLEN, LOG_N)
+    m1 = (rows1 < total)[:, None] & cmask[None, :]
+    g1 = tl.load(g + off + HD, mask=m1, other=0.0).to(tl.float32)
+    a_next = tl.where(m1 & (start1 == 0)[:, None], tl.exp(g1), 0.0)
+    dot = tl.load(do + off, mask=m, other=0.0).to(tl.float32)
+    beta = dot * tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+    if HAS_DHT:
+        beta += tl.load(dht + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & end[:, None],
+                        other=0.0).to(tl.float32)
+    ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
+
+    # 3. publish the aggregate (the map from the next tile's first ds to this tile's first ds),
+    #    look back to the right for the carry, publish the inclusive value
+    a_tile = _first_row(ra, r)
+    b_tile = _first_row(rb, r)
+    wptr = ws_b + j.to(tl.int64) * HD + chan
+    tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
+    x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+    tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * x_in + b_tile), mask=cmask)
+    ds = ra * x_in[None, :] + rb
+
+    # 4. recompute the states from the forward's tile carry
+    gt = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+    decay = tl.exp(gt)
+    kt = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
+    vt = tl.load(v + off, mask=m, other=0.0).to(tl.float32)
+    kv = kt * vt
+    b = kv
+    if HAS_H0:
+        s0 = tl.load(h0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
+    a = tl.where(start[:, None], 0.0, decay)
+    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
+    jc = j.to(tl.int64) * carry_stride - 1
+    carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
+    s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    s = ca * s_in[None, :] + cb
+
+    # 5. gradients
+    tl.store(dq + off, (dot * s).to(dq.dtype.element_ty), mask=m)
+    tl.store(dk + off, (ds * vt).to(dk.dtype.element_ty), mask=m)
+    tl.store(dv + off, (ds * kt).to(dv.dtype.element_ty), mask=m)
+    tl.store(dg + off, (ds * (s - kv)).to(dg.dtype.element_ty), mask=m)
+    if HAS_H0:
+        tl.store(dh0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
+        if IS_VARLEN:
+            # zero-length sequences pass the final state's gradient straight through
+            if j == 0:
+                n = tl.zeros([1], tl.int64)
+                while tl.sum(n) < N:
+                    nb = tl.sum(n)
+                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+                    if HAS_DHT:
+                        dn = tl.load(dht + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+                    else:
+                        dn = tl.zeros([BD], tl.float32)
+                    tl.store(dh0 + nb * HD + chan, dn, mask=cmask & empty_seq)
+                    n += 1
+
+
+@triton.jit
+def _diag_step_kernel(q, k, v, g, o, state, idx, T, H, D,
+                      HAS_IDX: tl.constexpr, BD: tl.constexpr):
+    # one program per (sequence, head, channel block): the recurrence over the new tokens
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.program_id(2) * BD + tl.arange(0, BD)
+    cmask = cols < D
+    HD = H * D
+    if HAS_IDX:
+        slot = tl.load(idx + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    sptr = state + slot * HD + h * D + cols
+    s = tl.load(sptr, mask=cmask, other=0.0).to(tl.float32)
+    t = 0
+    while t < T:   # (a while loop: the interpreter cannot range() over a runtime int)
+        off = (b.to(tl.int64) * T + t) * HD + h * D + cols
+        gt = tl.load(g + off, mask=cmask, other=0.0).to(tl.float32)
+        kt = tl.load(k + off, mask=cmask, other=0.0).to(tl.float32)
+        vt = tl.load(v + off, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.exp(gt) * s + kt * vt
+        qt = tl.load(q + off, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(o + off, (qt * s).to(o.dtype.element_ty), mask=cmask)
+        t += 1
+    tl.store(sptr, s.to(state.dtype.element_ty), mask=cmask)

@@ -1,0 +1,230 @@
+"""``backend="triton"`` for gated diagonal attention: launchers, torch.library custom ops, autograd.
+
+``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py``;
+``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
+ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
+:class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
+the final states, its workspace: the state at the end of every time tile, which the backward uses
+as carries (``(n_tiles, H, D)`` int64 words, about ``8 / BT`` bytes per token and channel).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from ..._outputs import empty
+from ...backends import triton_interpreter_on
+from .api import DiagArgs
+from .kernels import _diag_bwd_kernel, _diag_fwd_kernel, _diag_step_kernel
+
+
+@dataclass(frozen=True)
+class DiagConfig:
+    bt: int          # time rows per tile (a power of two)
+    bd: int          # channels per tile (a power of two); shrunk for small problems
+    w: int           # look-back window (tiles read per probe)
+    warps: int
+
+
+# Defaults measured on the H200 (benchmarks/results/diag_h200.md); the interpreter uses tiny tiles.
+# The backward's tile must be a multiple of the forward's (it reads the forward's tile carries).
+FWD_CONFIG = DiagConfig(bt=64, bd=128, w=8, warps=8)
+BWD_CONFIG = DiagConfig(bt=64, bd=64, w=8, warps=8)
+INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1)
+INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1)
+
+
+def _configs() -> Tuple[DiagConfig, DiagConfig]:
+    if triton_interpreter_on():
+        return INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
+    return FWD_CONFIG, BWD_CONFIG
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _block_d(cfg: DiagConfig, n_tiles: int, H: int, D: int, device: torch.device) -> int:
+    """Channels per program: shrink the block while the grid would not fill the GPU twice."""
+    bd = min(cfg.bd, triton.next_power_of_2(D))
+    target = 2 * _sm_count(device)
+    while bd > 16 and n_tiles * H * triton.cdiv(D, bd) < target:
+        bd //= 2
+    return bd
+
+
+def _log_n(n: int) -> int:
+    return max(1, math.ceil(math.log2(max(n, 1))) + 1)
+
+
+def _shape(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+    b, t, h, d = q.shape
+    n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else b
+    return b * t, t, n, h, d
+
+
+def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
+             config: Optional[DiagConfig] = None):
+    """Forward scan. q, k, v, g contiguous (B, T, H, D). Returns ``(o, final_state, workspace)``;
+    ``final_state`` is (N, H, D) float32 or an empty tensor when not requested."""
+    total, t_seq, n, h, d = _shape(q, cu_seqlens)
+    cfg = config or _configs()[0]
+    n_tiles = triton.cdiv(total, cfg.bt)
+    o = empty(q.shape, q.dtype, q.device)
+    ws = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
+    final = empty((n, h, d) if output_final_state else (0,), torch.float32, q.device)
+    if total == 0:
+        if output_final_state:
+            final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
+        return o, final, ws
+    bd = _block_d(cfg, n_tiles, h, d, q.device)
+    n_db = triton.cdiv(d, bd)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    dummy = counter
+    _diag_fwd_kernel[(n_tiles * h * n_db,)](
+        q, k, v, g, o,
+        initial_state if initial_state is not None else dummy,
+        final if output_final_state else dummy,
+        ws, counter, cu_seqlens if cu_seqlens is not None else dummy,
+        max(t_seq, 1), total, n, h, d, n_tiles, n_db,
+        HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
+        IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
+        BT=cfg.bt, BD=bd, W=cfg.w, num_warps=cfg.warps)
+    return o, final, ws
+
+
+def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=None,
+             config: Optional[DiagConfig] = None, fwd_bt: Optional[int] = None):
+    """Backward scan. Returns ``(dq, dk, dv, dg, d_initial_state or an empty tensor)``."""
+    total, t_seq, n, h, d = _shape(q, cu_seqlens)
+    cfg = config or _configs()[1]
+    fbt = fwd_bt or _configs()[0].bt
+    if cfg.bt % fbt != 0:
+        raise ValueError(f"the backward tile ({cfg.bt}) must be a multiple of the forward tile ({fbt})")
+    dq = empty(q.shape, q.dtype, q.device)
+    dk = empty(k.shape, k.dtype, k.device)
+    dv = empty(v.shape, v.dtype, v.device)
+    dg = empty(g.shape, g.dtype, g.device)
+    dh0 = empty(initial_state.shape if initial_state is not None else (0,),
+                initial_state.dtype if initial_state is not None else torch.float32, q.device)
+    if total == 0:
+        if initial_state is not None:
+            dh0.copy_(dfinal if dfinal is not None else torch.zeros_like(dh0))
+        return dq, dk, dv, dg, dh0
+    n_tiles = triton.cdiv(total, cfg.bt)
+    bd = _block_d(cfg, n_tiles, h, d, q.device)
+    n_db = triton.cdiv(d, bd)
+    ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    dummy = counter
+    _diag_bwd_kernel[(n_tiles * h * n_db,)](
+        q, k, v, g, do, dq, dk, dv, dg,
+        initial_state if initial_state is not None else dummy,
+        dfinal if dfinal is not None else dummy,
+        dh0 if initial_state is not None else dummy,
+        ws, ws_b, counter, cu_seqlens if cu_seqlens is not None else dummy,
+        max(t_seq, 1), total, n, h, d, n_tiles, n_db, cfg.bt // fbt,
+        HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None,
+        IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
+        BT=cfg.bt, BD=bd, W=cfg.w, num_warps=cfg.warps)
+    return dq, dk, dv, dg, dh0
+
+
+def diag_step(q, k, v, g, state, state_indices=None):
+    """Decode: the recurrence over q.shape[1] new tokens per sequence; ``state`` updated in place."""
+    b, t, h, d = q.shape
+    o = empty(q.shape, q.dtype, q.device)
+    if b == 0 or t == 0:
+        return o
+    bd = min(128, triton.next_power_of_2(d))
+    _diag_step_kernel[(b, h, triton.cdiv(d, bd))](
+        q, k, v, g, o, state, state_indices if state_indices is not None else state,
+        t, h, d, HAS_IDX=state_indices is not None, BD=bd, num_warps=4 if bd >= 128 else 1)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops (fake implementations give shapes for torch.compile)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("delta_attn::diag_fwd", mutates_args=())
+def _diag_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                 output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state)
+
+
+@_diag_fwd_op.register_fake
+def _(q, k, v, g, initial_state, cu_seqlens, output_final_state):
+    total, _, n, h, d = _shape(q, cu_seqlens)
+    n_tiles = (total + _configs()[0].bt - 1) // _configs()[0].bt
+    final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
+    return torch.empty_like(q), final, q.new_empty((n_tiles, h, d), dtype=torch.int64)
+
+
+@torch.library.custom_op("delta_attn::diag_bwd", mutates_args=())
+def _diag_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
+                 ws: torch.Tensor, initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
+                 cu_seqlens: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return diag_bwd(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
+
+
+@_diag_bwd_op.register_fake
+def _(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens):
+    dh0 = (torch.empty_like(initial_state) if initial_state is not None
+           else q.new_empty((0,), dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), dh0
+
+
+@torch.library.custom_op("delta_attn::diag_step", mutates_args=("state",))
+def _diag_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
+                  state_indices: Optional[torch.Tensor]) -> torch.Tensor:
+    return diag_step(q, k, v, g, state, state_indices)
+
+
+@_diag_step_op.register_fake
+def _(q, k, v, g, state, state_indices):
+    return torch.empty_like(q)
+
+
+class GatedDiagFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, cu_seqlens, output_final_state):
+        o, final, ws = torch.ops.delta_attn.diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state)
+        ctx.save_for_backward(q, k, v, g, ws, initial_state, cu_seqlens)
+        ctx.mark_non_differentiable(ws)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, ws, initial_state, cu_seqlens = ctx.saved_tensors
+        if dfinal is not None and dfinal.numel() == 0:
+            dfinal = None
+        dq, dk, dv, dg, dh0 = torch.ops.delta_attn.diag_bwd(
+            q, k, v, g, do.contiguous(), ws, initial_state,
+            dfinal.contiguous() if dfinal is not None else None, cu_seqlens)
+        return dq, dk, dv, dg, (dh0 if initial_state is not None else None), None, None
+
+
+def gated_diag(a: DiagArgs):
+    q, k, v, g = (x.contiguous() for x in (a.q, a.k, a.v, a.g))
+    h0 = a.initial_state.contiguous() if a.initial_state is not None else None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, h0)):
+        o, final = GatedDiagFunction.apply(q, k, v, g, h0, a.cu_seqlens, a.output_final_state)
+    else:
+        o, final, _ = torch.ops.delta_attn.diag_fwd(q, k, v, g, h0, a.cu_seqlens, a.output_final_state)
+    return o, (final if a.output_final_state else None)
+
+
+def gated_diag_step(a: DiagArgs):
+    q, k, v, g = (x.contiguous() for x in (a.q, a.k, a.v, a.g))
+    if not a.state.is_contiguous():
+        raise ValueError("state must be contiguous (it is updated in place)")
+    return torch.ops.delta_attn.diag_step(q, k, v, g, a.state, a.state_indices)

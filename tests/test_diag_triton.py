@@ -1,0 +1,205 @@
+"""Gated diagonal attention on the Triton backend, run by the interpreter on CPU.
+
+Tiny sizes with odd lengths and a head dim that is not a power of two (boundary masks); the
+interpreter's tiles are BT = 8 (forward) / 16 (backward) rows and 16 channels, so T = 37 spans
+several tiles and the look-back; D = 20 spans a full and a masked channel block.
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import delta_attn as da
+from delta_attn import reference
+from delta_attn.testing import assert_close
+from delta_attn.ops.diag import kernels as K
+
+pytestmark = pytest.mark.skipif(not da.backends.triton_interpreter_on() and not torch.cuda.is_available(),
+                                reason="needs the Triton interpreter or a GPU")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b, t, h, d, dtype, g_dtype=None, decay_scale=1.0):
+    q, k, v = (torch.randn(b, t, h, d, device=DEV).to(dtype) for _ in range(3))
+    g = (-torch.rand(b, t, h, d, device=DEV) * decay_scale).to(g_dtype or dtype)
+    return q, k, v, g
+
+
+def _ref(q, k, v, g, h0, cu, do, dht, upcast):
+    """Reference outputs and gradients; upcast=True runs in float64, False in the input dtype."""
+    cast = (lambda x: x.double()) if upcast else (lambda x: x)
+    leaves = [cast(x).detach().requires_grad_() for x in (q, k, v, g)]
+    s0 = cast(h0).detach().requires_grad_() if h0 is not None else None
+    o, ht = reference.gated_diag(*leaves, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                 upcast=upcast)
+    torch.autograd.backward((o, ht), (cast(do).to(o.dtype), cast(dht).to(ht.dtype)))
+    grads = [x.grad for x in leaves] + ([s0.grad] if s0 is not None else [])
+    return o, ht, grads
+
+
+def _check_all(q, k, v, g, h0=None, cu=None):
+    qs, ks, vs, gs = (x.detach().requires_grad_() for x in (q, k, v, g))
+    s0 = h0.detach().requires_grad_() if h0 is not None else None
+    o, ht = da.gated_diag_attn(qs, ks, vs, gs, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                               backend="triton")
+    assert o.dtype == q.dtype and ht.dtype == torch.float32
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    torch.autograd.backward((o, ht), (do, dht))
+    o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
+    olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
+    assert_close(o, o64, olp, name="o")
+    assert_close(ht, ht64, htlp, name="final_state")
+    names = ["dq", "dk", "dv", "dg"] + (["d_initial_state"] if h0 is not None else [])
+    ours = [qs.grad, ks.grad, vs.grad, gs.grad] + ([s0.grad] if h0 is not None else [])
+    for name, x, r64, rlp in zip(names, ours, g64, glp):
+        assert x.dtype == (h0.dtype if name == "d_initial_state" else rlp.dtype), name
+        assert_close(x, r64, rlp, kind="grad", name=name)
+    return o, ht
+
+
+@pytest.mark.parametrize("dtype,g_dtype", [(torch.float32, None), (torch.float16, torch.float32)])
+def test_fwd_bwd_states(poisoned, dtype, g_dtype):
+    q, k, v, g = _inputs(2, 37, 2, 20, dtype, g_dtype)
+    h0 = torch.randn(2, 2, 20, device=DEV)
+    _check_all(q, k, v, g, h0)
+
+
+def test_no_states_odd_sizes(poisoned):
+    # T = 1 and T = 17 with D = 5 (one masked channel block), no initial state
+    for t in (1, 17):
+        q, k, v, g = _inputs(3, t, 1, 5, torch.float16)
+        o, _ = da.gated_diag_attn(q, k, v, g, backend="triton")
+        o64, _ = reference.gated_diag(q, k, v, g)
+        olp, _ = reference.gated_diag(q, k, v, g, upcast=False)
+        assert_close(o, o64, olp)
+
+
+def test_varlen_zero_length(poisoned):
+    # zero-length sequences first, in the middle and last; a length-1 sequence; tiles straddle sequences
+    cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
+    q, k, v, g = _inputs(1, 40, 2, 20, torch.float32)
+    h0 = torch.randn(7, 2, 20, device=DEV)
+    o, ht = _check_all(q, k, v, g, h0, cu)
+    # an empty sequence's final state is its initial state
+    torch.testing.assert_close(ht[[0, 2, 6]], h0[[0, 2, 6]], rtol=0, atol=0)
+    # varlen == the per-sequence loop
+    for n in range(7):
+        a, b = int(cu[n]), int(cu[n + 1])
+        if a == b:
+            continue
+        on, hn = da.gated_diag_attn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], initial_state=h0[n:n + 1],
+                                    output_final_state=True, backend="triton")
+        torch.testing.assert_close(on, o[:, a:b], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hn, ht[n:n + 1], rtol=1e-5, atol=1e-5)
+    # no initial state: an empty sequence ends in state 0
+    _, ht0 = da.gated_diag_attn(q, k, v, g, output_final_state=True, cu_seqlens=cu, backend="triton")
+    assert torch.count_nonzero(ht0[[0, 2, 6]]) == 0
+
+
+def test_extreme_decays(poisoned):
+    # decays down to -1e4 (exp underflows to exactly 0) mixed with tiny ones: no NaN / inf
+    q, k, v, g = _inputs(1, 37, 1, 20, torch.float32)
+    g = torch.where(torch.rand_like(g) < 0.3, torch.full_like(g, -1e4), g * 1e-3)
+    g[:, 8:16] = -1e4                        # a whole tile fully decayed
+    _check_all(q, k, v, g, torch.randn(1, 1, 20, device=DEV))
+
+
+def test_two_halves_equal_one_pass(poisoned):
+    q, k, v, g = _inputs(2, 37, 1, 20, torch.float32)
+    h0 = torch.randn(2, 1, 20, device=DEV)
+    o, ht = da.gated_diag_attn(q, k, v, g, initial_state=h0, output_final_state=True, backend="triton")
+    o1, h1 = da.gated_diag_attn(q[:, :19], k[:, :19], v[:, :19], g[:, :19], initial_state=h0,
+                                output_final_state=True, backend="triton")
+    o2, h2 = da.gated_diag_attn(q[:, 19:], k[:, 19:], v[:, 19:], g[:, 19:], initial_state=h1,
+                                output_final_state=True, backend="triton")
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2, ht, rtol=1e-5, atol=1e-5)
+
+
+def test_step_token_by_token_equals_whole(poisoned):
+    b, t, h, d = 3, 6, 2, 20
+    q, k, v, g = _inputs(b, t, h, d, torch.float16, torch.float32)
+    h0 = torch.randn(b, h, d, device=DEV)
+    o, ht = da.gated_diag_attn(q, k, v, g, initial_state=h0, output_final_state=True, backend="triton")
+    pool = torch.randn(5, h, d, device=DEV)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    pool[idx.long()] = h0
+    untouched = pool[[1, 3]].clone()
+    steps = [da.gated_diag_step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], pool,
+                                state_indices=idx, backend="triton") for i in range(t)]
+    torch.testing.assert_close(torch.cat(steps, 1), o, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(pool[idx.long()], ht, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[[1, 3]], untouched)
+    # several tokens per call, no indices: the same recurrence
+    pool2 = h0.clone()
+    o2 = da.gated_diag_step(q, k, v, g, pool2, backend="triton")
+    o64, ht64 = reference.gated_diag(q, k, v, g, initial_state=h0, output_final_state=True)
+    olp, _ = reference.gated_diag(q, k, v, g, initial_state=h0, output_final_state=True, upcast=False)
+    assert_close(o2, o64, olp)
+    torch.testing.assert_close(pool2, ht64, rtol=1e-5, atol=1e-5)
+
+
+@triton.jit
+def _lookback_probe_kernel(ws, out, j, n_tiles, D, REVERSE: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    tl.store(out + cols, K._lookback(ws, j, cols, cmask, D, n_tiles, REVERSE, W), mask=cmask)
+
+
+def _pack(a, b):
+    a_bits = a.float().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    b_bits = b.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return (a_bits << 32) | b_bits | K.INCL_ZERO
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lookback_composes_aggregates(reverse):
+    # On the interpreter every predecessor has already published its inclusive state, so the
+    # aggregate path of the look-back is exercised here directly: 11 tiles of published maps
+    # (A, B), some with A == 0 (inclusive), composed across several windows of W = 2.
+    n_tiles, d = 11, 5
+    a = torch.rand(n_tiles, d, device=DEV) + 0.5
+    b = torch.randn(n_tiles, d, device=DEV)
+    a[3, 1] = 0.0
+    a[7, 2] = 0.0
+    ws = _pack(a, b)
+    for j in (0, 5, 10):
+        out = torch.full((d,), float("nan"), device=DEV)
+        _lookback_probe_kernel[(1,)](ws, out, j, n_tiles, d, REVERSE=reverse, BD=8, W=2)
+        expect = torch.zeros(d, dtype=torch.float64, device=DEV)
+        order = range(j + 1, n_tiles) if reverse else range(0, j)
+        for w in (reversed(list(order)) if reverse else order):   # apply the farthest map first
+            expect = a[w].double() * expect + b[w].double()
+        torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_and_compile():
+    q, k, v, g = _inputs(1, 9, 1, 8, torch.float32)
+    assert da.explain(da.gated_diag_attn, q, k, v, g).chosen == "triton"
+    assert da.explain(da.gated_diag_attn, q.double(), k.double(), v.double(), g.double()).chosen == "torch"
+
+    def f(q, k, v, g):
+        return da.gated_diag_attn(q, k, v, g, output_final_state=True, backend="triton")
+
+    o, ht = torch.compile(f, fullgraph=True, backend="eager")(q, k, v, g)
+    o2, ht2 = f(q, k, v, g)
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht2, rtol=0, atol=0)
+
+
+def test_custom_op_fakes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from delta_attn.ops.diag import triton_impl as ti
+    q, k, v, g = _inputs(1, 13, 2, 20, torch.float16, torch.float32)
+    h0 = torch.randn(1, 2, 20, device=DEV)
+    real = torch.ops.delta_attn.diag_fwd(q, k, v, g, h0, None, True)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fg, fh = (mode.from_tensor(x) for x in (q, k, v, g, h0))
+        fake = torch.ops.delta_attn.diag_fwd(fq, fk, fv, fg, fh, None, True)
+        fb = torch.ops.delta_attn.diag_bwd(fq, fk, fv, fg, fq, fake[2], fh, fake[1], None)
+    for r, f in zip(real, fake):
+        assert r.shape == f.shape and r.dtype == f.dtype
+    rb = ti.diag_bwd(q, k, v, g, q, real[2], h0, real[1], None)
+    for r, f in zip(rb, fb):
+        assert r.shape == f.shape and r.dtype == f.dtype
