@@ -174,3 +174,18 @@ _FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "g
 _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
 register("torch", "kda", Capability(impl="delta_attn.ops.kda.torch_impl:kda", **_ANY))
 register("torch", "kda_step", Capability(impl="delta_attn.ops.kda.torch_impl:kda_step", backward=False, **_ANY))
+
+
+def _triton_head_dims_lazy(dims):
+    kd, vd = dims
+    for name, d in (("K", kd), ("V", vd)):
+        if d % 16 != 0 or d > 256:
+            return f"head dim {name} = {d} unsupported: the triton KDA kernels need a multiple of 16 up to 256"
+    return None
+
+
+_TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
+               features=_FEATURES, requires=("triton",), install_hint="pip install triton",
+               head_dims=_triton_head_dims_lazy)
+register("triton", "kda", Capability(impl="delta_attn.ops.kda.triton_impl:kda", **_TRITON))
+register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.triton_impl:kda_step", backward=False, **_TRITON))

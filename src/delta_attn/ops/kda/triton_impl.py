@@ -1,0 +1,302 @@
+"""``backend="triton"`` for KDA: launchers (``kda_fwd`` / ``kda_bwd`` / ``kda_step_fwd``), the
+autograd ``KDAFunction`` and the ``torch.library`` custom ops (with fake implementations) they run.
+
+Kernels: ``chunk.py`` (chunked forward / backward), ``recurrent.py`` (decode).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+
+from ..._outputs import empty
+from .api import KDAArgs
+from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _kda_fwd_prep_kernel,
+                    _kda_fwd_scan_kernel)
+from .recurrent import _kda_step_kernel
+
+BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
+MAX_HEAD_DIM = 256
+
+
+def head_dims_reason(dims) -> Optional[str]:
+    """Capability check: K and V must be multiples of 16 up to 256."""
+    kd, vd = dims
+    for name, d in (("K", kd), ("V", vd)):
+        if d % 16 != 0 or d > MAX_HEAD_DIM:
+            return f"head dim {name} = {d} unsupported: the triton KDA kernels need a multiple of 16 up to {MAX_HEAD_DIM}"
+    return None
+
+
+def _gate_mode(A_log, lower_bound) -> int:
+    if A_log is None:
+        return 0
+    return 1 if lower_bound is None else 2
+
+
+def _index_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device):
+    """seq_info (N, 3) = (first row, length, first chunk); chunk_info (NC, 3) = (seq, first row, length)."""
+    if cu_seqlens is None:
+        bounds = [(b * T, (b + 1) * T) for b in range(B)]
+    else:
+        cu = cu_seqlens.tolist()
+        bounds = list(zip(cu[:-1], cu[1:]))
+    seq, chunks = [], []
+    for n, (s0, s1) in enumerate(bounds):
+        seq.append((s0, s1 - s0, len(chunks)))
+        for t0 in range(s0, s1, BT):
+            chunks.append((n, t0, min(BT, s1 - t0)))
+    seq_t = torch.tensor(seq, dtype=torch.int32).view(-1, 3).to(device)
+    chunk_t = torch.tensor(chunks, dtype=torch.int32).view(-1, 3).to(device)
+    return seq_t, chunk_t
+
+
+def _ncmax(seq_t) -> int:
+    return int(triton.cdiv(int(seq_t[:, 1].max()), BT)) if seq_t.numel() else 0
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(x)
+
+
+def _blocks(K: int, V: int):
+    KP = _pow2(K)
+    BV = min(_pow2(V), max(16, 8192 // KP))          # state block K x BV fp32 in registers
+    BV = min(BV, 64)
+    return KP, BV
+
+
+def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R, NC = B * T, chunk_t.shape[0]
+    dev, dt = q.device, q.dtype
+    W = torch.empty(R, HV, K, dtype=dt, device=dev)
+    QG, KD = torch.empty_like(W), torch.empty_like(W)
+    U = torch.empty(R, HV, V, dtype=dt, device=dev)
+    AQK = torch.empty(R, HV, BT, dtype=torch.float32, device=dev)
+    TM = torch.empty_like(AQK)
+    GC = torch.empty(NC, HV, K, dtype=torch.float32, device=dev)
+    if NC > 0:
+        dummy = q
+        _kda_fwd_prep_kernel[(NC, HV)](
+            q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            chunk_t, W, U, QG, KD, AQK, TM, GC,
+            float(scale), float(lower_bound or 0.0), H, HV,
+            K=K, V=V, BT=BT, BK=min(32, _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
+            GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR,
+            num_warps=4)
+    return W, U, QG, KD, AQK, TM, GC
+
+
+def _contig(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
+            lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool, store_states: bool = False):
+    """Chunked forward. Returns (o, final_state or None, saved) where ``saved`` holds the
+    intermediates the backward needs when ``store_states``."""
+    q, k, v, g, beta, initial_state = _contig(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    seq_t, chunk_t = _index_tables(B, T, cu_seqlens, q.device)
+    N, NC = seq_t.shape[0], chunk_t.shape[0]
+    W, U, QG, KD, AQK, TM, GC = _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
+    o = empty((B, T, HV, V), v.dtype, q.device)
+    final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
+    HS = torch.empty(NC, HV, K, V, dtype=q.dtype, device=q.device) if store_states else None
+    VNEW = torch.empty(B * T, HV, V, dtype=q.dtype, device=q.device) if store_states else None
+    KP, BV = _blocks(K, V)
+    if N > 0:
+        _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
+            W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
+            VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, _ncmax(seq_t),
+            K=K, V=V, BT=BT, KP=KP, BV=BV, USE_H0=initial_state is not None,
+            STORE_FINAL=final is not None, STORE_H=store_states, num_warps=4)
+    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t) if store_states else None
+    return o, final, saved
+
+
+def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
+            lower_bound: Optional[float], use_qk_l2norm: bool, do, dht):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0 or None, dA_log or None, ddt_bias or None).
+    Recomputes the forward intermediates (chunk-start states included)."""
+    q, k, v, g, beta, do, dht = _contig(q, k, v, g, beta, do, dht)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R = B * T
+    _, _, (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t) = kda_fwd(
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+        False, store_states=True)
+    N, NC = seq_t.shape[0], chunk_t.shape[0]
+    KP, BV = _blocks(K, V)
+    NV = triton.cdiv(V, BV)
+    dev = q.device
+    f32 = torch.float32
+    DU = torch.empty(R, HV, V, dtype=f32, device=dev)
+    DQG = torch.empty(NV, R, HV, K, dtype=f32, device=dev)
+    DKD, DW = torch.empty_like(DQG), torch.empty_like(DQG)
+    DAQK = torch.empty(NV, R, HV, BT, dtype=f32, device=dev)
+    DGC = torch.empty(NV, NC, HV, K, dtype=f32, device=dev)
+    dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
+    if N > 0:
+        _kda_bwd_scan_kernel[(NV, N, HV)](
+            W, QG, KD, AQK, GC, HS, VNEW, do, dht if dht is not None else q, seq_t,
+            DU, DQG, DKD, DW, DAQK, DGC, dh0 if dh0 is not None else q, R, NC, HV, _ncmax(seq_t),
+            K=K, V=V, BT=BT, KP=KP, BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=4)
+    dq_h = empty((B, T, HV, K), f32, dev)
+    dk_h = empty((B, T, HV, K), f32, dev)
+    dv = empty((B, T, HV, V), v.dtype, dev)
+    db = empty((B, T, HV), f32, dev)
+    dg = empty((B, T, HV, K), f32, dev)
+    dal = torch.zeros(NC, HV, dtype=f32, device=dev)
+    if NC > 0:
+        _kda_bwd_intra_kernel[(NC, HV)](
+            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+            chunk_t, TM, GC, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal,
+            float(scale), float(lower_bound or 0.0), R, NC, H, HV, NV,
+            K=K, V=V, BT=BT, BK=min(16, _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
+            GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR,
+            num_warps=4)
+    G = HV // H
+    dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
+    dk = (dk_h.view(B, T, H, G, K).sum(3) if G > 1 else dk_h).to(k.dtype)
+    dA_log = dal.sum(0) if A_log is not None else None
+    ddt = dg.sum((0, 1)).reshape(-1) if dt_bias is not None else None
+    return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, dA_log, ddt
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops (fake implementations for torch.compile) and autograd
+# ----------------------------------------------------------------------------------------------
+
+_E = torch.empty(0)
+
+
+@torch.library.custom_op("delta_attn::kda_chunk_fwd", mutates_args=())
+def _kda_chunk_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                      A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], scale: float,
+                      lower_bound: Optional[float], use_qk_l2norm: bool,
+                      output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    o, final, _ = kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                          use_qk_l2norm, output_final_state)
+    return o, (final if final is not None else q.new_empty(0, dtype=torch.float32))
+
+
+@_kda_chunk_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+      output_final_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = v.new_empty(B, T, HV, V)
+    final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return o, final
+
+
+@torch.library.custom_op("delta_attn::kda_chunk_bwd", mutates_args=())
+def _kda_chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                      A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], scale: float,
+                      lower_bound: Optional[float], use_qk_l2norm: bool, do: torch.Tensor,
+                      dht: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    grads = kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                    use_qk_l2norm, do, dht)
+    return [t if t is not None else q.new_empty(0, dtype=torch.float32) for t in grads]
+
+
+@_kda_chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, do, dht):
+    e = q.new_empty(0, dtype=torch.float32)
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta),
+            torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else e,
+            A_log.new_empty(A_log.shape, dtype=torch.float32) if A_log is not None else e,
+            dt_bias.new_empty(dt_bias.shape, dtype=torch.float32) if dt_bias is not None else e]
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+     output_final_state) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state)
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
+    scale, lower_bound, use_qk_l2norm, output_final_state = ctx.opts
+    if not output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, db, dh0, dal, ddt = _kda_chunk_bwd_op(
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, do, dht)
+    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+    dal = dal.to(A_log.dtype) if A_log is not None else None
+    ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
+    return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None
+
+
+torch.library.register_autograd("delta_attn::kda_chunk_fwd", _backward, setup_context=_setup_context)
+
+
+class KDAFunction:
+    """Autograd entry: ``KDAFunction.apply(args) -> (o, final_state or None)`` (runs the custom op,
+    whose backward is registered with ``torch.library.register_autograd``)."""
+
+    @staticmethod
+    def apply(a: KDAArgs):
+        o, final = _kda_chunk_fwd_op(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.A_log,
+                                     a.dt_bias, float(a.scale), a.lower_bound, bool(a.use_qk_l2norm),
+                                     bool(a.output_final_state))
+        return o, (final if a.output_final_state else None)
+
+
+@torch.library.custom_op("delta_attn::kda_step", mutates_args=("state",))
+def _kda_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, state_indices: Optional[torch.Tensor], A_log: Optional[torch.Tensor],
+                 dt_bias: Optional[torch.Tensor], scale: float, lower_bound: Optional[float],
+                 use_qk_l2norm: bool) -> torch.Tensor:
+    return kda_step_fwd(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm)
+
+
+@_kda_step_op.register_fake
+def _(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
+    return torch.empty_like(v)
+
+
+def kda_step_fwd(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
+    """Decode launcher: updates ``state`` in place, returns o (B, T, HV, V)."""
+    q, k, v, g, beta = _contig(q, k, v, g, beta)
+    if not state.is_contiguous():
+        raise ValueError("state must be a contiguous (P, HV, K, V) pool for backend='triton', got strides "
+                         f"{tuple(state.stride())}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = empty((B, T, HV, V), v.dtype, q.device)
+    KP = _pow2(K)
+    BV = min(_pow2(V), 32 if KP <= 128 else 16)
+    if B > 0:
+        _kda_step_kernel[(triton.cdiv(V, BV), B, HV)](
+            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+            state, state_indices if state_indices is not None else q, o,
+            float(scale), float(lower_bound or 0.0), T, H, HV,
+            K=K, V=V, KP=KP, BV=BV, L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound),
+            HAS_DT_BIAS=dt_bias is not None, HAS_IDX=state_indices is not None, num_warps=4)
+    return o
+
+
+# ----------------------------------------------------------------------------------------------
+# backend entry points (receive the validated KDAArgs)
+# ----------------------------------------------------------------------------------------------
+
+def kda(a: KDAArgs):
+    return KDAFunction.apply(a)
+
+
+def kda_step(a: KDAArgs):
+    return _kda_step_op(a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log, a.dt_bias,
+                        float(a.scale), a.lower_bound, bool(a.use_qk_l2norm))
