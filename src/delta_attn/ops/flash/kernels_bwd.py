@@ -48,20 +48,20 @@ def _flash_bwd_preprocess_kernel(
 def _query_blocks(n0, seqlen_q, seqlen_k, wl, wr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query-block bounds for the keys [n0, n0 + BLOCK_N): [lo, fs) and [fe, hi) need masks,
-    [fs, fe) are fully visible. Rows past Sq need no mask (their lse is +inf, so p = 0) and keys past
-    Sk are never stored, so only the window decides."""
+    [fs, fe) are fully visible and inside [0, Sq). Rows past Sq need no score mask (their lse is +inf,
+    so p = 0) and keys past Sk are never stored, so only the window decides the score mask."""
     off = seqlen_k - seqlen_q
     n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
     lo = 0
     hi = seqlen_q
     fs = 0
-    fe_bound = seqlen_q + BLOCK_M
+    fe_bound = seqlen_q          # the last partial row block goes to the masked copy (load masks)
     if HAS_WR:
         lo = tl.maximum(n0 - off - wr, 0)
         fs = tl.cdiv(n_last - off - wr, BLOCK_M) * BLOCK_M
     if HAS_WL:
         hi = tl.minimum(n_last - off + wl + 1, seqlen_q)
-        fe_bound = n0 - off + wl + 1
+        fe_bound = tl.minimum(n0 - off + wl + 1, seqlen_q)
     lo = (lo // BLOCK_M) * BLOCK_M
     hi = tl.maximum(tl.cdiv(hi, BLOCK_M) * BLOCK_M, lo)
     fs = tl.minimum(tl.maximum(fs, lo), hi)
@@ -79,18 +79,22 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qt, stride
     offs_mb = tl.arange(0, BLOCK_M)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + offs_mb
-        row_ok = offs_m < seqlen_q
-        mask = row_ok[:, None]
-        mask_t = row_ok[None, :]
-        if not EVEN_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-            mask_t = mask_t & (offs_d[:, None] < HEAD_DIM)
         rows = offs_m.to(tl.int64)
-        # q^T (D x BLOCK_M) straight from memory: the tile is computed transposed (keys x queries)
-        q_t = tl.load(q_base + rows[None, :] * stride_qt + offs_d[:, None], mask=mask_t, other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0)
-        lse2 = tl.load(l_base + offs_m.to(tl.int64) * stride_lt, mask=row_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(d_base + offs_m.to(tl.int64) * stride_lt, mask=row_ok, other=0.0)
+        q_ptr = q_base + rows[None, :] * stride_qt + offs_d[:, None]      # q^T (D x BLOCK_M)
+        do_ptr = do_base + rows[:, None] * stride_dot + offs_d[None, :]
+        # the tile is computed transposed (keys x queries); unmasked blocks need no load mask
+        if MASKED or not EVEN_D:
+            row_ok = offs_m < seqlen_q
+            d_ok = offs_d < HEAD_DIM
+            q_t = tl.load(q_ptr, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+            do = tl.load(do_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            lse2 = tl.load(l_base + rows * stride_lt, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(d_base + rows * stride_lt, mask=row_ok, other=0.0)
+        else:
+            q_t = tl.load(q_ptr)
+            do = tl.load(do_ptr)
+            lse2 = tl.load(l_base + rows * stride_lt) * 1.4426950408889634
+            delta = tl.load(d_base + rows * stride_lt)
         # 1. P^T of this tile, recomputed from lse
         qk_t = tl.dot(k, q_t)
         s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], diag_off, slope2, wl, wr, seqlen_k, qk_mult,
@@ -200,8 +204,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs
         if not EVEN_D:
             kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
         cols = offs_n[:, None].to(tl.int64)
-        k = tl.load(k_base + cols * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if MASKED or not EVEN_D:
+            kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_base + cols * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + cols * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_base + cols * stride_kt + offs_d[None, :])
+            v = tl.load(v_base + cols * stride_vt + offs_d[None, :])
         # 1. P recomputed from lse; keys past Sk load as zero, so they add nothing to dQ
         qk = tl.dot(q, tl.trans(k))
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], diag_off, slope2, wl, wr, seqlen_k, qk_mult, cap_in,

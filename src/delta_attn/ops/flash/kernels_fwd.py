@@ -30,6 +30,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _visible(i2, j2, diag_off, wl, wr, seqlen_k, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+             MASK_K: tl.constexpr):
+    """Query i2 may see key j2: i + off - wl <= j <= i + off + wr (and j < Sk when MASK_K)."""
+    rel = i2 + diag_off - j2                   # i + Sk - Sq - j
+    vis = j2 >= 0
+    if MASK_K:
+        vis = vis & (j2 < seqlen_k)
+    if HAS_WL:
+        vis = vis & (rel <= wl)
+    if HAS_WR:
+        vis = vis & (-rel <= wr)
+    return vis
+
+
+@triton.jit
 def _scores(qk, i2, j2, diag_off, slope2, wl, wr, seqlen_k, qk_mult, cap_in,
             SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr,
             HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_K: tl.constexpr):
@@ -41,18 +56,10 @@ def _scores(qk, i2, j2, diag_off, slope2, wl, wr, seqlen_k, qk_mult, cap_in,
     else:
         t = 0.0
         s = qk * qk_mult                       # qk_mult = scale * log2(e)
-    rel = i2 + diag_off - j2                   # i + Sk - Sq - j
     if HAS_ALIBI:
-        s -= slope2 * tl.abs(rel).to(tl.float32)
+        s -= slope2 * tl.abs(i2 + diag_off - j2).to(tl.float32)
     if MASKED:
-        vis = j2 >= 0
-        if MASK_K:
-            vis = vis & (j2 < seqlen_k)
-        if HAS_WL:
-            vis = vis & (rel <= wl)
-        if HAS_WR:
-            vis = vis & (-rel <= wr)
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(_visible(i2, j2, diag_off, wl, wr, seqlen_k, HAS_WL, HAS_WR, MASK_K), s, float("-inf"))
     return s, t
 
 
@@ -106,33 +113,51 @@ def _seq_bounds(cu_q, cu_k, pid_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, start, end,
                seqlen_k, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-               SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_nb
-        kv_mask = offs_n[:, None] < seqlen_k
-        if not EVEN_D:
-            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-        # 1. scores of this key block
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
-        s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], diag_off, slope2, wl, wr, seqlen_k, qk_mult, cap_in,
-                        SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
-        # 2. online softmax: new running max (0 for rows that saw nothing yet, to avoid inf - inf)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        k_ptr = k_base + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+        v_ptr = v_base + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
+        # 1. scores of this key block (unmasked blocks lie inside [0, Sk): no load mask)
+        if MASKED or not EVEN_D:
+            kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptr, mask=kv_mask, other=0.0)
         else:
-            m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
+            k = tl.load(k_ptr)
+        qk = tl.dot(q, tl.trans(k))
+        # 2. online softmax: new running max (0 for rows that saw nothing yet, to avoid inf - inf)
+        if PLAIN:
+            # no softcap / ALiBi and scale > 0: max on the raw scores, scale folded into one FMA
+            if MASKED:
+                qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], diag_off, wl, wr, seqlen_k,
+                                       HAS_WL, HAS_WR, True), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_mult)
+            if MASKED:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(qk * qk_mult - m_use[:, None])
+        else:
+            s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], diag_off, slope2, wl, wr, seqlen_k, qk_mult,
+                            cap_in, SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MASKED:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         # 3. dropout acts on the probabilities after the normaliser has counted them
         if HAS_DROPOUT:
             p = tl.where(_dropout_keep(seed_bh, offs_m[:, None], offs_n[None, :], rng_stride, dropout_p), p, 0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if MASKED or not EVEN_D:
+            v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_ptr)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
@@ -146,7 +171,7 @@ def _flash_fwd_kernel(
         stride_lb, stride_lh, stride_lt, stride_ab, stride_ah,
         seqlen_q, seqlen_k, rng_stride, n_heads, group, scale, softcap, wl, wr, dropout_p,
         SQ_BUCKET, SK_BUCKET,
-        IS_VARLEN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        IS_VARLEN: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_DROPOUT: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, REVERSE_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (sequence, query head). Grid (m blocks, B * Hq)."""
@@ -193,13 +218,13 @@ def _flash_fwd_kernel(
     # masked blocks left of the window, unmasked middle, masked diagonal / right edge
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, fs,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
+                               PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
+                               PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
+                               PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
 
     # 4. normalise; a row that saw no key: zero output, lse = +inf
     empty_row = l_i == 0.0

@@ -24,6 +24,7 @@ sequence lengths, never the raw lengths, so a varlen loop does not re-tune every
 from __future__ import annotations
 
 import functools
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -59,7 +60,7 @@ _FWD_CONFIGS = {
 # dK/dV: BLOCK_N keys per program, BLOCK_M queries per inner step
 _DKDV_CONFIGS = {
     64: [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 2)],
-    128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 5)],
     256: [(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2)],
 }
 # dQ: BLOCK_M queries per program, BLOCK_N keys per inner step
@@ -86,22 +87,38 @@ def _bucket(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _tuned(kind: str, dclass: int):
     kernel, table, key = {
-        "fwd": (_flash_fwd_kernel, _FWD_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M"] + _FLAGS),
+        "fwd": (_flash_fwd_kernel, _FWD_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M", "PLAIN"] + _FLAGS),
         "dkdv": (_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "group"] + _FLAGS),
         "dq": (_flash_bwd_dq_kernel, _DQ_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M"] + _FLAGS),
     }[kind]
     return triton.autotune([_cfg(*c) for c in table[dclass]], key=key)(kernel)
 
 
-def _launch(kind: str, d: int, grid_m: int, rows: int, grid_b: int, args: tuple, kwargs: dict) -> None:
+# benchmarking hooks: force one (BLOCK_M, BLOCK_N, warps, stages) per kernel kind, or set
+# DELTA_ATTN_AUTOTUNE=0 to run the first configuration of each table without tuning (GPU tests)
+FORCED_CONFIGS: dict = {}
+_KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}
+_TABLES = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
+
+
+def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict) -> None:
     """Launch kernel ``kind``: grid (cdiv(rows, block), grid_b); autotuned on GPU, fixed under the
     interpreter. ``grid_m`` names the meta-parameter that tiles ``rows``."""
     if rows == 0 or grid_b == 0:
         return
+    kernel = _KERNELS[kind]
     if triton_interpreter_on():
         meta = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
-        kernel = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}[kind]
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta)
+        return
+    forced = FORCED_CONFIGS.get(kind)
+    if forced is None and os.environ.get("DELTA_ATTN_AUTOTUNE", "1") == "0":
+        forced = _TABLES[kind][_dclass(d)][0]
+    if forced is not None:
+        bm, bn, warps, stages = forced
+        meta = dict(BLOCK_M=bm, BLOCK_N=bn)
+        kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta, num_warps=warps,
+                                                          num_stages=stages)
         return
     _tuned(kind, _dclass(d))[lambda meta: (triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs)
 
@@ -174,6 +191,8 @@ class _Launch:
                           BLOCK_D=max(16, triton.next_power_of_2(self.d)))
         # causal-like calls: heaviest query blocks first
         self.reverse_m = wr >= 0 and wl < 0
+        # forward fast path: the scale folds into one FMA after the row max of the raw scores
+        self.plain = softcap <= 0 and alibi is None and scale > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +212,7 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_strides(q, layout), *_strides(k, layout), *_strides(v, layout), *_strides(out, layout),
             *_lse_strides(lse, layout), *L.alibi_strides)
     _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
-            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m))
+            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain))
     return out, lse
 
 
