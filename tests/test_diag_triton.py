@@ -203,3 +203,20 @@ def test_custom_op_fakes():
     rb = ti.diag_bwd(q, k, v, g, q, real[2], h0, real[1], None)
     for r, f in zip(rb, fb):
         assert r.shape == f.shape and r.dtype == f.dtype
+
+
+def test_scan_reference_matches_spec():
+    # the log-depth scan reference (used on the GPU for 1M tokens) == autograd through the spec
+    from delta_attn.ops.diag.scan_ref import gated_diag_scan
+    cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
+    q, k, v, g = (x.double() for x in _inputs(1, 40, 2, 3, torch.float32))
+    g[0, 7] = -1e4
+    h0 = torch.randn(7, 2, 3, device=DEV, dtype=torch.float64)
+    do, dht = torch.randn_like(q), torch.randn_like(h0)
+    for c, s0 in ((cu, h0), (None, h0[:1]), (None, None)):
+        o64, ht64, g64 = _ref(q, k, v, g, s0, c, do, dht[:s0.shape[0]] if s0 is not None else dht[:1], True)
+        o, ht, grads = gated_diag_scan(q, k, v, g, s0, c, do, dht[:ht64.shape[0]])
+        torch.testing.assert_close(o, o64)
+        torch.testing.assert_close(ht, ht64.double())
+        for x, r in zip(grads, g64):
+            torch.testing.assert_close(x, r)

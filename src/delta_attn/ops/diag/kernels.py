@@ -34,6 +34,7 @@ import triton.language as tl
 
 # a published word with the valid bit set, A = 0 and B = 0: "state 0, nothing before matters"
 INCL_ZERO = -(1 << 63)
+_INCL_ZERO: tl.constexpr = tl.constexpr(INCL_ZERO)
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _pack(a, b):
     """(valid, A, B) -> int64 word: bit 63 valid, bits 62..32 |A| (A >= 0), bits 31..0 B."""
     a_bits = a.to(tl.int32, bitcast=True).to(tl.int64) & 0x7FFFFFFF
     b_bits = b.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    return ((a_bits << 32) | b_bits) | INCL_ZERO
+    return ((a_bits << 32) | b_bits) | _INCL_ZERO
 
 
 @triton.jit
@@ -91,7 +92,7 @@ def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W
             w = cur - 1 - i
             inside = w >= 0
         ptrs = ws + w.to(tl.int64)[:, None] * stride_tile + chan[None, :]
-        word = tl.load(ptrs, mask=inside[:, None] & cmask[None, :], other=INCL_ZERO, volatile=True)
+        word = tl.load(ptrs, mask=inside[:, None] & cmask[None, :], other=_INCL_ZERO, volatile=True)
         ready, a, b = _unpack(word)
         # per channel the nearest inclusive map; every map up to it must be published
         first_stop = tl.min(tl.where(ready & (a == 0.0), i[:, None], W), axis=0)
@@ -174,12 +175,12 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
     b_tile = _last_row(cb, r, BT)
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
+    qt = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
     s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
 
     # 4. publish the inclusive state, write o and the final states
     tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * s_in + b_tile), mask=cmask)
     s = ca * s_in[None, :] + cb
-    qt = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
     tl.store(o + off, (qt * s).to(o.dtype.element_ty), mask=m)
     if STORE_FINAL:
         tl.store(ht + seq.to(tl.int64)[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
@@ -234,17 +235,13 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
                         other=0.0).to(tl.float32)
     ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
 
-    # 3. publish the aggregate (the map from the next tile's first ds to this tile's first ds),
-    #    look back to the right for the carry, publish the inclusive value
+    # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds
     a_tile = _first_row(ra, r)
     b_tile = _first_row(rb, r)
     wptr = ws_b + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
-    x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-    tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * x_in + b_tile), mask=cmask)
-    ds = ra * x_in[None, :] + rb
 
-    # 4. recompute the states from the forward's tile carry
+    # 4. while the neighbours publish: recompute the states from the forward's tile carry, write dq
     gt = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
     decay = tl.exp(gt)
     kt = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
@@ -260,9 +257,12 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
     s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
     s = ca * s_in[None, :] + cb
-
-    # 5. gradients
     tl.store(dq + off, (dot * s).to(dq.dtype.element_ty), mask=m)
+
+    # 5. look back to the right for the carry, publish the inclusive value, the other gradients
+    x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+    tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * x_in + b_tile), mask=cmask)
+    ds = ra * x_in[None, :] + rb
     tl.store(dk + off, (ds * vt).to(dk.dtype.element_ty), mask=m)
     tl.store(dv + off, (ds * kt).to(dv.dtype.element_ty), mask=m)
     tl.store(dg + off, (ds * (s - kv)).to(dg.dtype.element_ty), mask=m)

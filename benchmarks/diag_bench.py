@@ -1,0 +1,292 @@
+#!/usr/bin/env python
+"""Gated diagonal attention on one GPU: effective bandwidth against the card's copy bandwidth,
+with flash-linear-attention's element-wise recurrences (``chunk_hgrn``, ``fused_recurrent_hgrn``)
+measured beside it in the same process.
+
+Byte model (minimal traffic; each tensor of B*T*H*D elements moved once, at its dtype's size):
+  forward          read q, k, v, g; write o                                   -> 5 tensors
+  forward+backward forward (5) + backward: read q, k, v, g, do;
+                   write dq, dk, dv, dg                                       -> 5 + 9 = 14 tensors
+The kernels' own extra traffic (a tile-carry workspace of 8 bytes per channel per BT tokens, the
+look-back reads, one g row re-read per tile in the backward) is real but not counted: the byte
+model is the ideal, so the fraction is a fraction of the best any kernel could do.
+Copy bandwidth: ``dst.copy_(src)`` of 2 GiB, bytes read + written, measured at the start of the run.
+
+FLA's hgrn computes ``h_t = exp(g_t) h_{t-1} + x_t, o_t = h_t`` on (B, T, W); we map our op at the
+same width W = H*D with ``x = k * v`` (precomputed, not timed) and the same log decay g. hgrn does
+less work than ours (it reads 2 tensors and writes 1; there is no q): its times are compared as
+times, and its own effective bandwidth is given with its own byte model (fwd: x, g read, o written
+= 3 tensors; fwd+bwd: 3 + read g, o, do and write dx, dg = 8 tensors).
+
+Usage: PYTHONPATH=src python benchmarks/diag_bench.py [--sweep] [--crossover] [--out DIR]
+Timing: CUDA events, L2 flushed (256 MB memset) before every repeat, median and [p20, p80].
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from delta_attn.ops.diag import triton_impl as ti  # noqa: E402
+from delta_attn.ops.diag.scan_ref import gated_diag_scan  # noqa: E402
+from delta_attn.testing import check  # noqa: E402
+
+SHAPES = [(8, 4096), (1, 32768), (1, 1 << 20)]
+H, D = 16, 128
+DT = torch.bfloat16
+_flush = None
+
+
+def bench(fn, budget_ms=400.0, max_reps=50):
+    """Median, p20, p80 in ms over repeats with L2 flushed before each."""
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    reps = int(max(3, min(max_reps, budget_ms / max(est, 1e-3))))
+    ts = []
+    for _ in range(reps):
+        _flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ts.append((s, e))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in ts)
+    pick = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))]
+    return pick(0.5), pick(0.2), pick(0.8)
+
+
+def copy_bandwidth():
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    med, lo, hi = bench(lambda: dst.copy_(src), max_reps=30)
+    del src, dst
+    return 2 * (1 << 31) / (med * 1e-3) / 1e12
+
+
+def env():
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()}
+    import triton
+    info["triton"] = triton.__version__
+    try:
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True).stdout.strip()
+    except OSError:
+        info["driver"] = "?"
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=os.path.dirname(__file__)).stdout.strip() or "?"
+    except OSError:
+        info["git"] = "?"
+    try:
+        import fla
+        info["fla"] = getattr(fla, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        info["fla"] = f"missing ({type(e).__name__})"
+    return info
+
+
+def inputs(b, t, seed=0):
+    g_ = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, t, H, D, device="cuda", dtype=DT, generator=g_) for _ in range(3))
+    g = (-torch.rand(b, t, H, D, device="cuda", generator=g_) * 0.1).to(DT)
+    do = torch.randn(b, t, H, D, device="cuda", dtype=DT, generator=g_)
+    return q, k, v, g, do
+
+
+def correct(q, k, v, g, do, fcfg=None, bcfg=None):
+    """Gate before timing: head 0 of the full run against the float64 scan (error rule, float32
+    scan as baseline). Returns a list of failures (empty = correct)."""
+    o, _, ws = ti.diag_fwd(q, k, v, g, config=fcfg)
+    dq, dk, dv, dg, _ = ti.diag_bwd(q, k, v, g, do, ws, config=bcfg, fwd_bt=(fcfg or ti.FWD_CONFIG).bt)
+    sl = lambda x: x[:, :, :1].contiguous()
+    o64, _, g64 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do))
+    o32, _, g32 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do), dtype=torch.float32)
+    bad = []
+    for name, x, r64, r32, kind in zip(["o", "dq", "dk", "dv", "dg"], [o, dq, dk, dv, dg],
+                                       [o64, *g64[:4]], [o32, *g32[:4]], ["fwd"] + ["grad"] * 4):
+        v_ = check(sl(x), r64, r32.to(x.dtype), kind=kind, name=name)
+        if not v_.ok:
+            bad.append(v_.message)
+    del o, ws, dq, dk, dv, dg, o64, g64, o32, g32
+    return bad
+
+
+def fla_rows(b, t, q, k, v, g, do):
+    try:
+        from fla.ops.hgrn import chunk_hgrn, fused_recurrent_hgrn
+    except Exception as e:  # noqa: BLE001
+        return {"chunk_hgrn": f"missing: {e}", "fused_recurrent_hgrn": f"missing: {e}"}
+    w = H * D
+    x = (k.float() * v.float()).to(DT).reshape(b, t, w).requires_grad_()
+    gg = g.reshape(b, t, w).clone().requires_grad_()
+    dox = do.reshape(b, t, w)
+    out = {}
+    for name, fn in (("chunk_hgrn", chunk_hgrn), ("fused_recurrent_hgrn", fused_recurrent_hgrn)):
+        try:
+            with torch.no_grad():
+                f = bench(lambda: fn(x, gg), budget_ms=300)
+
+            def fb():
+                o, _ = fn(x, gg)
+                torch.autograd.grad(o, (x, gg), dox)
+            fbt = bench(fb, budget_ms=300)
+            out[name] = {"fwd_ms": f, "fwdbwd_ms": fbt}
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"failed: {type(e).__name__}: {e}"[:300]
+    del x, gg
+    return out
+
+
+FWD_SWEEP = [ti.DiagConfig(32, 128, 8, 4), ti.DiagConfig(64, 128, 8, 4), ti.DiagConfig(64, 128, 8, 8),
+             ti.DiagConfig(128, 128, 8, 8), ti.DiagConfig(32, 64, 8, 4), ti.DiagConfig(64, 64, 8, 4),
+             ti.DiagConfig(128, 64, 8, 8), ti.DiagConfig(64, 128, 16, 8)]
+BWD_SWEEP = [ti.DiagConfig(32, 64, 8, 4), ti.DiagConfig(64, 64, 8, 8), ti.DiagConfig(64, 64, 8, 4),
+             ti.DiagConfig(32, 128, 8, 8), ti.DiagConfig(64, 32, 8, 4), ti.DiagConfig(128, 64, 8, 8),
+             ti.DiagConfig(64, 128, 8, 8)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="time several tile configs")
+    ap.add_argument("--crossover", action="store_true", help="cuDNN causal attention at 64K tokens per batch")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    info = env()
+    print(json.dumps(info))
+    bw = copy_bandwidth()
+    info["copy_TBps"] = bw
+    print(f"device-to-device copy: {bw:.3f} TB/s (read + written)")
+    print(f"defaults: fwd {ti.FWD_CONFIG}  bwd {ti.BWD_CONFIG}")
+    rows, sweep = [], []
+    for b, t in SHAPES:
+        q, k, v, g, do = inputs(b, t)
+        elems = b * t * H * D
+        fwd_bytes = elems * 2 * 5
+        fb_bytes = elems * 2 * 14
+        row = {"B": b, "T": t, "H": H, "D": D}
+        bad = correct(q, k, v, g, do)
+        row["correct"] = bad or "ok"
+        if bad:
+            print(f"B={b} T={t}: FAILED {bad}")
+        else:
+            f = bench(lambda: ti.diag_fwd(q, k, v, g))
+            o, _, ws = ti.diag_fwd(q, k, v, g)
+
+            def fwdbwd():
+                _, _, w_ = ti.diag_fwd(q, k, v, g)
+                ti.diag_bwd(q, k, v, g, do, w_)
+            fb = bench(fwdbwd)
+            bwd = bench(lambda: ti.diag_bwd(q, k, v, g, do, ws))
+            row.update(fwd_ms=f, fwdbwd_ms=fb, bwd_ms=bwd,
+                       fwd_TBps=fwd_bytes / (f[0] * 1e-3) / 1e12, fwdbwd_TBps=fb_bytes / (fb[0] * 1e-3) / 1e12)
+            row["fwd_frac"] = row["fwd_TBps"] / bw
+            row["fwdbwd_frac"] = row["fwdbwd_TBps"] / bw
+            print(f"B={b} T={t}: fwd {f[0]:.3f} ms [{f[1]:.3f}, {f[2]:.3f}] {row['fwd_TBps']:.2f} TB/s "
+                  f"({100 * row['fwd_frac']:.0f}% of copy); bwd {bwd[0]:.3f} ms; fwd+bwd {fb[0]:.3f} ms "
+                  f"{row['fwdbwd_TBps']:.2f} TB/s ({100 * row['fwdbwd_frac']:.0f}%)")
+            del o, ws
+        if a.sweep and t <= 32768:
+            sl = lambda x: x[:, :, :1].contiguous()
+            o64, _, _ = gated_diag_scan(*(sl(x) for x in (q, k, v, g)))
+            o32, _, _ = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), dtype=torch.float32)
+            for cfg in FWD_SWEEP:
+                try:
+                    ok = check(sl(ti.diag_fwd(q, k, v, g, config=cfg)[0]), o64, o32.to(DT)).message
+                    ms = bench(lambda: ti.diag_fwd(q, k, v, g, config=cfg), budget_ms=150)[0]
+                    sweep.append({"B": b, "T": t, "kind": "fwd", "cfg": str(cfg), "ms": ms,
+                                  "frac": fwd_bytes / (ms * 1e-3) / 1e12 / bw, "check": ok})
+                except Exception as e:  # noqa: BLE001
+                    sweep.append({"B": b, "T": t, "kind": "fwd", "cfg": str(cfg), "error": str(e)[:200]})
+                print("sweep", sweep[-1])
+            f32cfg = ti.DiagConfig(32, 128, 8, 4)
+            _, _, ws32 = ti.diag_fwd(q, k, v, g, config=f32cfg)
+            for cfg in BWD_SWEEP:
+                try:
+                    bad = correct(q, k, v, g, do, f32cfg, cfg) if t <= 32768 else []
+                    ms = bench(lambda: ti.diag_bwd(q, k, v, g, do, ws32, config=cfg, fwd_bt=32), budget_ms=150)[0]
+                    sweep.append({"B": b, "T": t, "kind": "bwd", "cfg": str(cfg), "ms": ms,
+                                  "frac_of_9": elems * 2 * 9 / (ms * 1e-3) / 1e12 / bw, "bad": bad})
+                except Exception as e:  # noqa: BLE001
+                    sweep.append({"B": b, "T": t, "kind": "bwd", "cfg": str(cfg), "error": str(e)[:200]})
+                print("sweep", sweep[-1])
+            del ws32, o64, o32
+        if not a.no_fla:
+            row["fla"] = fla_rows(b, t, q, k, v, g, do)
+            for name, r in row["fla"].items():
+                if isinstance(r, dict):
+                    w_elems = elems
+                    print(f"  {name}: fwd {r['fwd_ms'][0]:.3f} ms ({3 * w_elems * 2 / (r['fwd_ms'][0] * 1e-3) / 1e12:.2f}"
+                          f" TB/s own model), fwd+bwd {r['fwdbwd_ms'][0]:.3f} ms "
+                          f"({8 * w_elems * 2 / (r['fwdbwd_ms'][0] * 1e-3) / 1e12:.2f} TB/s own model)")
+                else:
+                    print(f"  {name}: {r}")
+        rows.append(row)
+        del q, k, v, g, do
+        torch.cuda.empty_cache()
+    cross = []
+    if a.crossover:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch.nn.functional as F
+        for s in (1024, 4096, 16384, 65536):
+            b = 65536 // s
+            qa, ka, va = (torch.randn(b, H, s, D, device="cuda", dtype=DT, requires_grad=True) for _ in range(3))
+            doa = torch.randn_like(qa)
+            r = {"S": s, "B": b}
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    with torch.no_grad():
+                        r["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True))[0]
+                    r["cudnn_fwdbwd"] = bench(lambda: torch.autograd.grad(
+                        F.scaled_dot_product_attention(qa, ka, va, is_causal=True), (qa, ka, va), doa))[0]
+            except Exception as e:  # noqa: BLE001
+                r["cudnn"] = f"failed: {e}"[:200]
+            del qa, ka, va, doa
+            q, k, v, g, do = inputs(b, s)
+            r["diag_fwd"] = bench(lambda: ti.diag_fwd(q, k, v, g))[0]
+
+            def fwdbwd():
+                _, _, w_ = ti.diag_fwd(q, k, v, g)
+                ti.diag_bwd(q, k, v, g, do, w_)
+            r["diag_fwdbwd"] = bench(fwdbwd)[0]
+            del q, k, v, g, do
+            cross.append(r)
+            print("crossover", r)
+    print("\n| B | T | fwd ms | fwd TB/s | % copy | fwd+bwd ms | fwd+bwd TB/s | % copy | chunk_hgrn fwd / fwd+bwd ms | fused_recurrent_hgrn fwd / fwd+bwd ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r["correct"] != "ok":
+            print(f"| {r['B']} | {r['T']} | FAILED | | | | | | | |")
+            continue
+        fl = r.get("fla", {})
+        cell = lambda n: (f"{fl[n]['fwd_ms'][0]:.3f} / {fl[n]['fwdbwd_ms'][0]:.3f}"
+                          if isinstance(fl.get(n), dict) else str(fl.get(n, "not run"))[:40])
+        print(f"| {r['B']} | {r['T']} | {r['fwd_ms'][0]:.3f} | {r['fwd_TBps']:.2f} | {100 * r['fwd_frac']:.0f}% | "
+              f"{r['fwdbwd_ms'][0]:.3f} | {r['fwdbwd_TBps']:.2f} | {100 * r['fwdbwd_frac']:.0f}% | "
+              f"{cell('chunk_hgrn')} | {cell('fused_recurrent_hgrn')} |")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "diag_bench.json"), "w") as fh:
+            json.dump({"env": info, "rows": rows, "sweep": sweep, "crossover": cross}, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
