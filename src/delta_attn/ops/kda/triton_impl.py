@@ -71,7 +71,7 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R, NC = B * T, chunk_t.shape[0]
-    dev, dt = q.device, q.dtype
+    dev, dt = q.device, _work_dtype(q.dtype)
     W = torch.empty(R, HV, K, dtype=dt, device=dev)
     QG, KD = torch.empty_like(W), torch.empty_like(W)
     U = torch.empty(R, HV, V, dtype=dt, device=dev)
@@ -90,6 +90,13 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
     return W, U, QG, KD, AQK, TM, GC
 
 
+def _work_dtype(dtype):
+    """Storage / tensor-core dtype of the chunk intermediates (W, U, qg, kd, states for the backward):
+    bf16 for bf16 inputs (bandwidth), fp32 otherwise (fp16's range and precision are too narrow for
+    the UT-transform products)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def _contig(*ts):
     return [None if t is None else t.contiguous() for t in ts]
 
@@ -106,8 +113,8 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     W, U, QG, KD, AQK, TM, GC = _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
-    HS = torch.empty(NC, HV, K, V, dtype=q.dtype, device=q.device) if store_states else None
-    VNEW = torch.empty(B * T, HV, V, dtype=q.dtype, device=q.device) if store_states else None
+    HS = torch.empty(NC, HV, K, V, dtype=W.dtype, device=q.device) if store_states else None
+    VNEW = torch.empty(B * T, HV, V, dtype=W.dtype, device=q.device) if store_states else None
     KP, BV = _blocks(K, V)
     if N > 0:
         _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](

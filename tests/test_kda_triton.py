@@ -1,0 +1,220 @@
+"""KDA on the Triton backend, run by the interpreter on CPU (fp32 / fp16; bf16 only on the GPU).
+
+Every result is compared with the float64 reference under the DESIGN error rule (the same
+computation in the input dtype, ``upcast=False``, is the baseline); outputs are poisoned first.
+"""
+import math
+
+import pytest
+import torch
+
+import delta_attn as da
+from delta_attn import reference as ref
+from delta_attn.backends import UnsupportedError
+from delta_attn.testing import assert_close
+
+pytestmark = pytest.mark.usefixtures("poisoned")
+
+
+def make(B, T, H, HV, K, V, dtype, gate=None, decay=None, h0=False, cu=None):
+    q = torch.randn(B, T, H, K, dtype=dtype)
+    k = (torch.randn(B, T, H, K) * K ** -0.5).to(dtype)   # |k| ~ 1: a stable delta rule without l2norm
+    v = torch.randn(B, T, HV, V, dtype=dtype)
+    if gate is None:
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K) + 2.0)
+        if decay is not None:      # strongly negative decays at random tokens / channels
+            hit = torch.rand(B, T, HV, K) < 0.15
+            g = torch.where(hit, torch.full_like(g, decay), g)
+        g = g.to(dtype)
+    else:
+        g = torch.randn(B, T, HV, K, dtype=dtype)
+    beta = torch.rand(B, T, HV, dtype=dtype)
+    kw = {}
+    if gate is not None:
+        kw["A_log"] = torch.randn(HV) * 0.5
+        kw["dt_bias"] = torch.randn(HV * K) * 0.5
+        if gate == "lower_bound":
+            kw["lower_bound"] = -5.0
+    n = B if cu is None else len(cu) - 1
+    if h0:
+        kw["initial_state"] = torch.randn(n, HV, K, V) * 0.5
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    return [q, k, v, g, beta], kw
+
+
+def run(backend, xs, kw, grad=False, seed=1, **opts):
+    """kda on a backend; with grad, (o, final, grads of every tensor input) for a random loss."""
+    names = [n for n in ("initial_state", "A_log", "dt_bias") if n in kw]
+    if backend == "ref64":
+        xs = [x.double() for x in xs]
+        kw = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in kw.items()}
+    if grad:
+        xs = [x.detach().clone().requires_grad_(True) for x in xs]
+        kw = {n: (t.detach().clone().requires_grad_(True) if n in names else t) for n, t in kw.items()}
+    if backend in ("ref64", "ref_low"):
+        o, s = ref.kda(*xs, **kw, upcast=backend == "ref64", **opts)
+    else:
+        o, s = da.kda(*xs, **kw, backend="triton", **opts)
+    if not grad:
+        return o, s, []
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen).to(o.dtype)).sum()
+    if s is not None:
+        loss = loss + (s * torch.randn(s.shape, generator=gen).to(s.dtype)).sum()
+    leaves = xs + [kw[n] for n in names]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return o, s, [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves, grads)]
+
+
+def check_all(xs, kw, grad=False, **opts):
+    out = run("triton", xs, kw, grad, **opts)
+    r64 = run("ref64", xs, kw, grad, **opts)
+    low = run("ref_low", xs, kw, grad, **opts)
+    assert_close(out[0], r64[0], low[0], name="o")
+    if out[1] is not None:
+        assert out[1].dtype == torch.float32
+        assert_close(out[1], r64[1], low[1], name="final_state")
+    names = ["dq", "dk", "dv", "dg", "dbeta"] + ["d_" + n for n in ("initial_state", "A_log", "dt_bias") if n in kw]
+    for name, a, b, c in zip(names, out[2], r64[2], low[2]):
+        assert_close(a, b, c, kind="grad", name=name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# forward at odd lengths, every option
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,dtype,opts", [
+    (1, torch.float32, dict()),
+    (17, torch.float16, dict(h0=True, l2=True, H=1, HV=2)),
+    (63, torch.float32, dict(gate="softplus", final=True)),
+    (65, torch.float16, dict(gate="lower_bound", l2=True, final=True)),
+    (130, torch.float32, dict(l2=True, H=2, HV=4, h0=True, final=True, K=32)),
+])
+def test_forward_odd_lengths(T, dtype, opts):
+    H, HV, K = opts.get("H", 1), opts.get("HV", 1), opts.get("K", 16)
+    xs, kw = make(1, T, H, HV, K, 16, dtype, gate=opts.get("gate"), h0=opts.get("h0", False))
+    check_all(xs, kw, use_qk_l2norm=opts.get("l2", False), output_final_state=opts.get("final", False),
+              scale=0.3 if T == 63 else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients (error rule, factor 3) for every differentiable input
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,dtype,gate", [
+    (17, torch.float32, None),
+    (33, torch.float32, "softplus"),
+    (20, torch.float16, "lower_bound"),
+])
+def test_gradients(T, dtype, gate):
+    xs, kw = make(1, T, 1, 2, 16, 32, dtype, gate=gate, h0=True)
+    check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+
+
+def test_varlen_with_empty_sequences_and_grads():
+    cu = [0, 5, 5, 22, 23, 40, 40]
+    xs, kw = make(1, 40, 1, 2, 16, 16, torch.float32, h0=True, cu=cu)
+    out = check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+    # zero-length sequences pass their state through unchanged, gradient included
+    assert torch.equal(out[1][1], kw["initial_state"][1])
+    assert torch.equal(out[1][5], kw["initial_state"][5])
+
+
+@pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float32), (-1e4, torch.float16), (-1e4, torch.float32)])
+def test_strong_decays(decay, dtype):
+    xs, kw = make(1, 37, 1, 1, 16, 16, dtype, decay=decay, h0=True)
+    out = check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+    for t in [out[0], out[1]] + out[2]:
+        assert torch.isfinite(t).all()
+
+
+def test_minus_inf_is_a_reset():
+    xs, kw = make(1, 40, 1, 1, 16, 16, torch.float32, h0=True)
+    xs[3][0, 20] = float("-inf")                   # every channel forgets at token 20
+    o, s, grads = run("triton", xs, kw, grad=True, output_final_state=True, use_qk_l2norm=True)
+    assert all(torch.isfinite(t).all() for t in [o, s] + grads)
+    # after the reset, the output equals a fresh run started at token 20 from a zero state
+    tail = [x[:, 20:].clone() for x in xs]
+    tail[3][0, 0] = 0.0
+    o2, s2, _ = run("triton", tail, {}, output_final_state=True, use_qk_l2norm=True)
+    torch.testing.assert_close(o[:, 20:], o2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s2, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# structural identities
+# ---------------------------------------------------------------------------------------------
+
+def step_all(xs, state, idx=None, chunk=16, **opts):
+    outs = []
+    T = xs[0].shape[1]
+    for t0 in range(0, T, chunk):
+        sl = [x[:, t0:t0 + chunk] for x in xs]
+        outs.append(da.kda_step(*sl, state, state_indices=idx, backend="triton", **opts))
+    return torch.cat(outs, 1)
+
+
+def test_chunked_equals_recurrent_and_halves():
+    xs, kw = make(2, 45, 2, 4, 16, 32, torch.float32, gate="softplus")
+    opts = dict(use_qk_l2norm=True, A_log=kw["A_log"], dt_bias=kw["dt_bias"])
+    o, s = da.kda(*xs, output_final_state=True, backend="triton", **opts)
+    # recurrent decode kernel over the whole sequence, 13 tokens per call, from a zero state
+    state = torch.zeros(2, 4, 16, 32)
+    o_rec = step_all(xs, state, chunk=13, **opts)
+    torch.testing.assert_close(o_rec, o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(state, s, atol=2e-5, rtol=1e-4)
+    # two halves with the state carried == one pass
+    a = [x[:, :23] for x in xs]
+    b = [x[:, 23:] for x in xs]
+    o1, s1 = da.kda(*a, output_final_state=True, backend="triton", **opts)
+    o2, s2 = da.kda(*b, initial_state=s1, output_final_state=True, backend="triton", **opts)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s2, s, atol=2e-5, rtol=1e-4)
+
+
+def test_prefill_then_decode_with_state_pool():
+    xs, kw = make(3, 29, 1, 2, 16, 16, torch.float32, decay=-1e4)
+    o_all, _ = da.kda(*xs, use_qk_l2norm=True, backend="triton")
+    pre = [x[:, :20] for x in xs]
+    _, s = da.kda(*pre, output_final_state=True, use_qk_l2norm=True, backend="triton")
+    pool = torch.full((7, 2, 16, 16), 123.0)
+    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
+    pool[idx.long()] = s
+    o_dec = step_all([x[:, 20:] for x in xs], pool, idx, chunk=1, use_qk_l2norm=True)
+    torch.testing.assert_close(o_dec, o_all[:, 20:], atol=2e-5, rtol=1e-4)
+    untouched = [1, 2, 4, 6]
+    assert (pool[untouched] == 123.0).all()
+    # and against the reference decode (torch backend), several tokens per call, fp16 inputs
+    xs16 = [x[:, :5].half() for x in xs]
+    p1 = torch.randn(7, 2, 16, 16)
+    p2 = p1.clone()
+    o1 = da.kda_step(*xs16, p1, state_indices=idx, use_qk_l2norm=True, backend="triton")
+    o2 = da.kda_step(*xs16, p2, state_indices=idx, use_qk_l2norm=True, backend="torch")
+    torch.testing.assert_close(o1, o2, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(p1, p2, atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# capability errors, custom op fake implementation
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("K,V", [(40, 16), (16, 272)])
+def test_unsupported_head_dim_is_a_named_error(K, V):
+    xs, _ = make(1, 3, 1, 1, K, V, torch.float32)
+    with pytest.raises(UnsupportedError, match="head dim"):
+        da.kda(*xs, backend="triton")
+
+
+def test_fake_implementation_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from delta_attn.ops.kda import triton_impl  # noqa: F401  (registers the custom ops)
+    with FakeTensorMode():
+        q = torch.empty(1, 50, 2, 32)
+        v = torch.empty(1, 50, 4, 16)
+        g = torch.empty(1, 50, 4, 32)
+        beta = torch.empty(1, 50, 4)
+        cu = torch.empty(4, dtype=torch.int32)
+        o, s = torch.ops.delta_attn.kda_chunk_fwd(q, q, v, g, beta, None, cu, None, None, 0.1, None, True, True)
+        assert o.shape == (1, 50, 4, 16) and s.shape == (3, 4, 32, 16) and s.dtype == torch.float32
