@@ -107,7 +107,8 @@ def dense_rows(shapes, methods, results, log, deadline=None):
                     results.append(row)
                     log(row)
                     continue
-                med, lo, hi = bench(lambda: fn(q, k, v, causal))
+                with torch.no_grad():      # inference forward
+                    med, lo, hi = bench(lambda: fn(q, k, v, causal))
                 row.update(fwd_ms=med, fwd_lo=lo, fwd_hi=hi, fwd_tflops=fl / med / 1e9)
 
                 def fb():
@@ -164,6 +165,21 @@ def varlen_rows(methods_names, results, log, lens=VARLEN_LENS, h=16, d=128):
                                                   is_causal=True).transpose(1, 2)
 
     fns = {n: backend_fn(n) for n in ("auto", "cudnn", "sdpa", "triton")}
+    from delta_attn.ops import cudnn as C
+
+    def knobs(**kw):
+        def run():
+            old = {k_: getattr(C, k_) for k_ in kw}
+            for k_, v_ in kw.items():
+                setattr(C, k_, v_)
+            try:
+                return fns["cudnn"]()
+            finally:
+                for k_, v_ in old.items():
+                    setattr(C, k_, v_)
+        return run
+    fns["cudnn[bottom_right]"] = knobs(TOP_LEFT_WHEN_EQUAL=False)
+    fns["cudnn[heur_B]"] = knobs(HEUR_MODES=("B", "FALLBACK"))
     fns.update(varlen_attn=varlen_attn_fn, cudnn_per_seq_loop=loop_fn, cudnn_padded_8192=padded_fn)
     # reference slice: the last 256 rows of the longest sequence, heads 0..1
     i = max(range(len(lens)), key=lambda j: lens[j])
@@ -190,7 +206,8 @@ def varlen_rows(methods_names, results, log, lens=VARLEN_LENS, h=16, d=128):
                 results.append(row)
                 log(row)
                 continue
-            med, lo, hi = bench(fn)
+            with torch.no_grad():          # inference forward (auto then sees no backward)
+                med, lo, hi = bench(fn)
             row.update(fwd_ms=med, fwd_lo=lo, fwd_hi=hi, fwd_tflops=useful / med / 1e9)
             if name == "cudnn_padded_8192":
                 def fb():
@@ -265,6 +282,31 @@ def small_call(results, log):
         log(row)
 
 
+def profile_small(out_dir, log):
+    """Where the host time of a small cudnn varlen forward goes."""
+    import cProfile
+    import io
+    import pstats
+    lens = [128, 77, 200, 64]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), 16, 128, device="cuda", dtype=DT) for _ in range(3))
+    with torch.no_grad():
+        for _ in range(20):
+            da.flash_attn_varlen_func(q, k, v, cu, cu, 200, 200, causal=True, backend="cudnn")
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(300):
+            da.flash_attn_varlen_func(q, k, v, cu, cu, 200, 200, causal=True, backend="cudnn")
+        pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+    with open(os.path.join(out_dir, "profile_small.txt"), "w") as f:
+        f.write(buf.getvalue())
+    log(dict(kind="profile_small", top=buf.getvalue()[:3000]))
+
+
 def fmt(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -321,9 +363,9 @@ def main():
     if args.quick:
         shapes = shapes[1:2]
     varlen_methods = ["auto", "cudnn", "sdpa"] + (["triton"] if "flash_varlen" in BACKENDS["triton"].capabilities
-                                                  else []) + ["varlen_attn", "cudnn_per_seq_loop",
-                                                              "cudnn_padded_8192"]
-    for section in ("varlen", "cache", "small", "dense"):
+                                                  else []) + ["cudnn[bottom_right]", "cudnn[heur_B]", "varlen_attn",
+                                                              "cudnn_per_seq_loop", "cudnn_padded_8192"]
+    for section in ("varlen", "cache", "small", "profile", "dense"):
         try:
             if section == "varlen":
                 varlen_rows(varlen_methods, results, log)
@@ -332,6 +374,8 @@ def main():
                 cache_loop(results, log, steps=6 if args.quick else 12, layout="htd")
             elif section == "small":
                 small_call(results, log)
+            elif section == "profile":
+                profile_small(args.out, log)
             elif section == "dense" and not args.skip_dense:
                 dense_rows(shapes, methods, results, log, deadline=start + args.budget_s)
         except Exception:   # noqa: BLE001

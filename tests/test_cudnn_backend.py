@@ -25,6 +25,7 @@ def fake_gpu(monkeypatch):
     real = B.package_available
     monkeypatch.setattr(B, "package_available", lambda m: state["frontend"] if m == "cudnn" else real(m))
     monkeypatch.setattr(C, "_torch_cudnn_version", lambda: 91900)
+    monkeypatch.setattr(C, "frontend_error", lambda: None)
     return state
 
 

@@ -161,3 +161,23 @@ def test_auto_on_gpu_explains_choice():
     ex = da.explain(da.flash_attn_func, q, q, q, causal=True)
     assert ex.chosen in ("cudnn", "triton", "sdpa")
     assert "policy:" in str(ex)
+
+
+@needs_frontend
+def test_cudnn_varlen_htd_through_transposed_copy(monkeypatch):
+    from delta_attn.ops import cudnn as C
+    monkeypatch.setattr(C, "HTD_MAX_TOTALS", 0)        # every new "htd" total goes through the thd graphs
+    _varlen("cudnn", LQ, LK, 4, 2, 64, True, layout="htd")
+
+
+@needs_frontend
+def test_cudnn_deterministic_backward_is_bitwise_repeatable():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=DT, requires_grad=True) for _ in range(3))
+    grads = []
+    for _ in range(2):
+        out = da.flash_attn_func(q, k, v, causal=True, deterministic=True, backend="cudnn")
+        gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        grads.append((gq, gk, gv))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -42,6 +42,15 @@ CUDNN_FRONTEND_HINT = ("pip install 'delta-attn[cudnn]' (nvidia-cudnn-frontend; 
 #   i + Sk - Sq - left_bound < j <= i + Sk - Sq + right_bound   (BOTTOM_RIGHT alignment)
 # so our window_size[0] = wl maps to left_bound = wl + 1 and window_size[1] = wr to right_bound = wr.
 LEFT_BOUND_OFFSET = 1
+# When every sequence has Sq == Sk (one cu_seqlens tensor for both, or a dense call with Sq == Sk),
+# top-left and bottom-right alignment are the same mask; the graph is then built TOP_LEFT.
+TOP_LEFT_WHEN_EQUAL = True
+# cuDNN heuristics modes used to rank the engines of a graph (first that builds wins)
+HEUR_MODES = ("A", "FALLBACK")
+# "htd" graphs are keyed on the exact token totals (their head strides); after this many distinct
+# totals for one signature without a cached graph, the call is transposed to "thd" instead (two
+# copies per tensor, ~1-2% of the attention time) so that changing totals stop rebuilding graphs.
+HTD_MAX_TOTALS = 4
 
 # ---------------------------------------------------------------------------------------------
 # capability declarations
@@ -81,6 +90,20 @@ def _cudnn_library_reasons(min_version: int) -> List[str]:
     return []
 
 
+_frontend_error: List[Optional[str]] = []
+
+
+def frontend_error() -> Optional[str]:
+    """Why the installed cudnn-frontend cannot be imported (None when it can). Imported once, lazily."""
+    if not _frontend_error:
+        try:
+            import cudnn  # noqa: F401
+            _frontend_error.append(None)
+        except Exception as e:   # noqa: BLE001 — e.g. a missing library or dependency
+            _frontend_error.append(f"cudnn-frontend is installed but does not import ({type(e).__name__}: {e})")
+    return _frontend_error[0]
+
+
 def _check_cudnn_dense(call: Call) -> List[str]:
     if call.device.type != "cuda":
         return []
@@ -90,6 +113,8 @@ def _check_cudnn_dense(call: Call) -> List[str]:
         if not B.package_available("cudnn"):
             reasons.append(f"{', '.join(what)} on dense calls need cudnn-frontend graphs: nvidia-cudnn-frontend not "
                            f"installed — {CUDNN_FRONTEND_HINT}")
+        elif frontend_error():
+            reasons.append(frontend_error())
         cc = B.device_capability(call.device)
         if cc is not None and cc < (9, 0):
             reasons.append(f"{', '.join(what)} on dense calls use ragged cuDNN graphs, which need compute "
@@ -98,7 +123,12 @@ def _check_cudnn_dense(call: Call) -> List[str]:
 
 
 def _check_cudnn_varlen(call: Call) -> List[str]:
-    return _cudnn_library_reasons(90600) if call.device.type == "cuda" else []
+    if call.device.type != "cuda":
+        return []
+    reasons = _cudnn_library_reasons(90600)
+    if B.package_available("cudnn") and frontend_error():
+        reasons.append(frontend_error())
+    return reasons
 
 
 def _sdpa_head_dims(dims: Tuple[int, ...]) -> Optional[str]:
@@ -285,6 +315,8 @@ class _Spec:
     tk: int
     backward: bool
     deterministic: bool
+    top_left: bool = False
+    heur: Tuple[str, ...] = ("A", "FALLBACK")
 
 
 def _strides(spec: _Spec, heads: int, dim: int, s: int, total: int):
@@ -323,7 +355,8 @@ def _build(spec: _Spec) -> _Graph:
     k = data("k", _K, spec.hk, spec.d, spec.sk, spec.tk, rk)
     v = data("v", _V, spec.hk, spec.dv, spec.sk, spec.tk, rv)
     mask = dict(attn_scale=spec.scale, use_padding_mask=True, seq_len_q=slq, seq_len_kv=slk,
-                diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+                diagonal_alignment=(cudnn.diagonal_alignment.TOP_LEFT if spec.top_left
+                                    else cudnn.diagonal_alignment.BOTTOM_RIGHT),
                 diagonal_band_left_bound=spec.left, diagonal_band_right_bound=spec.right)
     o_dims, o_strides = [nb, spec.hq, spec.sq, spec.dv], _strides(spec, spec.hq, spec.dv, spec.sq, spec.tq)
     st_dims, st_strides = [nb, spec.hq, spec.sq, 1], [spec.sq * spec.hq, 1, spec.hq, 1]   # (Tq, Hq) token-major
@@ -350,7 +383,7 @@ def _build(spec: _Spec) -> _Graph:
         uids = (_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV, _SLQ, _SLK, _RQ, _RK, _RV, _RO, _RS)
     g.validate()
     g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in spec.heur])
     g.check_support()
     g.build_plans()
     return _Graph(g, uids, int(g.get_workspace_size()))
@@ -475,6 +508,7 @@ class _Call:
     scale: float
     window: Tuple[int, int]
     deterministic: bool
+    equal_lengths: bool = False      # Sq == Sk in every sequence
 
     def spec(self, dtype, device, nb, backward) -> _Spec:
         left, right = _bounds(self.window, bucket_len(self.max_sk))
@@ -487,7 +521,7 @@ class _Call:
         return _Spec(device.index if device.index is not None else torch.cuda.current_device(), dtype,
                      self.hq, self.hk, self.d, self.dv, self.layout, left, right, float(self.scale), nb,
                      bucket_len(self.max_sq), bucket_len(self.max_sk), tq, tk, backward,
-                     self.deterministic and backward)
+                     self.deterministic and backward, TOP_LEFT_WHEN_EQUAL and self.equal_lengths, tuple(HEUR_MODES))
 
 
 def _token_dim(layout: str) -> int:
@@ -578,17 +612,38 @@ def _lse_from_stats(stats: torch.Tensor, m: _Meta) -> torch.Tensor:
     return lse
 
 
+_htd_totals: Dict[tuple, set] = {}
+
+
+def _htd_as_thd(c: "_Call", dtype, device, nb) -> bool:
+    """Whether an "htd" call goes through a transposed copy (see HTD_MAX_TOTALS)."""
+    if c.spec(dtype, device, nb, False) in _graphs:
+        return False
+    sig = (c.hq, c.hk, c.d, c.dv, c.window, c.scale, dtype, device)
+    seen = _htd_totals.setdefault(sig, set())
+    seen.add((c.tq, c.tk))
+    return len(seen) > HTD_MAX_TOTALS
+
+
 def _ragged(a: AttnArgs):
     vl = a.varlen
     layout = vl.layout
-    q, k, v = (_packed(t, layout) for t in (a.q, a.k, a.v))
-    tdim = _token_dim(layout)
     hq, hk = a.heads
-    c = _Call(layout, hq, hk, q.shape[-1], v.shape[-1], q.shape[tdim], k.shape[tdim], vl.max_seqlen_q,
-              vl.max_seqlen_k, a.softmax_scale, a.window, a.deterministic)
-    m = _prepare(vl.cu_seqlens_q, vl.cu_seqlens_k, c.tq, c.tk, a.window[1], bucket_batch(vl.num_seqs), None)
+    tdim = _token_dim(layout)
+    equal = vl.cu_seqlens_q is vl.cu_seqlens_k
+    c = _Call(layout, hq, hk, a.q.shape[-1], a.v.shape[-1], a.q.shape[tdim], a.k.shape[tdim], vl.max_seqlen_q,
+              vl.max_seqlen_k, a.softmax_scale, a.window, a.deterministic, equal)
+    nb = bucket_batch(vl.num_seqs)
+    q, k, v = a.q, a.k, a.v
+    transposed = layout == "htd" and _htd_as_thd(c, q.dtype, q.device, nb)
+    if transposed:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        c = _Call("thd", *[getattr(c, f) for f in ("hq", "hk", "d", "dv", "tq", "tk", "max_sq", "max_sk", "scale",
+                                                   "window", "deterministic", "equal_lengths")])
+    q, k, v = (_packed(t, c.layout) for t in (q, k, v))
+    m = _prepare(vl.cu_seqlens_q, vl.cu_seqlens_k, c.tq, c.tk, a.window[1], nb, None)
     out, stats = CudnnVarlenFunction.apply(q, k, v, c, m)
-    return out, _lse_from_stats(stats, m)
+    return (out.transpose(0, 1) if transposed else out), _lse_from_stats(stats, m)
 
 
 _dense_cu: Dict[tuple, torch.Tensor] = {}
@@ -612,7 +667,8 @@ def _dense_graph(a: AttnArgs):
     v = _packed(a.v, "thd").view(b * sk, hk, a.v.shape[-1])
     wl, wr = a.window
     shift = sq if sk == 0 else (max(0, min(sq, sq - sk - wr)) if wr >= 0 else 0)
-    c = _Call("thd", hq, hk, d, v.shape[-1], b * sq, b * sk, sq, sk, a.softmax_scale, a.window, a.deterministic)
+    c = _Call("thd", hq, hk, d, v.shape[-1], b * sq, b * sk, sq, sk, a.softmax_scale, a.window, a.deterministic,
+              sq == sk)
     m = _prepare(cu(sq), cu(sk), c.tq, c.tk, wr, bucket_batch(b), shift)
     out, stats = CudnnVarlenFunction.apply(q, k, v, c, m)
     lse = _lse_from_stats(stats, m).view(hq, b, sq).permute(1, 0, 2)
