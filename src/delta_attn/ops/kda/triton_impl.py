@@ -17,16 +17,6 @@ from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _k
 from .recurrent import _kda_step_kernel
 
 BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
-MAX_HEAD_DIM = 256
-
-
-def head_dims_reason(dims) -> Optional[str]:
-    """Capability check: K and V must be multiples of 16 up to 256."""
-    kd, vd = dims
-    for name, d in (("K", kd), ("V", vd)):
-        if d % 16 != 0 or d > MAX_HEAD_DIM:
-            return f"head dim {name} = {d} unsupported: the triton KDA kernels need a multiple of 16 up to {MAX_HEAD_DIM}"
-    return None
 
 
 def _gate_mode(A_log, lower_bound) -> int:
@@ -38,32 +28,38 @@ def _gate_mode(A_log, lower_bound) -> int:
 def _index_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device):
     """seq_info (N, 3) = (first row, length, first chunk); chunk_info (NC, 3) = (seq, first row, length)."""
     if cu_seqlens is None:
-        bounds = [(b * T, (b + 1) * T) for b in range(B)]
+        starts = torch.arange(B, dtype=torch.int64) * T
+        lens = torch.full((B,), T, dtype=torch.int64)
     else:
-        cu = cu_seqlens.tolist()
-        bounds = list(zip(cu[:-1], cu[1:]))
-    seq, chunks = [], []
-    for n, (s0, s1) in enumerate(bounds):
-        seq.append((s0, s1 - s0, len(chunks)))
-        for t0 in range(s0, s1, BT):
-            chunks.append((n, t0, min(BT, s1 - t0)))
-    seq_t = torch.tensor(seq, dtype=torch.int32).view(-1, 3).to(device)
-    chunk_t = torch.tensor(chunks, dtype=torch.int32).view(-1, 3).to(device)
-    return seq_t, chunk_t
-
-
-def _ncmax(seq_t) -> int:
-    return int(triton.cdiv(int(seq_t[:, 1].max()), BT)) if seq_t.numel() else 0
+        cu = cu_seqlens.to("cpu", torch.int64)
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    nch = (lens + BT - 1) // BT
+    first = torch.cumsum(nch, 0) - nch
+    seq_t = torch.stack([starts, lens, first], 1)
+    seq_id = torch.repeat_interleave(torch.arange(len(lens)), nch)
+    local = torch.arange(int(nch.sum())) - first[seq_id]
+    t0 = starts[seq_id] + local * BT
+    chunk_t = torch.stack([seq_id, t0, torch.clamp(lens[seq_id] - local * BT, max=BT)], 1)
+    ncmax = int(nch.max()) if len(nch) else 0
+    return seq_t.to(torch.int32).to(device), chunk_t.to(torch.int32).to(device), ncmax
 
 
 def _pow2(x: int) -> int:
     return triton.next_power_of_2(x)
 
 
-def _blocks(K: int, V: int):
+# launch settings (the benchmark's tuning pass edits these)
+CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=4, scan_stages=3, bwd_scan_warps=4, intra_bk=16,
+              intra_warps=4, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64)
+
+
+def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs"):
+    """State block K x BV (fp32 in registers): the widest BV <= 64 (and K*BV <= 8192) that still gives
+    ``min_programs`` programs over sequences x heads x V blocks."""
     KP = _pow2(K)
-    BV = min(_pow2(V), max(16, 8192 // KP))          # state block K x BV fp32 in registers
-    BV = min(BV, 64)
+    BV = min(_pow2(V), 64, max(16, 8192 // KP))
+    while BV > 16 and programs_per_vblock * triton.cdiv(V, BV) < CONFIG[key]:
+        BV //= 2
     return KP, BV
 
 
@@ -84,9 +80,9 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
             q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
             chunk_t, W, U, QG, KD, AQK, TM, GC,
             float(scale), float(lower_bound or 0.0), H, HV,
-            K=K, V=V, BT=BT, BK=min(32, _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
+            K=K, V=V, BT=BT, BK=min(CONFIG["prep_bk"], _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
             GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR,
-            num_warps=4)
+            num_warps=CONFIG["prep_warps"])
     return W, U, QG, KD, AQK, TM, GC
 
 
@@ -108,21 +104,22 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     q, k, v, g, beta, initial_state = _contig(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    seq_t, chunk_t = _index_tables(B, T, cu_seqlens, q.device)
+    seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device)
     N, NC = seq_t.shape[0], chunk_t.shape[0]
     W, U, QG, KD, AQK, TM, GC = _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
     HS = torch.empty(NC, HV, K, V, dtype=W.dtype, device=q.device) if store_states else None
     VNEW = torch.empty(B * T, HV, V, dtype=W.dtype, device=q.device) if store_states else None
-    KP, BV = _blocks(K, V)
+    KP, BV = _blocks(K, V, N * HV)
     if N > 0:
         _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
             W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
-            VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, _ncmax(seq_t),
+            VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
             K=K, V=V, BT=BT, KP=KP, BV=BV, USE_H0=initial_state is not None,
-            STORE_FINAL=final is not None, STORE_H=store_states, num_warps=4)
-    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t) if store_states else None
+            STORE_FINAL=final is not None, STORE_H=store_states, num_warps=CONFIG["scan_warps"],
+            num_stages=CONFIG["scan_stages"])
+    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax) if store_states else None
     return o, final, saved
 
 
@@ -134,11 +131,11 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R = B * T
-    _, _, (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t) = kda_fwd(
+    _, _, (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax) = kda_fwd(
         q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
         False, store_states=True)
     N, NC = seq_t.shape[0], chunk_t.shape[0]
-    KP, BV = _blocks(K, V)
+    KP, BV = _blocks(K, V, N * HV, "bwd_min_programs")
     NV = triton.cdiv(V, BV)
     dev = q.device
     f32 = torch.float32
@@ -151,8 +148,9 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     if N > 0:
         _kda_bwd_scan_kernel[(NV, N, HV)](
             W, QG, KD, AQK, GC, HS, VNEW, do, dht if dht is not None else q, seq_t,
-            DU, DQG, DKD, DW, DAQK, DGC, dh0 if dh0 is not None else q, R, NC, HV, _ncmax(seq_t),
-            K=K, V=V, BT=BT, KP=KP, BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=4)
+            DU, DQG, DKD, DW, DAQK, DGC, dh0 if dh0 is not None else q, R, NC, HV, ncmax,
+            K=K, V=V, BT=BT, KP=KP, BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+            num_warps=CONFIG["bwd_scan_warps"], num_stages=CONFIG["scan_stages"])
     dq_h = empty((B, T, HV, K), f32, dev)
     dk_h = empty((B, T, HV, K), f32, dev)
     dv = empty((B, T, HV, V), v.dtype, dev)
@@ -164,9 +162,9 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             chunk_t, TM, GC, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal,
             float(scale), float(lower_bound or 0.0), R, NC, H, HV, NV,
-            K=K, V=V, BT=BT, BK=min(16, _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
+            K=K, V=V, BT=BT, BK=min(CONFIG["intra_bk"], _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
             GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR,
-            num_warps=4)
+            num_warps=CONFIG["intra_warps"])
     G = HV // H
     dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
     dk = (dk_h.view(B, T, H, G, K).sum(3) if G > 1 else dk_h).to(k.dtype)
@@ -285,14 +283,15 @@ def kda_step_fwd(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, 
     HV, V = v.shape[2], v.shape[3]
     o = empty((B, T, HV, V), v.dtype, q.device)
     KP = _pow2(K)
-    BV = min(_pow2(V), 32 if KP <= 128 else 16)
+    BV = min(_pow2(V), CONFIG["step_bv"] if KP <= 128 else CONFIG["step_bv"] // 2)
     if B > 0:
         _kda_step_kernel[(triton.cdiv(V, BV), B, HV)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             state, state_indices if state_indices is not None else q, o,
             float(scale), float(lower_bound or 0.0), T, H, HV,
             K=K, V=V, KP=KP, BV=BV, L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound),
-            HAS_DT_BIAS=dt_bias is not None, HAS_IDX=state_indices is not None, num_warps=4)
+            HAS_DT_BIAS=dt_bias is not None, HAS_IDX=state_indices is not None,
+            num_warps=CONFIG["step_warps"])
     return o
 
 

@@ -1,0 +1,305 @@
+"""KDA benchmark: delta-attn's Triton kernels side by side with flash-linear-attention (fla-core).
+
+H = 16, K = V = 128, bf16, q/k L2-normed in kernel. Rows: forward and forward+backward at
+(B=8, T=4096) and (B=1, T=32768) against ``fla.ops.kda.chunk_kda``; decode (B=64, one token,
+fp32 state) against ``fla.ops.kda.fused_recurrent_kda``; the cold start (first forward+backward in a
+fresh process, compile included); optionally the crossover with cuDNN causal attention at 64K tokens
+per batch. Correctness is checked before timing (a failing row prints FAILED, no speed).
+
+    PYTHONPATH=src python benchmarks/kda_bench.py [--crossover] [--cold] [--tune] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import delta_attn as da
+
+H, K, V = 16, 128, 128
+DEV = "cuda"
+
+
+def env() -> dict:
+    info = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                cudnn=torch.backends.cudnn.version(), gpu=torch.cuda.get_device_name(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    try:
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        info["driver"] = "?"
+    try:
+        import fla
+        info["fla"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        info["fla"] = "not installed"
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        info["git"] = "?"
+    return info
+
+
+def inputs(B, T, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(B, T, H, K, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(B, T, H, K, device=DEV) + 3.0).to(torch.bfloat16)   # typical decays
+    beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16)
+    return q, k, v, g, beta
+
+
+def ours(q, k, v, g, beta):
+    return da.kda(q, k, v, g, beta, use_qk_l2norm=True, backend="triton")[0]
+
+
+def fla_chunk(q, k, v, g, beta):
+    from fla.ops.kda import chunk_kda
+    return chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def bench(fn, reps=None):
+    ms = do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
+    return ms   # median, p20, p80 (ms)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def fwd_bwd(fn, xs, do):
+    xs = [x.detach().requires_grad_(True) for x in xs]
+
+    def step():
+        for x in xs:
+            x.grad = None
+        fn(*xs).backward(do)
+    return step, xs
+
+
+def grads(fn, xs, do):
+    step, leaves = fwd_bwd(fn, xs, do)
+    step()
+    return [x.grad for x in leaves]
+
+
+def check_forward(B, T):
+    """Our forward vs the fp64 reference under the error rule (baseline: the bf16 reference)."""
+    from delta_attn import reference as ref
+    from delta_attn.testing import check
+    Bc = min(B, 1)
+    xs = [x[:Bc, :T, :2] for x in inputs(B, T, seed=1)]     # 2 heads of the same shape (reference is slow)
+    o = da.kda(*xs, use_qk_l2norm=True, backend="triton")[0]
+    r64 = ref.kda(*[x.double() for x in xs], use_qk_l2norm=True)[0]
+    low = ref.kda(*xs, use_qk_l2norm=True, upcast=False)[0]
+    return check(o, r64, low, name=f"o T={T}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--crossover", action="store_true")
+    ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--check-long", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--cold-only", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    info = env()
+    print(json.dumps(info))
+    rows = []
+    try:
+        import fla  # noqa: F401
+        have_fla = True
+    except ImportError:
+        have_fla = False
+
+    # ---------------------------------------------------------------------------------- cold start
+    if args.cold or args.cold_only:
+        code = ("import time,torch;t=time.time();import delta_attn as da;"
+                "import sys;sys.path.insert(0,'benchmarks');from kda_bench import inputs,ours;"
+                "xs=[x.requires_grad_(True) for x in inputs(8,4096)];o=ours(*xs);o.sum().backward();"
+                "torch.cuda.synchronize();print('COLD',time.time()-t)")
+        import tempfile
+        envc = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="kda_cold_"))
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=envc)
+        row = dict(cold_start_s=time.time() - t0, inner=r.stdout.strip()[-200:], err=r.stderr[-500:])
+        print(json.dumps(row))
+        rows.append(row)
+
+    if args.cold_only:
+        return
+    # ---------------------------------------------------------------------------------- correctness
+    for T in ((4096, 32768) if args.check_long else (4096,)):
+        v = check_forward(1, T)
+        print("check", v.message, "OK" if v.ok else "FAILED")
+
+    # ---------------------------------------------------------------------------------- ours first
+    keep = {}
+    for B, T in ((8, 4096), (1, 32768)):
+        xs = inputs(B, T)
+        do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+        row = dict(B=B, T=T)
+        with torch.no_grad():
+            o = ours(*xs)
+        g1 = grads(ours, xs, do)
+        row["ok"] = all(torch.isfinite(t).all().item() for t in g1) and torch.isfinite(o).all().item()
+        keep[(B, T)] = (o, g1)
+        if row["ok"]:
+            with torch.no_grad():
+                row["ours_fwd_ms"] = bench(lambda: ours(*xs))
+            step, _ = fwd_bwd(ours, xs, do)
+            row["ours_fwdbwd_ms"] = bench(step)
+        print(json.dumps(row))
+        rows.append(row)
+        torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------------------------- decode
+    Bd = 64
+    xs = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
+    state = torch.randn(Bd, H, K, V, device=DEV) * 0.1
+    s1, s2 = state.clone(), state.clone()
+    o1 = da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")
+    o2 = da.kda_step(*xs, s2, use_qk_l2norm=True, backend="torch")
+    drow = dict(decode_B=Bd, ok=rel_err(o1, o2) < 2e-2 and rel_err(s1, s2) < 1e-3,
+                rel_err_o=rel_err(o1, o2), rel_err_state=rel_err(s1, s2))
+    nbytes = 2 * state.numel() * 4
+    drow["ours_us"] = [t * 1e3 for t in bench(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton"))]
+    drow["ours_TBps"] = nbytes / (drow["ours_us"][0] * 1e-6) / 1e12
+    print(json.dumps(drow))
+
+    # ---------------------------------------------------------------------------------- FLA, same run
+    if have_fla and not args.no_fla:
+      try:
+        from fla.ops.kda import fused_recurrent_kda
+        s3 = state.clone()
+
+        def fla_dec():
+            return fused_recurrent_kda(*xs, initial_state=s3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        of, _ = fla_dec()
+        drow["fla_rel_err_o"] = rel_err(of, o2)
+        s3.copy_(state)
+        drow["fla_us"] = [t * 1e3 for t in bench(fla_dec)]
+        drow["fla_TBps"] = nbytes / (drow["fla_us"][0] * 1e-6) / 1e12
+        drow["decode_speedup"] = drow["fla_us"][0] / drow["ours_us"][0]
+        print(json.dumps(drow))
+        for row in rows:
+            B, T = row["B"], row["T"]
+            xs_ = inputs(B, T)
+            do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+            o, g1 = keep[(B, T)]
+            t0 = time.time()
+            with torch.no_grad():
+                of = fla_chunk(*xs_)
+            row["fla_first_fwd_s"] = time.time() - t0
+            row["fwd_rel_err_vs_fla"] = rel_err(o, of)
+            with torch.no_grad():
+                row["fla_fwd_ms"] = bench(lambda: fla_chunk(*xs_))
+            if "ours_fwd_ms" in row:
+                row["fwd_speedup"] = row["fla_fwd_ms"][0] / row["ours_fwd_ms"][0]
+            print(json.dumps(row))
+        for row in rows:
+            B, T = row["B"], row["T"]
+            xs_ = inputs(B, T)
+            do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+            o, g1 = keep[(B, T)]
+            t0 = time.time()
+            g2 = grads(fla_chunk, xs_, do)
+            row["fla_first_fwdbwd_s"] = time.time() - t0
+            row["grad_rel_err_vs_fla"] = {n: rel_err(a, b) for n, a, b in zip("q k v g beta".split(), g1, g2)}
+            del g2
+            step, _ = fwd_bwd(fla_chunk, xs_, do)
+            row["fla_fwdbwd_ms"] = bench(step)
+            if "ours_fwdbwd_ms" in row:
+                row["fwdbwd_speedup"] = row["fla_fwdbwd_ms"][0] / row["ours_fwdbwd_ms"][0]
+            print(json.dumps(row))
+      except Exception as e:  # noqa: BLE001
+        print("FLA FAILED", repr(e)[:2000])
+    rows.append(drow)
+    del keep
+
+    # ---------------------------------------------------------------------------------- tuning variants
+    if args.tune:
+        from delta_attn.ops.kda import triton_impl as ti
+        base = dict(ti.CONFIG)
+        variants = [dict(scan_warps=8), dict(scan_stages=2), dict(prep_warps=8), dict(prep_bk=32),
+                    dict(intra_warps=8), dict(bwd_scan_warps=8), dict(min_programs=128), dict(min_programs=512),
+                    dict(step_bv=64), dict(step_warps=2)]
+        for var in variants:
+            ti.CONFIG.clear()
+            ti.CONFIG.update(base, **var)
+            res = dict(variant=var)
+            try:
+                for B, T in ((8, 4096), (1, 32768)):
+                    xs = inputs(B, T)
+                    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+                    if "step" in next(iter(var)):
+                        continue
+                    with torch.no_grad():
+                        res[f"fwd_{B}x{T}"] = bench(lambda: ours(*xs))[0]
+                    step, _ = fwd_bwd(ours, xs, do)
+                    res[f"fwdbwd_{B}x{T}"] = bench(step)[0]
+                if "step" in next(iter(var)):
+                    xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
+                    res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
+            except Exception as e:  # noqa: BLE001
+                res["error"] = repr(e)[:300]
+            print(json.dumps(res))
+            rows.append(res)
+        ti.CONFIG.clear()
+        ti.CONFIG.update(base)
+
+    # ---------------------------------------------------------------------------------- crossover vs cuDNN
+    if args.crossover:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for S in (1024, 4096, 16384, 65536, 131072):
+            B = max(1, 65536 // S)
+            row = dict(crossover_S=S, B=B)
+            q = torch.randn(B, H, S, 128, device=DEV, dtype=torch.bfloat16)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                with torch.no_grad():
+                    row["cudnn_fwd_ms"] = bench(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))[0]
+                qq = q.detach().requires_grad_(True)
+                dd = torch.randn_like(q)
+                row["cudnn_fwdbwd_ms"] = bench(lambda: F.scaled_dot_product_attention(qq, qq, qq, is_causal=True).backward(dd))[0]
+            del q, qq, dd
+            xs = inputs(B, S)
+            do = torch.randn(B, S, H, V, device=DEV, dtype=torch.bfloat16)
+            with torch.no_grad():
+                row["kda_fwd_ms"] = bench(lambda: ours(*xs))[0]
+            step, _ = fwd_bwd(ours, xs, do)
+            row["kda_fwdbwd_ms"] = bench(step)[0]
+            print(json.dumps(row))
+            rows.append(row)
+            del xs, do
+            torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
+        json.dump(dict(env=info, rows=rows), f, indent=1)
+    # short table
+    print("\n| shape | ours fwd ms | FLA fwd ms | x | ours fwd+bwd ms | FLA fwd+bwd ms | x |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "ours_fwd_ms" in r:
+            print(f"| B={r['B']} T={r['T']} | {r['ours_fwd_ms'][0]:.3f} | {r.get('fla_fwd_ms', [float('nan')])[0]:.3f} | "
+                  f"{r.get('fwd_speedup', float('nan')):.2f} | {r['ours_fwdbwd_ms'][0]:.3f} | "
+                  f"{r.get('fla_fwdbwd_ms', [float('nan')])[0]:.3f} | {r.get('fwdbwd_speedup', float('nan')):.2f} |")
+        if "decode_B" in r:
+            print(f"decode B=64: ours {r['ours_us'][0]:.1f} us {r['ours_TBps']:.2f} TB/s; FLA "
+                  f"{r.get('fla_us', [float('nan')])[0]:.1f} us {r.get('fla_TBps', float('nan')):.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
