@@ -97,7 +97,7 @@ def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W
         # per channel the nearest inclusive map; every map up to it must be published
         first_stop = tl.min(tl.where(ready & (a == 0.0), i[:, None], W), axis=0)
         need = (i[:, None] <= first_stop[None, :]) & (done == 0)[None, :]
-        missing = tl.max((need & (ready == 0)).to(tl.int32), axis=0)
+        missing = tl.max(tl.max((need & (ready == 0)).to(tl.int32), axis=1), axis=0)
         if missing == 0:
             am = tl.where(need, a, 1.0)
             bm = tl.where(need, b, 0.0)
@@ -157,7 +157,14 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
     cmask = cols < D
     m = rmask[:, None] & cmask[None, :]
     chan = h * D + cols
-    off = rows[:, None] * HD + chan[None, :]
+    # 64-bit offset of the tile's corner, 32-bit offsets inside the tile (fewer registers)
+    base = j.to(tl.int64) * BT * HD + h * D + db * BD
+    q += base
+    k += base
+    v += base
+    g += base
+    o += base
+    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
     seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
 
     # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
@@ -175,13 +182,13 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
     b_tile = _last_row(cb, r, BT)
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
-    qt = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+    qt = tl.load(q + off, mask=m, other=0.0)
     s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
 
     # 4. publish the inclusive state, write o and the final states
     tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * s_in + b_tile), mask=cmask)
     s = ca * s_in[None, :] + cb
-    tl.store(o + off, (qt * s).to(o.dtype.element_ty), mask=m)
+    tl.store(o + off, (qt.to(tl.float32) * s).to(o.dtype.element_ty), mask=m)
     if STORE_FINAL:
         tl.store(ht + seq.to(tl.int64)[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
         if IS_VARLEN:
@@ -219,7 +226,18 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     cmask = cols < D
     m = rmask[:, None] & cmask[None, :]
     chan = h * D + cols
-    off = rows[:, None] * HD + chan[None, :]
+    # 64-bit offset of the tile's corner, 32-bit offsets inside the tile (fewer registers)
+    base = j.to(tl.int64) * BT * HD + h * D + db * BD
+    q += base
+    k += base
+    v += base
+    g += base
+    do += base
+    dq += base
+    dk += base
+    dv += base
+    dg += base
+    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
     seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
 
     # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end)
@@ -244,9 +262,9 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     # 4. while the neighbours publish: recompute the states from the forward's tile carry, write dq
     gt = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
     decay = tl.exp(gt)
-    kt = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
-    vt = tl.load(v + off, mask=m, other=0.0).to(tl.float32)
-    kv = kt * vt
+    kt = tl.load(k + off, mask=m, other=0.0)
+    vt = tl.load(v + off, mask=m, other=0.0)
+    kv = kt.to(tl.float32) * vt.to(tl.float32)
     b = kv
     if HAS_H0:
         s0 = tl.load(h0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
@@ -258,14 +276,15 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
     s = ca * s_in[None, :] + cb
     tl.store(dq + off, (dot * s).to(dq.dtype.element_ty), mask=m)
+    sprev = s - kv                           # exp(g_t) s_{t-1}, the factor of dg
 
     # 5. look back to the right for the carry, publish the inclusive value, the other gradients
     x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
     tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * x_in + b_tile), mask=cmask)
     ds = ra * x_in[None, :] + rb
-    tl.store(dk + off, (ds * vt).to(dk.dtype.element_ty), mask=m)
-    tl.store(dv + off, (ds * kt).to(dv.dtype.element_ty), mask=m)
-    tl.store(dg + off, (ds * (s - kv)).to(dg.dtype.element_ty), mask=m)
+    tl.store(dk + off, (ds * vt.to(tl.float32)).to(dk.dtype.element_ty), mask=m)
+    tl.store(dv + off, (ds * kt.to(tl.float32)).to(dv.dtype.element_ty), mask=m)
+    tl.store(dg + off, (ds * sprev).to(dg.dtype.element_ty), mask=m)
     if HAS_H0:
         tl.store(dh0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
         if IS_VARLEN:
