@@ -1,0 +1,1 @@
+"""Integrations of delta-attn with other libraries (import the submodule you need)."""
