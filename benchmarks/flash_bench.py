@@ -169,8 +169,8 @@ def mem_check(log, s=131072, h=16, d=128):
 
 
 SWEEP = {  # (BLOCK_M, BLOCK_N, warps, stages) candidates per head-dim class
-    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
-                  (128, 64, 4, 4), (64, 128, 4, 3)],
+    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4),
+                  (64, 128, 4, 3)],
             64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 4)]},
     "dkdv": {128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3),
                    (128, 128, 8, 2), (64, 128, 4, 2)],
@@ -182,33 +182,40 @@ SWEEP = {  # (BLOCK_M, BLOCK_N, warps, stages) candidates per head-dim class
 
 
 def sweep(b, s, h, d, causal, log, kinds=("fwd", "dkdv", "dq")):
-    """Time every candidate configuration of each kernel (the others fixed at their first entry)."""
+    """Time every candidate configuration of each kernel (the others fixed at their first entry);
+    the forward with and without TMA descriptors; cuDNN's forward in the same run for scale."""
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     dc = 64 if d <= 64 else 128
     fl = flops(b, s, h, d, causal, "fwd")
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    c_ms = do_bench(lambda: METHODS["cudnn"][0](qh, kh, vh, causal), warmup=10, rep=60, return_mode="median")
+    log(f"  cudnn fwd {c_ms:7.3f} ms  {fl / c_ms * 1e-9:5.0f} TFLOP/s")
     scale = d ** -0.5
     wr = 0 if causal else -1
     out, lse = triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)
     res = {}
-    for kind in kinds:
-        for cfg in SWEEP[kind][dc]:
-            triton_impl.FORCED_CONFIGS.clear()
-            triton_impl.FORCED_CONFIGS.update({kk: SWEEP[kk][dc][0] for kk in ("fwd", "dkdv", "dq")})
-            triton_impl.FORCED_CONFIGS[kind] = cfg
-            try:
-                if kind == "fwd":
-                    fn = lambda: triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)  # noqa: E731
-                else:
-                    fn = lambda: triton_impl.flash_bwd(do, q, k, v, out, lse, scale=scale, wl=-1, wr=wr)  # noqa: E731
-                ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
-                tf = fl * (1.0 if kind == "fwd" else 2.5) / ms * 1e-9
-                log(f"  sweep {kind:4s} {str(cfg):22s} {ms:7.3f} ms  {tf:5.0f} TFLOP/s"
-                    + ("" if kind == "fwd" else " (whole bwd)"))
-                res[f"{kind}{cfg}"] = ms
-            except Exception as e:
-                log(f"  sweep {kind:4s} {str(cfg):22s} failed: {type(e).__name__} {str(e)[:120]}")
+    jobs = [(kind, cfg, tma) for kind in kinds for cfg in SWEEP[kind][dc]
+            for tma in ((False, True) if kind == "fwd" else (triton_impl.FWD_TMA,))]
+    for kind, cfg, tma in jobs:
+        triton_impl.FWD_TMA = tma
+        triton_impl.FORCED_CONFIGS.clear()
+        triton_impl.FORCED_CONFIGS.update({kk: SWEEP[kk][dc][0] for kk in ("fwd", "dkdv", "dq")})
+        triton_impl.FORCED_CONFIGS[kind] = cfg
+        try:
+            if kind == "fwd":
+                fn = lambda: triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)  # noqa: E731
+            else:
+                fn = lambda: triton_impl.flash_bwd(do, q, k, v, out, lse, scale=scale, wl=-1, wr=wr)  # noqa: E731
+            ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+            tf = fl * (1.0 if kind == "fwd" else 2.5) / ms * 1e-9
+            log(f"  sweep {kind:4s} {str(cfg):22s} tma={int(tma)} {ms:7.3f} ms  {tf:5.0f} TFLOP/s"
+                + ("" if kind == "fwd" else " (whole bwd)"))
+            res[f"{kind}{cfg}tma{int(tma)}"] = ms
+        except Exception as e:
+            log(f"  sweep {kind:4s} {str(cfg):22s} failed: {type(e).__name__} {str(e)[:120]}")
     triton_impl.FORCED_CONFIGS.clear()
+    triton_impl.FWD_TMA = True
     return res
 
 
@@ -217,6 +224,8 @@ def main():
     ap.add_argument("--shapes", default="issue", help="'issue' or B,S,H,D,causal;...")
     ap.add_argument("--mem131k", action="store_true")
     ap.add_argument("--sweep", default="", help="B,S,H,D,causal;... shapes to sweep configs on")
+    ap.add_argument("--sweep-kinds", default="fwd,dkdv,dq")
+    ap.add_argument("--no-tma", action="store_true", help="forward without TMA descriptors")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--json", default="")
@@ -226,7 +235,8 @@ def main():
     e = env()
     log("env: " + json.dumps(e))
     log("command: " + " ".join(["python"] + sys.argv))
-    report = dict(env=e, rows=[], mem=None, sweep={})
+    triton_impl.FWD_TMA = not a.no_tma
+    report = dict(env=e, rows=[], mem=None, sweep={}, fwd_tma=triton_impl.FWD_TMA)
     shapes = ISSUE_SHAPES if a.shapes == "issue" else [
         tuple(int(x) for x in sh.split(",")) for sh in a.shapes.split(";")]
     if not a.no_bench:
@@ -247,7 +257,7 @@ def main():
     for sh in filter(None, a.sweep.split(";")):
         b, s, h, d, c = (int(x) for x in sh.split(","))
         log(f"sweep B={b} S={s} H={h} D={d} causal={bool(c)}")
-        report["sweep"][sh] = sweep(b, s, h, d, bool(c), log)
+        report["sweep"][sh] = sweep(b, s, h, d, bool(c), log, kinds=a.sweep_kinds.split(","))
     if report["rows"]:
         log("\n| D | S | H | causal | ours fwd | cuDNN fwd | FA2 fwd | fwd vs cuDNN | fwd vs FA2 | ours f+b | "
             "cuDNN f+b | FA2 f+b | f+b vs cuDNN | f+b vs FA2 |")

@@ -117,3 +117,16 @@ def test_deterministic_and_reproducible_dropout():
         runs.append((out, *_grads(out, (q, k, v), do)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_strided_unaligned_views_take_the_pointer_path(poisoned):
+    # head dim sliced out of a wider buffer: 2-byte offset, so no TMA descriptor; strides honoured
+    b, s, h, d = 2, 777, 4, 64
+    buf = [torch.randn(b, s, h, d + 8, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    q, k, v = (x[..., 1:d + 1].requires_grad_() for x in buf)
+    from delta_attn.ops.flash.triton_impl import _tma_ok
+    assert not _tma_ok(k, v)
+    out, lse, _ = da.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, backend="triton")
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    _check((out, lse, *grads), _ref(reference.attention, (q, k, v), do, causal=True))

@@ -106,7 +106,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qt, stride
             pd_t = tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0)
         else:
             pd_t = p_t
-        dv += tl.dot(pd_t.to(do.dtype), do)
+        dv = tl.dot(pd_t.to(do.dtype), do, dv)
         # 3. dP^T = V dO^T (through the dropout mask), dS = P (dP - delta), softcap' = 1 - tanh^2
         dp_t = tl.dot(v, tl.trans(do))
         if HAS_DROPOUT:
@@ -115,7 +115,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qt, stride
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
         # 4. dK += dS^T Q (the softmax scale is applied once at the end)
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t))
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
     return dk, dv
 
 
@@ -225,7 +225,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         # 3. dQ += dS K
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 

@@ -111,22 +111,23 @@ def _seq_bounds(cu_q, cu_k, pid_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, start, end,
+def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, start, end,
                seqlen_k, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-               PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+               USE_TMA: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr,               MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_nb
-        k_ptr = k_base + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
-        v_ptr = v_base + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
-        # 1. scores of this key block (unmasked blocks lie inside [0, Sk): no load mask)
-        if MASKED or not EVEN_D:
+        # 1. scores of this key block (unmasked blocks lie inside [0, Sk): no load mask; the TMA
+        #    descriptors zero-fill past the sequence and the head dim by themselves)
+        if USE_TMA:
+            k = k_src.load([n0, 0])
+        elif MASKED or not EVEN_D:
             kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptr, mask=kv_mask, other=0.0)
+            k = tl.load(k_src + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
-            k = tl.load(k_ptr)
+            k = tl.load(k_src + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k))
         # 2. online softmax: new running max (0 for rows that saw nothing yet, to avoid inf - inf)
         if PLAIN:
@@ -154,11 +155,14 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, o
         # 3. dropout acts on the probabilities after the normaliser has counted them
         if HAS_DROPOUT:
             p = tl.where(_dropout_keep(seed_bh, offs_m[:, None], offs_n[None, :], rng_stride, dropout_p), p, 0.0)
-        if MASKED or not EVEN_D:
-            v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+        if USE_TMA:
+            v = v_src.load([n0, 0])
+        elif MASKED or not EVEN_D:
+            v = tl.load(v_src + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
-            v = tl.load(v_ptr)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            v = tl.load(v_src + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :])
+        # 4. rescale the accumulator and add P V (accumulated in the MMA)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, m_i, l_i
 
@@ -173,7 +177,8 @@ def _flash_fwd_kernel(
         SQ_BUCKET, SK_BUCKET,
         IS_VARLEN: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_DROPOUT: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, REVERSE_M: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_TMA: tl.constexpr):
     """One program: BLOCK_M query rows of one (sequence, query head). Grid (m blocks, B * Hq)."""
     pid_bh = tl.program_id(1)
     pid_b = pid_bh // n_heads
@@ -196,6 +201,14 @@ def _flash_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)
     k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start * stride_kt
     v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start * stride_vt
+    if USE_TMA:   # per-sequence TMA descriptors (rows past Sk and columns past D read as zero)
+        k_src = tl.make_tensor_descriptor(k_base, shape=[sk, HEAD_DIM], strides=[stride_kt, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[sk, HEAD_DIM], strides=[stride_vt, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
 
     if SOFTCAP:
         qk_mult = softcap * 1.4426950408889634
@@ -216,15 +229,18 @@ def _flash_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, fs, fe, hi = _key_blocks(m0, sq, sk, wl, wr, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
     # masked blocks left of the window, unmasked middle, masked diagonal / right edge
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, fs,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, lo, fs,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
+                               USE_TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
+                               HEAD_DIM, BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
+                               USE_TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D,
+                               HEAD_DIM, BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N)
+                               USE_TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
+                               HEAD_DIM, BLOCK_N)
 
     # 4. normalise; a row that saw no key: zero output, lse = +inf
     empty_row = l_i == 0.0

@@ -72,6 +72,9 @@ _DQ_CONFIGS = {
 _INTERP_FWD = dict(BLOCK_M=16, BLOCK_N=16)
 _INTERP_BWD = dict(BLOCK_M=16, BLOCK_N=16)
 
+# forward K/V loads through per-sequence TMA descriptors (Hopper+, 16-byte aligned tensors)
+FWD_TMA = True
+
 _FLAGS = ["IS_VARLEN", "SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "HAS_WL", "HAS_WR", "HEAD_DIM"]
 
 
@@ -87,7 +90,7 @@ def _bucket(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _tuned(kind: str, dclass: int):
     kernel, table, key = {
-        "fwd": (_flash_fwd_kernel, _FWD_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M", "PLAIN"] + _FLAGS),
+        "fwd": (_flash_fwd_kernel, _FWD_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M", "PLAIN", "USE_TMA"] + _FLAGS),
         "dkdv": (_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "group"] + _FLAGS),
         "dq": (_flash_bwd_dq_kernel, _DQ_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M"] + _FLAGS),
     }[kind]
@@ -101,6 +104,24 @@ _KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _fla
 _TABLES = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 
 
+@functools.lru_cache(maxsize=None)
+def _set_allocator() -> None:
+    """Global scratch for device-side TMA descriptors (128 bytes per program)."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def _tma_ok(*tensors) -> bool:
+    """TMA needs Hopper+, 16-byte aligned bases and 16-byte multiples for every non-unit stride."""
+    t0 = tensors[0]
+    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
 def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict) -> None:
     """Launch kernel ``kind``: grid (cdiv(rows, block), grid_b); autotuned on GPU, fixed under the
     interpreter. ``grid_m`` names the meta-parameter that tiles ``rows``."""
@@ -111,11 +132,13 @@ def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple,
         meta = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta)
         return
+    if kwargs.get("USE_TMA"):
+        _set_allocator()
     forced = FORCED_CONFIGS.get(kind)
     if forced is None and os.environ.get("DELTA_ATTN_AUTOTUNE", "1") == "0":
         forced = _TABLES[kind][_dclass(d)][0]
     if forced is not None:
-        bm, bn, warps, stages = forced
+        bm, bn, warps, stages = forced[:4]
         meta = dict(BLOCK_M=bm, BLOCK_N=bn)
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta, num_warps=warps,
                                                           num_stages=stages)
@@ -212,7 +235,8 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_strides(q, layout), *_strides(k, layout), *_strides(v, layout), *_strides(out, layout),
             *_lse_strides(lse, layout), *L.alibi_strides)
     _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
-            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain))
+            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
+                 USE_TMA=FWD_TMA and not triton_interpreter_on() and _tma_ok(k, v)))
     return out, lse
 
 
