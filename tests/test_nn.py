@@ -220,3 +220,46 @@ def test_hybrid_compiles_without_graph_breaks():
     torch.testing.assert_close(out, model(ids), atol=1e-6, rtol=1e-6)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# backend="auto": the kernels other backends provide (the Triton interpreter on a CPU machine)
+# ---------------------------------------------------------------------------------------------
+
+def _pair(kind, seed=1):
+    """The same layer (same weights) on backend "torch" and "auto", float32."""
+    def build(be):
+        torch.manual_seed(seed)
+        if kind == "attention":
+            return dnn.MultiheadAttention(32, num_heads=4, num_kv_heads=2, backend=be).eval()
+        if kind == "kda":
+            return dnn.KimiDeltaAttention(32, num_heads=2, backend=be).eval()
+        return dnn.GatedDiagonalAttention(32, num_heads=2, backend=be).eval()
+    return build("torch"), build("auto")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_backend_layers_match_torch_backend(kind):
+    ref, layer = _pair(kind)
+    x = torch.randn(2, 7, 32)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[0, :3] = False
+    with torch.no_grad():
+        full = layer(x, attention_mask=mask)
+        torch.testing.assert_close(full[mask], ref(x, attention_mask=mask)[mask], atol=2e-5, rtol=2e-5)
+        cache = new_cache(kind)
+        outs = [layer(x[:, :4], attention_mask=mask[:, :4], cache=cache)]
+        outs += [layer(x[:, t:t + 1], cache=cache) for t in range(4, 7)]
+    torch.testing.assert_close(torch.cat(outs, 1)[mask], full[mask], atol=2e-5, rtol=2e-5)
+
+
+def test_auto_backend_hybrid_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = dnn.HybridLM(dnn.HybridConfig(vocab_size=23, hidden_size=32, num_layers=4, num_heads=2,
+                                          num_kv_heads=1, pattern="KDKA", backend="auto"))
+    ids = torch.randint(0, 23, (2, 5))
+    out = torch.compile(model, fullgraph=True, backend="eager")(ids)
+    torch.testing.assert_close(out, model(ids), atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
