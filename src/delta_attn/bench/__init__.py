@@ -1,0 +1,55 @@
+"""``delta-attn bench``: the benchmark suites (matrix, kernels, crossover, decode, ceilings).
+
+>>> from delta_attn.bench import Settings, run_suite
+>>> out = run_suite("crossover", Settings(device="cpu", tiny=True, dtypes=("fp32",)), "/tmp/x")  # doctest: +SKIP
+
+Every implementation is optional and discovered at run time; every row passes the correctness gate
+before it is timed; the output folder holds results.jsonl, results.csv, report.md and PNG plots.
+See docs/BENCH.md.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import List, Optional
+
+from .runner import Settings
+from .suites import SUITES
+
+__all__ = ["Settings", "SUITES", "run_suite"]
+
+
+def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[str] = None,
+              plots: bool = True) -> str:
+    """Run ``suite`` and write the results folder; returns the path of report.md."""
+    import torch
+
+    from .. import env as _env
+    from . import report, suites
+    from .runner import Runner, measure_ceilings
+
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; one of {', '.join(SUITES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(settings.seed)
+    device = torch.device(settings.device)
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    print(f"delta-attn bench {suite}: measuring the ceilings (copy bandwidth, GEMM) ...", file=sys.stderr, flush=True)
+    ceilings = measure_ceilings(device, settings)
+    print(f"  copy {ceilings['copy_gbps']:.0f} GB/s, GEMM {ceilings['gemm_tflops']:.1f} TFLOP/s", file=sys.stderr,
+          flush=True)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8e9
+    tasks = suites.build(suite, settings, kv_budget_bytes=0.4 * free)
+    runner = Runner(settings, ceilings)
+    rows = runner.run(tasks, desc=f"bench {suite}")
+    run = {"suite": suite, "command": command or " ".join(["delta-attn"] + sys.argv[1:]),
+           "started": started.strftime("%Y-%m-%d %H:%M:%S"), "duration_s": time.perf_counter() - t0,
+           "tiny": settings.tiny, "quick": settings.quick, "settings": settings.as_dict(), "env": _env.collect(),
+           "ceilings": ceilings}
+    if suite == "crossover":
+        run["crossover"] = report.crossover_summary(rows)
+    report.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
+    return report.render(out_dir, plots=plots)

@@ -1,0 +1,403 @@
+"""Every implementation the benchmark can time: delta-attn's backends and the peers.
+
+An :class:`Impl` says whether it can run a case (``why_not`` -> a reason or None) and binds the
+case's canonical inputs (:mod:`.cases`) to a :class:`Bound`: ``fn()`` runs the operator once and
+returns the tensor to check / backpropagate; ``leaves`` get the gradients; ``spec(leaves, upcast)``
+is the same computation done by ``delta_attn.reference`` (the correctness gate runs it in float64
+and in the input dtype). Peers are discovered at run time; nothing optional is imported here at
+module import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import delta_attn as da
+from delta_attn import reference
+from delta_attn.backends import BACKENDS, package_available
+
+FLA_HINT = "not installed: pip install fla-core  (or pip install 'delta-attn[peers]')"
+
+
+@dataclass
+class Bound:
+    fn: Callable[[], torch.Tensor]
+    leaves: List[torch.Tensor]
+    spec: Callable[[List[torch.Tensor], bool], torch.Tensor]
+    post: Callable[[torch.Tensor], torch.Tensor] = lambda t: t      # output -> what is checked (gate only)
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    inputs: List[torch.Tensor] = field(default_factory=list)         # everything read (byte model)
+
+
+@dataclass
+class Impl:
+    name: str
+    op: str                    # flash | flash_varlen | kda | diag | flash_decode | kda_decode | diag_decode
+    family: str                # quadratic | linear
+    provider: str              # delta-attn | torch | fla-core
+    bind: Callable[[Dict, Dict], Bound]
+    why_not: Callable[[Dict, torch.device, torch.dtype, bool], Optional[str]]
+    backward: bool = True
+
+    @property
+    def ours(self) -> bool:
+        return self.provider == "delta-attn"
+
+
+def _leaf(t: torch.Tensor, grad: bool = True) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(grad and t.is_floating_point())
+
+
+# ---------------------------------------------------------------------------------------------
+# delta-attn: one implementation per registered backend, reasons from the registry
+# ---------------------------------------------------------------------------------------------
+
+_PUBLIC = {"flash": "flash_attn_func", "flash_varlen": "flash_attn_varlen_func", "kda": "kda",
+           "diag": "gated_diag_attn", "flash_decode": "flash_attn_func", "kda_decode": "kda_step",
+           "diag_decode": "gated_diag_step"}
+_REGISTRY_OP = {"flash": "flash", "flash_varlen": "flash_varlen", "kda": "kda", "diag": "diag",
+                "flash_decode": "flash", "kda_decode": "kda_step", "diag_decode": "diag_step"}
+
+
+def _probe_args(op: str, case: Dict, device: torch.device, dtype: torch.dtype, grad: bool):
+    """Tiny tensors with the case's dtype, head dims and options: enough for the registry's reasons."""
+    from . import cases
+    small = cases.probe_case(case, tiny=True)
+    inp = cases.make_inputs(small, device, dtype, seed=0)
+    return _call_args(op, small, {k: (_leaf(v, grad) if k in cases.GRAD_INPUTS.get(op, ()) else v)
+                                  for k, v in inp.items()})
+
+
+def _call_args(op: str, case: Dict, t: Dict):
+    """(args, kwargs) of the public delta-attn call for ``op`` on inputs ``t``."""
+    if op in ("flash", "flash_decode"):
+        return (t["q"], t["k"], t["v"]), dict(causal=case.get("causal", True))
+    if op == "flash_varlen":
+        cu, mx = t["cu_seqlens"], case["max_seqlen"]
+        return (t["q"], t["k"], t["v"], cu, cu, mx, mx), dict(causal=case.get("causal", True))
+    if op == "kda":
+        return (t["q"], t["k"], t["v"], t["g"], t["beta"]), dict(use_qk_l2norm=True)
+    if op == "diag":
+        return (t["q"], t["k"], t["v"], t["g"]), {}
+    if op == "kda_decode":
+        return (t["q"], t["k"], t["v"], t["g"], t["beta"], t["state"]), dict(use_qk_l2norm=True)
+    if op == "diag_decode":
+        return (t["q"], t["k"], t["v"], t["g"], t["state"]), {}
+    raise ValueError(op)
+
+
+def _ours_why_not(backend: str, op: str):
+    def why(case, device, dtype, grad):
+        try:
+            args, kw = _probe_args(op, case, device, dtype, grad)
+            with torch.set_grad_enabled(grad):
+                ex = da.explain(_PUBLIC[op], *args, backend=backend, **kw)
+        except (ValueError, TypeError) as e:
+            return f"invalid call: {e}"
+        reasons = ex.considered[0][1] if ex.considered else ["not registered"]
+        return "; ".join(reasons) if reasons else None
+    return why
+
+
+def _ours_bind(backend: str, op: str):
+    from . import cases
+    fn_pub = getattr(da, _PUBLIC[op])
+
+    def bind(case, t):
+        grad_names = cases.GRAD_INPUTS.get(op, ())
+        t = {k: (_leaf(v) if k in grad_names else v) for k, v in t.items()}
+        args, kw = _call_args(op, case, t)
+        leaves = [t[k] for k in cases.SPEC_INPUTS[op]]
+        if op in ("kda", "diag"):
+            fn = lambda: fn_pub(*args, backend=backend, **kw)[0]
+        else:
+            fn = lambda: fn_pub(*args, backend=backend, **kw)
+        return Bound(fn=fn, leaves=leaves, spec=cases.spec(op, case, t), inputs=list(args))
+    return bind
+
+
+def ours(op: str, device: torch.device) -> List[Impl]:
+    reg = _REGISTRY_OP[op]
+    out = []
+    for name, backend in BACKENDS.items():
+        if reg not in backend.capabilities:
+            continue
+        if name == "torch" and device.type == "cuda":
+            continue            # the reference path is a specification, not a kernel: not timed on GPUs
+        family = "quadratic" if op.startswith("flash") else "linear"
+        out.append(Impl(name=f"delta-attn {name}", op=op, family=family, provider="delta-attn",
+                        bind=_ours_bind(name, op), why_not=_ours_why_not(name, op),
+                        backward=backend.capabilities[reg].backward and not op.endswith("decode")))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch peers: SDPA backends (cuDNN, FlashAttention-2, memory-efficient), varlen_attn
+# ---------------------------------------------------------------------------------------------
+
+_SDPA = {"cuDNN (SDPA)": "CUDNN_ATTENTION", "FA2 (SDPA flash)": "FLASH_ATTENTION",
+         "mem-efficient (SDPA)": "EFFICIENT_ATTENTION"}
+
+
+def _sdpa_context(kind: str):
+    def ctx():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel(getattr(SDPBackend, kind))
+    return ctx
+
+
+def _sdpa_why_not(label: str):
+    def why(case, device, dtype, grad):
+        if device.type != "cuda":
+            return "needs a CUDA GPU (torch SDPA fused backends)"
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+        except ImportError:
+            return f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel"
+        if label.startswith("cuDNN") and not torch.backends.cudnn.is_available():
+            return "torch was built without cuDNN"
+        if label.startswith("FA2") and dtype not in (torch.float16, torch.bfloat16):
+            return "FlashAttention-2 supports float16/bfloat16 only"
+        return None
+    return why
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous()
+
+
+def _sdpa_bind(label: str, decode: bool):
+    from . import cases
+
+    def bind(case, t):
+        q, k, v = (_leaf(_bhsd(t[n]), not decode) for n in ("q", "k", "v"))
+        causal = case.get("causal", True) and not decode   # Sq = 1 sees the whole cache
+        gqa = q.shape[1] != k.shape[1]
+        kw = dict(is_causal=causal, enable_gqa=True) if gqa else dict(is_causal=causal)
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, **kw)
+
+        def spec(leaves, upcast):
+            a, b, c = (x.transpose(1, 2) for x in leaves)
+            return reference.attention(a, b, c, causal=case.get("causal", True), upcast=upcast)[0].transpose(1, 2)
+        return Bound(fn=fn, leaves=[q, k, v], spec=spec, context=_sdpa_context(_SDPA[label]), inputs=[q, k, v])
+    return bind
+
+
+def _sdpa_varlen_bind(label: str, padded: bool):
+    """cuDNN through SDPA on a packed batch: one call per sequence, or every sequence padded."""
+    from . import cases
+
+    def bind(case, t):
+        lens = case["seqlens"]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        if padded:
+            mx = max(lens)
+            pads = []
+            for name in ("q", "k", "v"):
+                x = t[name].new_zeros(len(lens), mx, *t[name].shape[1:])
+                for i, n in enumerate(lens):
+                    x[i, :n] = t[name][cu[i]:cu[i + 1]]
+                pads.append(_leaf(_bhsd(x)))
+            q, k, v = pads
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            def post(o):   # (N, H, mx, D) -> packed (total, H, D)
+                return torch.cat([o[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)], 0)
+
+            def spec(leaves, upcast):
+                a, b, c = leaves
+                outs = [reference.attention(a[i:i + 1, :, :n].transpose(1, 2), b[i:i + 1, :, :n].transpose(1, 2),
+                                            c[i:i + 1, :, :n].transpose(1, 2), causal=True, upcast=upcast)[0][0]
+                        for i, n in enumerate(lens)]
+                return torch.cat(outs, 0)
+            return Bound(fn=fn, leaves=[q, k, v], spec=spec, post=post,
+                         context=_sdpa_context(_SDPA["cuDNN (SDPA)"]), inputs=[q, k, v])
+        q, k, v = (_leaf(t[n].transpose(0, 1).contiguous()) for n in ("q", "k", "v"))   # (H, total, D)
+
+        def fn():
+            outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], is_causal=True)[0]
+                    for a, b in zip(cu[:-1], cu[1:])]
+            return torch.cat(outs, 1)          # (H, total, D)
+
+        def spec(leaves, upcast):
+            a, b, c = (x.transpose(0, 1) for x in leaves)
+            cut = torch.tensor(cu, dtype=torch.int32, device=a.device)
+            return reference.attention_varlen(a, b, c, cut, cut, causal=True, upcast=upcast)[0].transpose(0, 1)
+        return Bound(fn=fn, leaves=[q, k, v], spec=spec, context=_sdpa_context(_SDPA["cuDNN (SDPA)"]),
+                     inputs=[q, k, v])
+    return bind
+
+
+def _varlen_attn_why_not(case, device, dtype, grad):
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        importlib.import_module("torch.nn.attention.varlen").varlen_attn  # noqa: B018
+    except (ImportError, AttributeError):
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (PyTorch >= 2.10)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "varlen_attn supports float16/bfloat16 only"
+    return None
+
+
+def _varlen_attn_bind(case, t):
+    from . import cases
+    varlen_attn = importlib.import_module("torch.nn.attention.varlen").varlen_attn
+    q, k, v = (_leaf(t[n]) for n in ("q", "k", "v"))
+    cu, mx = t["cu_seqlens"], case["max_seqlen"]
+    fn = lambda: varlen_attn(q, k, v, cu, cu, mx, mx, window_size=(-1, 0))
+    return Bound(fn=fn, leaves=[q, k, v], spec=cases.spec("flash_varlen", case, t), inputs=[q, k, v])
+
+
+def _cpu_sdpa_bind(case, t):
+    from . import cases
+    q, k, v = (_leaf(_bhsd(t[n])) for n in ("q", "k", "v"))
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.get("causal", True))
+
+    def spec(leaves, upcast):
+        a, b, c = (x.transpose(1, 2) for x in leaves)
+        return reference.attention(a, b, c, causal=case.get("causal", True), upcast=upcast)[0].transpose(1, 2)
+    return Bound(fn=fn, leaves=[q, k, v], spec=spec, inputs=[q, k, v])
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-linear-attention (fla-core) peers
+# ---------------------------------------------------------------------------------------------
+
+def _fla_why_not(extra: Optional[Callable[[Dict], Optional[str]]] = None):
+    def why(case, device, dtype, grad):
+        if not package_available("fla"):
+            return FLA_HINT
+        if device.type != "cuda":
+            return "needs a CUDA GPU (fla-core Triton kernels)"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"unsupported dtype {dtype}"
+        return extra(case) if extra is not None else None
+    return why
+
+
+def _fla(module: str, attr: str):
+    return getattr(importlib.import_module(module), attr)
+
+
+def _fla_attn_bind(case, t):
+    from . import cases
+    parallel_attn = _fla("fla.ops.attn", "parallel_attn")
+    q, k, v = (_leaf(t[n]) for n in ("q", "k", "v"))
+    return Bound(fn=lambda: parallel_attn(q, k, v), leaves=[q, k, v], spec=cases.spec("flash", case, t),
+                 inputs=[q, k, v])
+
+
+def _fla_kda_bind(case, t):
+    from . import cases
+    chunk_kda = _fla("fla.ops.kda", "chunk_kda")
+    names = cases.GRAD_INPUTS["kda"]
+    q, k, v, g, beta = (_leaf(t[n]) for n in names)
+    fn = lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return Bound(fn=fn, leaves=[q, k, v, g, beta], spec=cases.spec("kda", case, t), inputs=[q, k, v, g, beta])
+
+
+def _hgrn_spec(shape):
+    b, tt, h, d = shape
+
+    def spec(leaves, upcast):
+        x, g = leaves
+        x4, g4 = x.view(b, tt, 1, h * d), g.view(b, tt, 1, h * d)
+        one = torch.ones_like(x4)
+        o = reference.gated_diag(one, x4, one, g4, upcast=upcast)[0]
+        return o.view(b, tt, h * d)
+    return spec
+
+
+def _fla_hgrn_bind(kind: str):
+    def bind(case, t):
+        fn_ = _fla("fla.ops.hgrn", kind)
+        b, tt, h, d = t["q"].shape
+        # HGRN's recurrence h_t = exp(g_t) h_{t-1} + x_t is the diagonal one with q = v = 1, k = x
+        x = _leaf((t["k"] * t["v"]).reshape(b, tt, h * d))
+        g = _leaf(t["g"].reshape(b, tt, h * d))
+        return Bound(fn=lambda: fn_(x, g)[0], leaves=[x, g], spec=_hgrn_spec((b, tt, h, d)), inputs=[x, g])
+    return bind
+
+
+def _fla_kda_decode_bind(case, t):
+    from . import cases
+    fused_recurrent_kda = _fla("fla.ops.kda", "fused_recurrent_kda")
+    q, k, v, g, beta, state = (t[n] for n in ("q", "k", "v", "g", "beta", "state"))
+    fn = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)[0]
+    return Bound(fn=fn, leaves=[q, k, v, g, beta], spec=cases.spec("kda_decode", case, t),
+                 inputs=[q, k, v, g, beta, state])
+
+
+def _fla_diag_decode_bind(case, t):
+    fused_recurrent_hgrn = _fla("fla.ops.hgrn", "fused_recurrent_hgrn")
+    b, tt, h, d = t["q"].shape
+    x = (t["k"] * t["v"]).reshape(b, tt, h * d)
+    g = t["g"].reshape(b, tt, h * d).contiguous()
+    s0 = t["state"].reshape(b, h * d)
+    fn = lambda: fused_recurrent_hgrn(x, g, initial_state=s0, output_final_state=True)[0]
+    s_init = s0.clone()
+
+    def spec(leaves, upcast):
+        xx, gg = leaves
+        one = torch.ones_like(xx.view(b, tt, 1, h * d))
+        st = s_init.view(b, 1, h * d).to(torch.float64 if xx.dtype == torch.float64 else torch.float32)
+        return reference.gated_diag(one, xx.view(b, tt, 1, h * d), one, gg.view(b, tt, 1, h * d),
+                                    initial_state=st, upcast=upcast)[0].view(b, tt, h * d)
+    return Bound(fn=fn, leaves=[x, g], spec=spec, inputs=[x, g, s0])
+
+
+def _causal_only(case):
+    if not case.get("causal", True):
+        return "parallel_attn is causal only"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the catalogue
+# ---------------------------------------------------------------------------------------------
+
+def peers(op: str, device: torch.device) -> List[Impl]:
+    p: List[Impl] = []
+    if op in ("flash", "flash_decode"):
+        for label in _SDPA:
+            p.append(Impl(label, op, "quadratic", "torch", _sdpa_bind(label, op == "flash_decode"),
+                          _sdpa_why_not(label), backward=op == "flash"))
+        if device.type == "cpu" and op == "flash":
+            p.append(Impl("torch SDPA (CPU)", op, "quadratic", "torch", _cpu_sdpa_bind,
+                          lambda c, d, t, g: None if d.type == "cpu" else "CPU peer"))
+        if op == "flash":
+            p.append(Impl("FLA parallel_attn", op, "quadratic", "fla-core", _fla_attn_bind,
+                          _fla_why_not(_causal_only)))
+    elif op == "flash_varlen":
+        p.append(Impl("torch varlen_attn", op, "quadratic", "torch", _varlen_attn_bind, _varlen_attn_why_not))
+        p.append(Impl("cuDNN (SDPA), one call per sequence", op, "quadratic", "torch",
+                      _sdpa_varlen_bind("cuDNN", False), _sdpa_why_not("cuDNN (SDPA)")))
+        p.append(Impl("cuDNN (SDPA), padded to the longest", op, "quadratic", "torch",
+                      _sdpa_varlen_bind("cuDNN", True), _sdpa_why_not("cuDNN (SDPA)")))
+    elif op == "kda":
+        p.append(Impl("FLA chunk_kda", op, "linear", "fla-core", _fla_kda_bind, _fla_why_not()))
+    elif op == "diag":
+        p.append(Impl("FLA chunk_hgrn", op, "linear", "fla-core", _fla_hgrn_bind("chunk_hgrn"), _fla_why_not()))
+        p.append(Impl("FLA fused_recurrent_hgrn", op, "linear", "fla-core", _fla_hgrn_bind("fused_recurrent_hgrn"),
+                      _fla_why_not()))
+    elif op == "kda_decode":
+        p.append(Impl("FLA fused_recurrent_kda", op, "linear", "fla-core", _fla_kda_decode_bind, _fla_why_not(),
+                      backward=False))
+    elif op == "diag_decode":
+        p.append(Impl("FLA fused_recurrent_hgrn", op, "linear", "fla-core", _fla_diag_decode_bind, _fla_why_not(),
+                      backward=False))
+    return p
+
+
+def catalogue(op: str, device: torch.device) -> List[Impl]:
+    """delta-attn's backends first, then the peers."""
+    return ours(op, device) + peers(op, device)

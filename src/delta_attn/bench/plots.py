@@ -1,0 +1,133 @@
+"""PNG plots of a results folder (matplotlib, Agg; absent matplotlib = a note, no plots)."""
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from typing import Dict, List
+
+
+def _plt():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("delta-attn: matplotlib is not installed, no plots (pip install 'delta-attn[bench]')", file=sys.stderr)
+        return None
+
+
+def _name(r: Dict) -> str:
+    return r["impl"] + (f" [{r['op']}]" if r["family"] == "linear" else "")
+
+
+def _series(rows: List[Dict], x_of, y_of) -> "OrderedDict[str, list]":
+    out: "OrderedDict[str, list]" = OrderedDict()
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        y = y_of(r)
+        if y is None:
+            continue
+        out.setdefault(_name(r), []).append((x_of(r), y))
+    for k in out:
+        out[k].sort()
+    return out
+
+
+def _line_plot(plt, path, panels, xlabel, ylabel, title, logy=True, hlines=None):
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (sub, series) in zip(axes[0], panels):
+        for name, pts in series.items():
+            xs, ys = zip(*pts)
+            style = "--" if "[" in name else "-"
+            ax.plot(xs, ys, style, marker="o", ms=3, label=name)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        for y, lab in (hlines or []):
+            ax.axhline(y, color="k", lw=0.8, ls=":")
+            ax.text(ax.get_xlim()[0], y, " " + lab, va="bottom", fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(sub, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
+    plt = _plt()
+    if plt is None:
+        return []
+    suite = run.get("suite")
+    made: List[str] = []
+    ceil = run.get("ceilings") or {}
+    dev = ((run.get("env") or {}).get("gpu") or {}).get("name") or "CPU"
+    combos = sorted({(r["dtype"], r["direction"]) for r in rows if r["suite"] == suite},
+                    key=lambda t: (t[0], ("fwd", "bwd", "fwd+bwd").index(t[1]) if t[1] in ("fwd", "bwd", "fwd+bwd") else 9))
+    if suite in ("crossover", "matrix"):
+        rs = [r for r in rows if r["op"] == "flash" or r["op"] in ("kda", "diag")]
+        x_of = lambda r: r["case"]["S"]
+        if suite == "matrix":
+            rs = [r for r in rs if r["case"]["B"] * r["case"]["S"] >= 0]
+        panels = [(f"{dt} {d}", _series([r for r in rs if r["dtype"] == dt and r["direction"] == d], x_of, lambda r: r["ms"]))
+                  for dt, d in combos]
+        if panels:
+            _line_plot(plt, os.path.join(out_dir, "latency.png"), panels, "sequence length S", "ms (median)",
+                       f"{suite}: latency vs S ({dev})")
+            made.append("latency.png")
+        panels = [(f"{dt} {d}", _series([r for r in rs if r["dtype"] == dt and r["direction"] == d], x_of,
+                                        lambda r: r["tokens_per_s"] / 1e6)) for dt, d in combos]
+        if panels:
+            _line_plot(plt, os.path.join(out_dir, "throughput.png"), panels, "sequence length S", "M tokens/s",
+                       f"{suite}: throughput vs S ({dev})")
+            made.append("throughput.png")
+        panels = [(f"{dt} {d}", _series([r for r in rs if r["dtype"] == dt and r["direction"] == d and r["op"] == "flash"],
+                                        x_of, lambda r: r.get("tflops"))) for dt, d in combos]
+        if any(p[1] for p in panels):
+            hl = [(ceil["gemm_tflops"], "GEMM ceiling")] if ceil.get("gemm_tflops") else None
+            _line_plot(plt, os.path.join(out_dir, "tflops.png"), panels, "sequence length S", "TFLOP/s",
+                       f"{suite}: attention TFLOP/s against the GEMM ceiling ({dev})", logy=False, hlines=hl)
+            made.append("tflops.png")
+    elif suite == "decode":
+        batches = sorted({r["case"]["B"] for r in rows})
+        panels = []
+        for b in batches:
+            rs = [r for r in rows if r["case"]["B"] == b]
+            attn = _series([r for r in rs if r["op"] == "flash_decode"], lambda r: r["case"]["ctx"], lambda r: r["ms"] * 1e3)
+            ctxs = sorted({r["case"]["ctx"] for r in rs if r["op"] == "flash_decode"}) or [1]
+            for r in rs:   # state decode does not depend on the context: a flat line
+                if r["op"] != "flash_decode" and r["status"] == "ok":
+                    attn[_name(r)] = [(c, r["ms"] * 1e3) for c in ctxs]
+            panels.append((f"batch {b}", attn))
+        if panels:
+            _line_plot(plt, os.path.join(out_dir, "decode_latency.png"), panels, "context length",
+                       "µs per decode step", f"decode: one token per sequence ({dev})")
+            made.append("decode_latency.png")
+    # every suite: fraction of the ceiling per row (bar chart)
+    ok = [r for r in rows if r["status"] == "ok" and (r.get("frac_gemm") is not None or r.get("frac_copy") is not None)]
+    if ok and suite in ("kernels", "crossover", "decode", "matrix"):
+        ok = ok[:60] if suite != "kernels" else ok
+        labels = [f"{r['impl']} | {r['label']} | {r['direction']}" for r in ok]
+        vals = [100 * (r["frac_gemm"] if r.get("frac_gemm") is not None and r["op"] in ("flash", "flash_varlen")
+                       else r["frac_copy"]) for r in ok]
+        colors = ["tab:blue" if r["op"] in ("flash", "flash_varlen") else "tab:orange" for r in ok]
+        fig, ax = plt.subplots(figsize=(10, max(3, 0.22 * len(ok) + 1)))
+        ax.barh(range(len(ok)), vals, color=colors)
+        ax.set_yticks(range(len(ok)))
+        ax.set_yticklabels(labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel("% of the ceiling (blue: TFLOP/s of GEMM; orange: GB/s of copy)")
+        ax.set_title(f"{suite}: fraction of the measured ceilings ({dev})")
+        ax.grid(True, axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "ceiling_fraction.png"), dpi=110)
+        plt.close(fig)
+        made.append("ceiling_fraction.png")
+    return made

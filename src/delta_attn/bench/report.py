@@ -1,0 +1,428 @@
+"""Writers and readers of a results folder: results.jsonl, results.csv, report.md (+ plots).
+
+results.jsonl: the first line is the run record (``"record": "run"``: suite, command, dates,
+environment, ceilings, settings), then one ``"record": "row"`` line per (implementation, case,
+direction); the schema is in docs/BENCH.md. ``render(dir)`` rebuilds report.md, results.csv and the
+plots from results.jsonl alone, so ``delta-attn report DIR`` works on any copied folder.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import OrderedDict, defaultdict
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from . import anchors
+
+SCHEMA_VERSION = 1
+CSV_FIELDS = ["suite", "op", "impl", "provider", "family", "direction", "dtype", "label", "tokens", "status",
+              "ms", "ms_mean", "ms_std", "ms_p20", "ms_p80", "ms_min", "reps", "first_call_ms", "flops", "tflops",
+              "frac_gemm", "bytes", "gbps", "frac_copy", "tokens_per_s", "peak_mem_mb", "gate_max_error",
+              "gate_bound", "note", "case"]
+
+
+# ------------------------------------------------------------------------------------------ files
+
+def write_jsonl(path: str, run: Dict, rows: List[Dict]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(dict(run, record="run", schema=SCHEMA_VERSION), default=str) + "\n")
+        for r in rows:
+            f.write(json.dumps(r, default=_json_default) + "\n")
+
+
+def _json_default(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+def read_jsonl(path: str) -> Tuple[Dict, List[Dict]]:
+    run, rows = {}, []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            if rec.get("record") == "run":
+                run = rec
+            elif rec.get("record") == "row":
+                rows.append(rec)
+    return run, rows
+
+
+def write_csv(path: str, rows: List[Dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            flat = dict(r)
+            g = r.get("gate") or {}
+            flat["gate_max_error"], flat["gate_bound"] = g.get("max_error"), g.get("bound")
+            flat["case"] = json.dumps(r.get("case", {}))
+            w.writerow(flat)
+
+
+# ------------------------------------------------------------------------------------------ formatting
+
+def _f(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _table(header: List[str], lines: Iterable[List[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    out += ["| " + " | ".join(str(c) for c in line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def _key(r: Dict) -> Tuple:
+    return (r["suite"], r["op"], r["impl"], r["direction"], r["dtype"], r["label"])
+
+
+def env_block(run: Dict) -> str:
+    env = run.get("env") or {}
+    gpu = env.get("gpu") or {}
+    opt = env.get("optional_packages") or {}
+    lines = [
+        ["GPU", (f"{gpu.get('name')} (compute capability {gpu.get('compute_capability')}, {gpu.get('sm_count')} SMs, "
+                 f"{gpu.get('memory_gib')} GiB)") if gpu else "none (CPU run)"],
+        ["driver", gpu.get("driver") or "-"],
+        ["CUDA", env.get("cuda") or "-"],
+        ["cuDNN", env.get("cudnn") or "-"],
+        ["PyTorch", env.get("torch") or "-"],
+        ["Triton", env.get("triton") or "-"],
+        ["delta-attn", f"{env.get('delta_attn')} (git {env.get('git_revision') or 'unknown'})"],
+        ["fla-core", opt.get("fla-core") or "not installed"],
+        ["nvidia-cudnn-frontend", opt.get("nvidia-cudnn-frontend") or "not installed"],
+        ["Python / platform", f"{env.get('python')} / {env.get('platform')}"],
+        ["Triton interpreter", "on (CPU run)" if env.get("triton_interpreter") else "off"],
+    ]
+    return _table(["", ""], lines)
+
+
+def ceilings_block(run: Dict) -> str:
+    c = run.get("ceilings") or {}
+    if not c:
+        return "_not measured_"
+    return _table(["ceiling", "measured", "how"], [
+        ["copy bandwidth (bytes read + written)", f"{_f(c.get('copy_gbps'))} GB/s", c.get("copy", "")],
+        ["dense GEMM rate", f"{_f(c.get('gemm_tflops'))} TFLOP/s", c.get("gemm", "")]])
+
+
+# ------------------------------------------------------------------------------------------ crossover
+
+def _best_quadratic(rows: List[Dict], direction: str, dtype: str) -> Dict[int, Tuple[float, str]]:
+    best: Dict[int, Tuple[float, str]] = {}
+    for r in rows:
+        if r["status"] == "ok" and r["family"] == "quadratic" and r["direction"] == direction and r["dtype"] == dtype:
+            S = r["case"]["S"]
+            if S not in best or r["ms"] < best[S][0]:
+                best[S] = (r["ms"], r["impl"])
+    return best
+
+
+def _series(rows: List[Dict], impl: str, direction: str, dtype: str) -> Dict[int, float]:
+    return {r["case"]["S"]: r["ms"] for r in rows if r["impl"] == impl and r["direction"] == direction
+            and r["dtype"] == dtype and r["status"] == "ok"}
+
+
+def crossover_point(lin: Dict[int, float], quad: Dict[int, float]) -> Tuple[Optional[float], str]:
+    """Where the linear op's time falls below the quadratic one's, log-interpolated in S and in the
+    time ratio between the two measured lengths around it. Returns (S or None, description)."""
+    common = sorted(set(lin) & set(quad))
+    if not common:
+        return None, "no common measured length"
+    ratio = [(S, lin[S] / quad[S]) for S in common]
+    if ratio[0][1] < 1:
+        return float(ratio[0][0]), f"faster at every measured length (from S = {ratio[0][0]})"
+    for (s0, r0), (s1, r1) in zip(ratio, ratio[1:]):
+        if r1 < 1 <= r0:
+            x = math.log(s0) + (math.log(s1) - math.log(s0)) * math.log(r0) / (math.log(r0) - math.log(r1))
+            return math.exp(x), f"between S = {s0} and {s1}"
+    return None, f"not reached up to S = {common[-1]} (still {_f(ratio[-1][1])}x the time)"
+
+
+def _fmt_len(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1024:.1f}K" if x >= 1024 else f"{x:.0f}"
+
+
+def crossover_section(rows: List[Dict]) -> str:
+    rows = [r for r in rows if r["suite"] == "crossover"]
+    if not rows:
+        return ""
+    out = []
+    for dtype in sorted({r["dtype"] for r in rows}):
+        for direction in [d for d in ("fwd", "bwd", "fwd+bwd") if any(r["direction"] == d for r in rows)]:
+            rs = [r for r in rows if r["direction"] == direction and r["dtype"] == dtype]
+            impls = list(OrderedDict.fromkeys(r["impl"] + (" [" + r["op"] + "]" if r["family"] == "linear" else "")
+                                              for r in rs))
+            lengths = sorted({r["case"]["S"] for r in rs})
+            cell = {}
+            for r in rs:
+                name = r["impl"] + (" [" + r["op"] + "]" if r["family"] == "linear" else "")
+                cell[(name, r["case"]["S"])] = _f(r["ms"]) if r["status"] == "ok" else r["status"].lower()
+            out.append(f"### Latency, {direction}, {dtype} (ms, median; B = tokens / S)")
+            hdr = ["S", "B"] + impls
+            lines = []
+            for S in lengths:
+                b = next(r["case"]["B"] for r in rs if r["case"]["S"] == S)
+                lines.append([str(S), str(b)] + [cell.get((i, S), "") for i in impls])
+            out.append(_table(hdr, lines))
+            # crossover lengths against the best quadratic implementation
+            best = _best_quadratic(rs, direction, dtype)
+            quad_ms = {S: v[0] for S, v in best.items()}
+            lin_impls = list(OrderedDict.fromkeys((r["impl"], r["op"]) for r in rs if r["family"] == "linear"))
+            xl = []
+            for impl, op in lin_impls:
+                s = {r["case"]["S"]: r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"}
+                x, how = crossover_point(s, quad_ms)
+                common = sorted(set(s) & set(quad_ms))
+                last = (f"{_f(quad_ms[common[-1]] / s[common[-1]])}x at S = {common[-1]}" if common else "-")
+                xl.append([f"{impl} [{op}]", _fmt_len(x), how, last])
+            if xl:
+                out.append(f"\n**Crossover, {direction}, {dtype}**: the sequence length past which each linear "
+                           "operator is faster than the best quadratic one measured at that length.\n")
+                out.append(_table(["linear operator", "crossover S", "where", "speed-up at the longest common S"], xl))
+            # the seeds' "complete comparison", measured
+            lines = []
+            for S in lengths:
+                if S not in best:
+                    continue
+                b = next(r["case"]["B"] for r in rs if r["case"]["S"] == S)
+                q, qn = best[S]
+                line = [str(S), str(b), f"{_f(q)} ({qn})"]
+                for impl, op in lin_impls:
+                    s = next((r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"
+                              and r["case"]["S"] == S), None)
+                    line.append("-" if s is None else f"{_f(s)} ({_f(q / s)}x)")
+                lines.append(line)
+            if lines:
+                out.append(f"\n**Complete comparison, {direction}, {dtype}** (ms; in brackets: speed-up of the linear "
+                           "operator over the best quadratic one)\n")
+                out.append(_table(["S", "B", "best quadratic"] + [f"{i} [{o}]" for i, o in lin_impls], lines))
+            out.append("")
+    return "\n".join(out)
+
+
+def crossover_summary(rows: List[Dict]) -> List[Dict]:
+    """Crossover points as data: [{impl, op, direction, dtype, crossover_S, where}]."""
+    out = []
+    rows = [r for r in rows if r["suite"] == "crossover"]
+    for dtype in sorted({r["dtype"] for r in rows}):
+        for direction in sorted({r["direction"] for r in rows}):
+            rs = [r for r in rows if r["direction"] == direction and r["dtype"] == dtype]
+            quad = {S: v[0] for S, v in _best_quadratic(rs, direction, dtype).items()}
+            for impl, op in OrderedDict.fromkeys((r["impl"], r["op"]) for r in rs if r["family"] == "linear"):
+                s = {r["case"]["S"]: r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"}
+                x, how = crossover_point(s, quad)
+                out.append({"impl": impl, "op": op, "direction": direction, "dtype": dtype, "crossover_S": x, "where": how})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ row tables
+
+_OP_TITLE = {"flash": "Flash attention", "flash_varlen": "Flash attention, packed variable-length batch",
+             "kda": "Kimi Delta Attention", "diag": "Gated diagonal attention", "flash_decode": "Decode: attention over a KV cache",
+             "kda_decode": "Decode: KDA state update", "diag_decode": "Decode: diagonal state update"}
+
+
+def _primary(r: Dict) -> Tuple[str, str]:
+    """(rate, fraction of the ceiling) shown for a row: TFLOP/s for attention, GB/s otherwise."""
+    if r.get("tflops") is not None and r["op"] in ("flash", "flash_varlen"):
+        return f"{_f(r['tflops'])} TFLOP/s", _pct(r.get("frac_gemm"))
+    if r.get("gbps") is not None:
+        return f"{_f(r['gbps'])} GB/s", _pct(r.get("frac_copy"))
+    return "-", "-"
+
+
+def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None) -> str:
+    out = []
+    by_op = OrderedDict()
+    for r in rows:
+        by_op.setdefault((r["suite"], r["op"]), []).append(r)
+    for (suite, op), rs in by_op.items():
+        out.append(f"### {_OP_TITLE.get(op, op)} ({suite})")
+        hdr = ["shape", "dtype", "dir", "implementation", "ms (median)", "spread p20-p80", "rate", "of ceiling",
+               "Mtok/s", "vs best peer", "peak MiB"]
+        if h200:
+            hdr.append("ANCHORS.md (H200)")
+        if compare is not None:
+            hdr.append("vs old run")
+        # best peer per (label, dtype, direction): fastest ok non-delta-attn row
+        best_peer: Dict[Tuple, float] = {}
+        for r in rs:
+            if r["status"] == "ok" and r["provider"] != "delta-attn":
+                k = (r["label"], r["dtype"], r["direction"])
+                best_peer[k] = min(best_peer.get(k, float("inf")), r["ms"])
+        lines = []
+        for r in rs:
+            if r["status"] != "ok":
+                continue
+            rate, frac = _primary(r)
+            k = (r["label"], r["dtype"], r["direction"])
+            vs = "-"
+            if r["provider"] == "delta-attn" and k in best_peer:
+                vs = f"{best_peer[k] / r['ms']:.2f}x"
+            line = [r["label"], r["dtype"], r["direction"], r["impl"], _f(r["ms"], 4),
+                    f"{_f(r['ms_p20'])}-{_f(r['ms_p80'])}", rate, frac, _f(r["tokens_per_s"] / 1e6),
+                    vs, _f(r.get("peak_mem_mb"))]
+            if h200:
+                a = anchors.lookup(r)
+                line.append("-" if a is None else f"{a[0]:g} {'TFLOP/s' if a[1] == 'tflops' else 'ms'} ({a[2]:.2f}x)")
+            if compare is not None:
+                old = compare.get(_key(r))
+                line.append(f"{old / r['ms']:.2f}x" if old else "-")
+            lines.append(line)
+        out.append(_table(hdr, lines) if lines else "_no row ran_")
+        out.append("")
+    return "\n".join(out)
+
+
+def matrix_section(rows: List[Dict]) -> str:
+    rs = [r for r in rows if r["suite"] == "matrix" and r["status"] == "ok"]
+    if not rs:
+        return ""
+    lines = [[r["label"], r["dtype"], r["impl"], _f(r["ms"], 4), _f(r["ms_mean"], 4), _f(r["ms_std"], 2),
+              _f(r["tokens_per_s"] / 1e6), _f(r.get("tflops"))] for r in rs]
+    return ("### Config matrix (forward, non-causal)\n" +
+            _table(["shape", "dtype", "implementation", "median ms", "mean ms", "std ms", "M queries/s", "TFLOP/s"], lines)
+            + "\n")
+
+
+def decode_section(rows: List[Dict]) -> str:
+    rs = [r for r in rows if r["suite"] == "decode"]
+    if not rs:
+        return ""
+    lines = []
+    for r in rs:
+        c = r["case"]
+        if r["op"] == "flash_decode":
+            per_seq = 2 * c["ctx"] * c["Hk"] * c["D"] * (4 if r["dtype"] == "fp32" else 2)
+            what = f"KV cache, ctx {c['ctx']}"
+        elif r["op"] == "kda_decode":
+            per_seq, what = c["H"] * c["D"] * c["D"] * 4, "KDA state (fp32)"
+        else:
+            per_seq, what = c["H"] * c["D"] * 4, "diagonal state (fp32)"
+        ok = r["status"] == "ok"
+        lines.append([str(c["B"]), what, r["impl"], _f(r["ms"] * 1e3, 4) if ok else r["status"],
+                      _f(r["tokens_per_s"]) if ok else "-", _f(r["gbps"]) if ok else "-",
+                      _pct(r.get("frac_copy")) if ok else "-", _bytes(per_seq)])
+    return ("### Decode: one new token per sequence\n" +
+            _table(["batch", "memory read per token", "implementation", "µs per step", "tokens/s", "GB/s", "of copy",
+                    "bytes per sequence"], lines) + "\n")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} PiB"
+
+
+def not_run_section(rows: List[Dict]) -> str:
+    groups: Dict[Tuple[str, str, str], List[str]] = defaultdict(list)
+    for r in rows:
+        if r["status"] != "ok":
+            groups[(r["status"], r["impl"], r["note"])].append(f"{r['label']} {r['direction']}")
+    if not groups:
+        return "Every row ran and passed the correctness gate."
+    lines = []
+    for (status, impl, note), where in sorted(groups.items(), key=lambda kv: (kv[0][0] != "FAILED", kv[0])):
+        shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+        lines.append([f"**{status}**" if status == "FAILED" else status, impl, note.replace("|", "/").replace("\n", " "),
+                      f"{len(where)}: {shown}"])
+    return _table(["status", "implementation", "reason", "rows"], lines)
+
+
+def compare_section(rows: List[Dict], old_rows: List[Dict], old_dir: str) -> str:
+    old = {_key(r): r for r in old_rows if r["status"] == "ok"}
+    lines = []
+    for r in rows:
+        o = old.get(_key(r))
+        if r["status"] == "ok" and o is not None:
+            lines.append([r["label"], r["dtype"], r["direction"], r["impl"], _f(o["ms"], 4), _f(r["ms"], 4),
+                          f"{o['ms'] / r['ms']:.2f}x"])
+    if not lines:
+        return f"No row of this run matches a row of `{old_dir}`."
+    return (f"Speed-up = old time / new time (> 1: this run is faster); old run: `{old_dir}`.\n\n" +
+            _table(["shape", "dtype", "dir", "implementation", "old ms", "new ms", "speed-up"], lines))
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[str, List[Dict]]] = None) -> str:
+    suite = run.get("suite", "?")
+    env = run.get("env") or {}
+    gpu = (env.get("gpu") or {}).get("name") or ""
+    h200 = "H200" in gpu
+    counts = defaultdict(int)
+    for r in rows:
+        counts[r["status"]] += 1
+    parts = [f"# delta-attn bench {suite}", "",
+             f"Command: `{run.get('command', '')}`  ",
+             f"Started {run.get('started', '?')} UTC, took {_f(run.get('duration_s'))} s; rows: " +
+             ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
+    if run.get("tiny"):
+        parts += ["> Tiny CPU mode: reference and Triton-interpreter paths at toy sizes. These times say nothing "
+                  "about GPU speed; the run checks that every artifact is produced.", ""]
+    parts += ["## Environment", "", env_block(run), "", "## Ceilings (measured at the start of this run)", "",
+              ceilings_block(run), ""]
+    compare = None
+    if old is not None:
+        compare = {_key(r): r["ms"] for r in old[1] if r["status"] == "ok"}
+    parts += ["## Results", ""]
+    if suite == "crossover":
+        parts.append(crossover_section(rows))
+    if suite == "matrix":
+        parts.append(matrix_section(rows))
+    if suite == "decode":
+        parts.append(decode_section(rows))
+    parts.append(rows_section(rows, h200, compare))
+    parts += ["## Rows that did not run", "", not_run_section(rows), ""]
+    if old is not None:
+        parts += ["## Comparison with an earlier run", "", compare_section(rows, old[1], old[0]), ""]
+    if plots:
+        parts += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    parts += ["## How this was measured", "",
+              "Each time is the median of repeated calls timed with CUDA events after a warm-up, with the L2 "
+              "cache flushed before every call (p20-p80 is the spread); the first call of each row (compilation, "
+              "autotuning) is excluded and reported as `first_call_ms` in results.jsonl. Before any timing, every "
+              "implementation's output (and gradients, for rows with a backward pass) is checked against the float64 "
+              "reference on a probe of the same configuration with DESIGN.md's error rule; a row that fails is FAILED "
+              "and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, fwd+bwd 3.5x; "
+              "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Fractions are of the "
+              "ceilings above. Peak MiB: the most memory allocated during the row beyond what was allocated before "
+              "its inputs. See docs/BENCH.md.", ""]
+    return "\n".join(parts)
+
+
+def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) -> str:
+    """(Re)write report.md, results.csv and the plots of ``out_dir`` from its results.jsonl."""
+    run, rows = read_jsonl(os.path.join(out_dir, "results.jsonl"))
+    write_csv(os.path.join(out_dir, "results.csv"), rows)
+    pngs: List[str] = []
+    if plots:
+        from . import plots as P
+        pngs = P.make_plots(out_dir, run, rows)
+    old = None
+    if compare_dir is not None:
+        old = (compare_dir, read_jsonl(os.path.join(compare_dir, "results.jsonl"))[1])
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write(markdown(run, rows, pngs, old))
+    return path

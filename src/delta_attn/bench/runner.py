@@ -1,0 +1,325 @@
+"""Runs a suite's tasks: availability, time budget, correctness gate, timing, metrics, one row each."""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import cases, models
+from .gate import GateResult, gate_key, is_unavailable_error, run_gate
+from .impls import Impl
+from .timer import estimate_ms, measure
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass
+class Settings:
+    device: str = "cuda"
+    tiny: bool = False
+    quick: bool = False
+    dtypes: Tuple[str, ...] = ("bf16",)
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    min_reps: int = 3
+    max_reps: int = 100
+    max_call_ms: float = 2500.0      # a row whose predicted single call exceeds this is skipped
+    seed: int = 0
+    impls: Tuple[str, ...] = ()      # substrings; empty = all
+    directions: Tuple[str, ...] = ()  # empty = the suite's default
+    tokens: int = 65536
+    heads: int = 16
+    head_dim: int = 128
+    max_seq: int = 131072
+    max_linear_seq: int = 1048576
+    gate: bool = True
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+@dataclass
+class Task:
+    suite: str
+    case: Dict
+    impl: Impl
+    directions: Sequence[str]
+    dtype: torch.dtype
+    series: str = ""                  # rows of one series predict each other's time (budget rule)
+
+
+class Progress:
+    """tqdm bar on a terminal; one line per row otherwise (logs)."""
+
+    def __init__(self, total: int, desc: str):
+        self.bar = None
+        self.n, self.total = 0, total
+        if sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=total, desc=desc, unit="row", dynamic_ncols=True, leave=True)
+            except ImportError:
+                self.bar = None
+
+    def update(self, row: Dict) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{row['impl']} {row['label']} {row['direction']}"[:60])
+            self.bar.update(1)
+            return
+        speed = f"{row['ms']:.4g} ms" if row.get("ms") is not None else row["status"]
+        print(f"[{self.n}/{self.total}] {row['suite']} {row['op']} {row['impl']} | {row['label']} | "
+              f"{row['direction']} | {speed}" + (f" | {row['note'][:120]}" if row.get("note") and row["status"] != "ok" else ""),
+              file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Runner:
+    def __init__(self, settings: Settings, ceilings: Dict):
+        self.s = settings
+        self.device = torch.device(settings.device)
+        self.ceilings = ceilings
+        self.rows: List[Dict] = []
+        self._gates: Dict[Tuple, GateResult] = {}
+        self._last: Dict[Tuple, Tuple[float, float]] = {}     # series key -> (work, ms)
+
+    # ---------------------------------------------------------------- rows
+    def _row(self, task: Task, direction: str, status: str, note: str = "", **extra) -> Dict:
+        c = task.case
+        row = {"record": "row", "suite": task.suite, "op": c["op"], "impl": task.impl.name,
+               "provider": task.impl.provider, "family": task.impl.family, "direction": direction,
+               "dtype": DTYPE_NAMES.get(task.dtype, str(task.dtype)), "label": cases.label(c),
+               "case": {k: v for k, v in c.items() if k not in ("op", "over_budget")}, "tokens": cases.tokens(c),
+               "status": status, "note": note,
+               "ms": None, "ms_mean": None, "ms_std": None, "ms_p20": None, "ms_p80": None, "ms_min": None,
+               "reps": None, "first_call_ms": None, "flops": None, "tflops": None, "frac_gemm": None,
+               "bytes": None, "gbps": None, "frac_copy": None, "tokens_per_s": None, "peak_mem_mb": None,
+               "gate": None}
+        row.update(extra)
+        return row
+
+    def _emit(self, row: Dict, progress: Optional[Progress]) -> None:
+        self.rows.append(row)
+        if progress is not None:
+            progress.update(row)
+
+    # ---------------------------------------------------------------- one (impl, case)
+    def run_task(self, task: Task, progress: Optional[Progress] = None) -> None:
+        impl, case, dev, dt = task.impl, task.case, self.device, task.dtype
+        bound = None
+        base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        try:
+            for direction in task.directions:
+                if case.get("over_budget"):
+                    self._emit(self._row(task, direction, "skipped",
+                                         f"KV cache of {case['over_budget'] / 1e9:.0f} GB exceeds the memory budget"),
+                               progress)
+                    continue
+                grad = direction != "fwd"
+                if grad and not impl.backward:
+                    self._emit(self._row(task, direction, "unavailable", "no backward pass (inference operator)"), progress)
+                    continue
+                why = impl.why_not(case, dev, dt, grad)
+                if why:
+                    self._emit(self._row(task, direction, "unavailable", why), progress)
+                    continue
+                skey = (task.series or task.suite, impl.name, case["op"], direction, str(dt))
+                w = cases.work(case)
+                last = self._last.get(skey)
+                if last is not None and w > last[0]:
+                    predicted = last[1] * w / last[0]
+                    if predicted > self.s.max_call_ms:
+                        self._emit(self._row(task, direction, "skipped",
+                                             f"predicted {predicted:.0f} ms per call > budget {self.s.max_call_ms:.0f} ms "
+                                             f"(--max-call-ms)"), progress)
+                        continue
+                gate = None
+                if self.s.gate:
+                    gk = gate_key(impl, case, dt, grad, tiny=self.s.tiny)
+                    gate = self._gates.get(gk)
+                    if gate is None:
+                        try:
+                            gate = run_gate(impl, case, dev, dt, grad, self.s.seed, tiny=self.s.tiny)
+                        except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                            if is_unavailable_error(e):
+                                self._emit(self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"[:400]),
+                                           progress)
+                                continue
+                            gate = GateResult(False, f"raised {type(e).__name__}: {str(e)[:300]}")
+                        self._gates[gk] = gate
+                        _free(dev)
+                    if not gate.ok:
+                        self._emit(self._row(task, direction, "FAILED", "correctness gate: " + gate.message,
+                                             gate={"ok": False, "message": gate.message}), progress)
+                        continue
+                if bound is None:
+                    try:
+                        t = cases.make_inputs(case, dev, dt, seed=self.s.seed)
+                        bound = impl.bind(case, t)
+                        del t
+                    except torch.cuda.OutOfMemoryError:
+                        bound = None
+                        _free(dev)
+                        self._emit(self._row(task, direction, "skipped", "out of memory allocating the inputs"), progress)
+                        return
+                row = self._time(task, direction, bound, gate, base_mem)
+                if row["status"] == "ok":
+                    self._last[skey] = (w, row["ms"])
+                self._emit(row, progress)
+        finally:
+            del bound
+            _free(dev)
+
+    def _time(self, task: Task, direction: str, b, gate: Optional[GateResult], base_mem: int) -> Dict:
+        dev, case = self.device, task.case
+        leaves = [x for x in b.leaves if x.requires_grad]
+
+        def clear():
+            for x in leaves:
+                x.grad = None
+
+        try:
+            with b.context():
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t0 = time.perf_counter()
+                if direction == "fwd":
+                    with torch.no_grad():
+                        out = b.fn()
+                        _sync(dev)
+                        first = (time.perf_counter() - t0) * 1e3
+                        if not bool(torch.isfinite(out.float() if out.dtype != torch.float64 else out).all()):
+                            return self._row(task, direction, "FAILED", "non-finite output at the timed size")
+                        call = b.fn
+                        est = estimate_ms(call, dev) if self.s.rep_ms > 0 else None
+                        timing = self._measure(call, est, None)
+                else:
+                    with torch.enable_grad():
+                        out = b.fn()
+                        gen = torch.Generator(device=dev)
+                        gen.manual_seed(self.s.seed + 3)
+                        dout = torch.randn(out.shape, generator=gen, device=dev, dtype=torch.float32).to(out.dtype)
+                        if direction == "bwd":
+                            out.backward(dout, retain_graph=True)
+                            _sync(dev)
+                            first = (time.perf_counter() - t0) * 1e3
+                            call = lambda: out.backward(dout, retain_graph=True)
+                        else:
+                            out.backward(dout)
+                            _sync(dev)
+                            first = (time.perf_counter() - t0) * 1e3
+                            call = lambda: b.fn().backward(dout)
+                        bad = [i for i, x in enumerate(leaves) if x.grad is not None and not bool(torch.isfinite(x.grad).all())]
+                        if bad:
+                            return self._row(task, direction, "FAILED", f"non-finite gradient(s) {bad} at the timed size")
+                        est = estimate_ms(call, dev, clear) if self.s.rep_ms > 0 else None
+                        timing = self._measure(call, est, clear)
+                peak = (torch.cuda.max_memory_allocated(dev) - base_mem) / 2 ** 20 if dev.type == "cuda" else None
+        except torch.cuda.OutOfMemoryError:
+            _free(dev)
+            return self._row(task, direction, "skipped", "out of memory")
+        except Exception as e:  # noqa: BLE001
+            if is_unavailable_error(e):
+                return self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"[:400])
+            tb = traceback.format_exc(limit=2).strip().splitlines()[-1]
+            return self._row(task, direction, "FAILED", f"raised at the timed size: {tb}"[:400])
+        return self._row(task, direction, "ok", "", **self._metrics(task, direction, b, out, leaves, timing),
+                         first_call_ms=first, peak_mem_mb=peak,
+                         gate=None if gate is None else {"ok": True, "message": gate.message,
+                                                         "max_error": gate.max_error, "bound": gate.bound})
+
+    def _measure(self, call, est, before):
+        return measure(call, self.device, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms,
+                       min_reps=self.s.min_reps, max_reps=self.s.max_reps, before=before, estimate=est)
+
+    def _metrics(self, task: Task, direction: str, b, out, leaves, timing) -> Dict:
+        case, op = task.case, task.case["op"]
+        ms = timing.median_ms
+        m = {"ms": ms, "ms_mean": timing.mean_ms, "ms_std": timing.std_ms, "ms_p20": timing.p20_ms,
+             "ms_p80": timing.p80_ms, "ms_min": timing.min_ms, "reps": timing.reps}
+        flops = None
+        if op == "flash":
+            flops = models.attention_flops(case["B"], case["H"], case["S"], case["S"], case["D"],
+                                           causal=case.get("causal", True), direction=direction)
+        elif op == "flash_varlen":
+            flops = models.varlen_attention_flops(case["seqlens"], case["H"], case["D"], case.get("causal", True), direction)
+        elif op == "flash_decode":
+            flops = models.attention_flops(case["B"], case["H"], 1, case["ctx"], case["D"], causal=True)
+        nbytes = models.io_bytes(b.inputs, out, leaves, direction)
+        if op in ("kda_decode", "diag_decode"):
+            nbytes += models.nbytes([b.inputs[-1]])          # the updated state is written back
+        sec = ms / 1e3
+        m["bytes"] = nbytes
+        m["gbps"] = nbytes / sec / 1e9
+        if self.ceilings.get("copy_gbps"):
+            m["frac_copy"] = m["gbps"] / self.ceilings["copy_gbps"]
+        if flops is not None:
+            m["flops"] = flops
+            m["tflops"] = flops / sec / 1e12
+            if self.ceilings.get("gemm_tflops"):
+                m["frac_gemm"] = m["tflops"] / self.ceilings["gemm_tflops"]
+        m["tokens_per_s"] = cases.tokens(case) / sec
+        return m
+
+    def run(self, tasks: List[Task], desc: str) -> List[Dict]:
+        total = sum(len(t.directions) for t in tasks)
+        progress = Progress(total, desc)
+        try:
+            for task in tasks:
+                self.run_task(task, progress)
+        finally:
+            progress.close()
+        return self.rows
+
+
+# -------------------------------------------------------------------- ceilings
+
+def measure_ceilings(device: torch.device, settings: Settings) -> Dict:
+    """Copy bandwidth (bytes read + written) and the dense GEMM rate, measured now."""
+    out: Dict = {"device": str(device)}
+    if device.type == "cuda":
+        nbytes, n, gdt = 2 ** 30, 8192, torch.bfloat16
+    else:
+        nbytes, n, gdt = 2 ** 26, 512, torch.float32
+    try:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        src.random_(0, 255)
+        dst = torch.empty_like(src)
+        call = lambda: dst.copy_(src)
+        call()
+        t = measure(call, device, warmup_ms=settings.warmup_ms, rep_ms=settings.rep_ms, min_reps=settings.min_reps)
+        out["copy_gbps"] = 2 * nbytes / (t.median_ms / 1e3) / 1e9
+        out["copy"] = f"copy_ of {nbytes / 2 ** 20:.0f} MiB, median {t.median_ms:.3f} ms over {t.reps} reps"
+        del src, dst
+        a = torch.randn(n, n, device=device, dtype=gdt)
+        bm = torch.randn(n, n, device=device, dtype=gdt)
+        c = torch.empty(n, n, device=device, dtype=gdt)
+        call = lambda: torch.mm(a, bm, out=c)
+        call()
+        t = measure(call, device, warmup_ms=settings.warmup_ms, rep_ms=settings.rep_ms, min_reps=settings.min_reps)
+        out["gemm_tflops"] = models.gemm_flops(n, n, n) / (t.median_ms / 1e3) / 1e12
+        out["gemm"] = f"{DTYPE_NAMES[gdt]} GEMM {n}^3 random data, median {t.median_ms:.3f} ms over {t.reps} reps"
+        del a, bm, c
+    finally:
+        _free(device)
+    return out

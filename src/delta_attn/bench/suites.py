@@ -1,0 +1,191 @@
+"""The suites: which cases, implementations and directions each one times.
+
+- ``matrix``: the seeds' config matrix plus H200-sized shapes, every attention implementation,
+  fp16 and bf16, forward; latency median / mean / std and query tokens per second.
+- ``kernels``: each delta-attn operator against its peers at the issue's bar shapes (ANCHORS.md),
+  fwd / bwd / fwd+bwd.
+- ``crossover``: fixed tokens per batch, S from 1K to 128K (linear operators to 1M), causal, fwd and
+  fwd+bwd, quadratic and linear side by side.
+- ``decode``: one new token over a KV cache (attention) against the KDA and diagonal state updates.
+- ``ceilings``: only the copy bandwidth and GEMM rate (measured at the start of every suite anyway).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from . import impls as I
+from .runner import DTYPES, Settings, Task
+
+SUITES = ("crossover", "kernels", "matrix", "decode", "ceilings")
+
+# 16 causal sequences of 256 to 8192 tokens, 66,816 tokens in all (the varlen shape of ANCHORS.md)
+VARLEN_SEQLENS = [256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5632, 5120, 6656, 6144, 8192, 8192, 8192]
+
+
+def _selected(impl: I.Impl, s: Settings) -> bool:
+    return not s.impls or any(x.lower() in impl.name.lower() for x in s.impls)
+
+
+def _impls(op: str, s: Settings, exclude: tuple = ()) -> List[I.Impl]:
+    dev = torch.device(s.device)
+    return [i for i in I.catalogue(op, dev) if _selected(i, s) and not any(x in i.name for x in exclude)]
+
+
+def _dirs(s: Settings, default) -> tuple:
+    return tuple(s.directions) if s.directions else tuple(default)
+
+
+def _pow2_range(lo: int, hi: int) -> List[int]:
+    out, x = [], lo
+    while x <= hi:
+        out.append(x)
+        x *= 2
+    return out
+
+
+# ------------------------------------------------------------------------------------------ crossover
+
+def crossover_lengths(s: Settings) -> Dict[str, List[int]]:
+    if s.tiny:
+        quad = [16, 32]
+        lin = quad + [64]
+    elif s.quick:
+        quad = [x for x in (1024, 4096, 16384, 65536) if x <= s.max_seq]
+        lin = quad + [x for x in (262144,) if x <= s.max_linear_seq]
+    else:
+        quad = _pow2_range(1024, s.max_seq)
+        lin = _pow2_range(1024, s.max_linear_seq)
+    return {"quadratic": quad, "linear": lin}
+
+
+def crossover(s: Settings) -> List[Task]:
+    h, d, tokens = s.heads, s.head_dim, s.tokens
+    lengths = crossover_lengths(s)
+    dirs = _dirs(s, ("fwd", "fwd+bwd"))
+    tasks = []
+    for dname in s.dtypes:
+        dt = DTYPES[dname]
+        for op, family in (("flash", "quadratic"), ("kda", "linear"), ("diag", "linear")):
+            for impl in _impls(op, s, exclude=("mem-efficient",)):
+                for S in lengths[family]:
+                    case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
+                    if op != "flash":
+                        case.pop("Hk"), case.pop("causal")
+                    tasks.append(Task("crossover", case, impl, dirs, dt, series="crossover"))
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+def kernel_cases(s: Settings) -> Dict[str, List[Dict]]:
+    if s.tiny:
+        return {
+            "flash": [dict(B=2, S=32, H=2, Hk=2, D=16, causal=True), dict(B=2, S=32, H=4, Hk=2, D=16, causal=False)],
+            "flash_varlen": [dict(seqlens=[5, 17, 10], H=2, D=16, causal=True)],
+            "kda": [dict(B=1, S=32, H=2, D=16)],
+            "diag": [dict(B=1, S=32, H=2, D=16)],
+            "kda_decode": [dict(B=2, H=2, D=16)],
+            "diag_decode": [dict(B=2, H=2, D=16)],
+            "flash_decode": [dict(B=2, ctx=32, H=2, Hk=2, D=16)],
+        }
+    flash = [(128, 4096, True), (128, 16384, False)] if s.quick else [
+        (128, 1024, False), (128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
+        (128, 32768, True), (64, 4096, False), (64, 16384, True)]
+    kda = [(8, 4096), (1, 32768)] if s.quick else [(8, 4096), (1, 32768), (64, 1024), (1, 131072)]
+    diag = [(8, 4096)] if s.quick else [(8, 4096), (1, 32768)]
+    return {
+        "flash": [dict(B=32768 // S, S=S, H=2048 // D, Hk=2048 // D, D=D, causal=c) for D, S, c in flash],
+        "flash_varlen": [dict(seqlens=list(VARLEN_SEQLENS), H=16, D=128, causal=True)],
+        "kda": [dict(B=b, S=t, H=16, D=128) for b, t in kda],
+        "diag": [dict(B=b, S=t, H=16, D=128) for b, t in diag],
+        "kda_decode": [dict(B=64, H=16, D=128)],
+        "diag_decode": [dict(B=64, H=16, D=128)],
+        "flash_decode": [dict(B=64, ctx=8192, H=16, Hk=16, D=128)],
+    }
+
+
+def kernels(s: Settings) -> List[Task]:
+    tasks = []
+    for dname in s.dtypes:
+        dt = DTYPES[dname]
+        for op, cs in kernel_cases(s).items():
+            dirs = ("fwd",) if op.endswith("decode") else _dirs(s, ("fwd", "bwd", "fwd+bwd"))
+            for c in cs:
+                c = dict(c, op=op)
+                if op == "flash_varlen":
+                    c["max_seqlen"] = max(c["seqlens"])
+                for impl in _impls(op, s):
+                    tasks.append(Task("kernels", c, impl, dirs, dt, series=f"kernels:{op}:{c.get('D')}"))
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------ matrix
+
+MATRIX_SEED = [(1, 1, 128, 64), (8, 4, 128, 64), (32, 8, 128, 64), (32, 8, 256, 64)]
+MATRIX_H200 = [(16, 16, 2048, 128), (4, 16, 8192, 128), (1, 16, 32768, 128), (8, 32, 4096, 64), (1, 32, 32768, 64)]
+
+
+def matrix(s: Settings) -> List[Task]:
+    if s.tiny:
+        shapes = [(1, 1, 16, 16), (2, 2, 32, 16)]
+    elif s.quick:
+        shapes = MATRIX_SEED + [MATRIX_H200[1], MATRIX_H200[3]]
+    else:
+        shapes = MATRIX_SEED + MATRIX_H200
+    dtypes = s.dtypes
+    tasks = []
+    for dname in dtypes:
+        dt = DTYPES[dname]
+        for b, h, S, d in shapes:
+            c = dict(op="flash", B=b, S=S, H=h, Hk=h, D=d, causal=False)
+            for impl in _impls("flash", s):
+                tasks.append(Task("matrix", c, impl, _dirs(s, ("fwd",)), dt, series=f"matrix:{dname}"))
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+def decode_grid(s: Settings):
+    if s.tiny:
+        return [32, 128], [1, 4]
+    if s.quick:
+        return [4096, 65536, 1048576], [1, 64]
+    return [4096, 16384, 65536, 262144, 1048576], [1, 16, 64, 256]
+
+
+def decode(s: Settings, kv_budget_bytes: float) -> List[Task]:
+    ctxs, batches = decode_grid(s)
+    h, d = (2, 16) if s.tiny else (s.heads, s.head_dim)
+    tasks = []
+    for dname in s.dtypes:
+        dt = DTYPES[dname]
+        elt = torch.empty(0, dtype=dt).element_size()
+        for b in batches:
+            for ctx in ctxs:
+                c = dict(op="flash_decode", B=b, ctx=ctx, H=h, Hk=h, D=d)
+                kv = 2 * b * ctx * h * d * elt
+                for impl in _impls("flash_decode", s):
+                    t = Task("decode", c, impl, ("fwd",), dt, series=f"decode:{b}")
+                    if kv > kv_budget_bytes:
+                        t.case = dict(c, over_budget=kv)
+                    tasks.append(t)
+            for op in ("kda_decode", "diag_decode"):
+                for impl in _impls(op, s):
+                    tasks.append(Task("decode", dict(op=op, B=b, H=h, D=d), impl, ("fwd",), dt))
+    return tasks
+
+
+def build(suite: str, s: Settings, kv_budget_bytes: float = 40e9) -> List[Task]:
+    if suite == "crossover":
+        return crossover(s)
+    if suite == "kernels":
+        return kernels(s)
+    if suite == "matrix":
+        return matrix(s)
+    if suite == "decode":
+        return decode(s, kv_budget_bytes)
+    if suite == "ceilings":
+        return []
+    raise ValueError(f"unknown suite {suite!r}; one of {', '.join(SUITES)}")
