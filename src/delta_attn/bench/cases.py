@@ -106,7 +106,8 @@ def probe_case(case: Dict, tiny: bool = False, cap: Optional[int] = None) -> Dic
     n = 8 if tiny else cap
     if op in ("flash", "flash_decode"):
         ratio = case["H"] // case.get("Hk", case["H"])
-        c["H"], c["Hk"] = (min(ratio, 8), 1) if ratio > 1 else (min(case["H"], 2), min(case["H"], 2))
+        # two KV heads, so that a kernel which ignores the GQA mapping cannot pass by broadcasting
+        c["H"], c["Hk"] = (2 * ratio, 2) if ratio > 1 else (min(case["H"], 2), min(case["H"], 2))
         c["B"] = min(case["B"], 2)
         if op == "flash":
             c["S"] = min(case["S"], n or 256)

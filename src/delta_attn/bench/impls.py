@@ -259,7 +259,10 @@ def _varlen_attn_bind(case, t):
 def _cpu_sdpa_bind(case, t):
     from . import cases
     q, k, v = (_leaf(_bhsd(t[n])) for n in ("q", "k", "v"))
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.get("causal", True))
+    kw = dict(is_causal=case.get("causal", True))
+    if q.shape[1] != k.shape[1]:
+        kw["enable_gqa"] = True
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, **kw)
 
     def spec(leaves, upcast):
         a, b, c = (x.transpose(1, 2) for x in leaves)

@@ -49,7 +49,7 @@ def varlen_attention_flops(seqlens: Iterable[int], h: int, d: int, causal: bool,
 
 
 def nbytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
-    return int(sum(t.numel() * t.element_size() for t in tensors if t is not None))
+    return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
 
 
 def io_bytes(inputs: Sequence[torch.Tensor], output: torch.Tensor, grads: Sequence[torch.Tensor],
