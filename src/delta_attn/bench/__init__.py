@@ -43,13 +43,50 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
           flush=True)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8e9
     tasks = suites.build(suite, settings, kv_budget_bytes=0.4 * free)
-    runner = Runner(settings, ceilings)
-    rows = runner.run(tasks, desc=f"bench {suite}")
     run = {"suite": suite, "command": command or " ".join(["delta-attn"] + sys.argv[1:]),
-           "started": started.strftime("%Y-%m-%d %H:%M:%S"), "duration_s": time.perf_counter() - t0,
+           "started": started.strftime("%Y-%m-%d %H:%M:%S"), "duration_s": None, "interrupted": False,
            "tiny": settings.tiny, "quick": settings.quick, "settings": settings.as_dict(), "env": _env.collect(),
            "ceilings": ceilings}
+    path = os.path.join(out_dir, "results.jsonl")
+    # rows are appended as they come, so an interrupted run still leaves a readable folder
+    report.write_jsonl(path, run, [])
+    sink = open(path, "a")
+
+    def on_row(row):
+        sink.write(report.row_json(row) + "\n")
+        sink.flush()
+
+    runner = Runner(settings, ceilings, on_row=on_row)
+    previous = _sigterm_raises_interrupt()
+    try:
+        runner.run(tasks, desc=f"bench {suite}")
+    except KeyboardInterrupt:
+        run["interrupted"] = True
+        print(f"delta-attn bench {suite}: interrupted; writing the {len(runner.rows)} rows measured so far",
+              file=sys.stderr, flush=True)
+    finally:
+        sink.close()
+        _restore_sigterm(previous)
+    run["duration_s"] = time.perf_counter() - t0
+    rows = runner.rows
     if suite == "crossover":
         run["crossover"] = report.crossover_summary(rows)
-    report.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
+    report.write_jsonl(path, run, rows)
     return report.render(out_dir, plots=plots)
+
+
+def _sigterm_raises_interrupt():
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:       # not the main thread
+        return None
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)

@@ -25,17 +25,26 @@ CSV_FIELDS = ["suite", "op", "impl", "provider", "family", "direction", "dtype",
 
 # ------------------------------------------------------------------------------------------ files
 
-def write_jsonl(path: str, run: Dict, rows: List[Dict]) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(dict(run, record="run", schema=SCHEMA_VERSION), default=str) + "\n")
-        for r in rows:
-            f.write(json.dumps(r, default=_json_default) + "\n")
+def row_json(row: Dict) -> str:
+    return json.dumps(_finite(row), default=str)
 
 
-def _json_default(x):
+def _finite(x):
+    """NaN / inf become null (JSON has neither)."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
-    return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_jsonl(path: str, run: Dict, rows: List[Dict]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(_finite(dict(run, record="run", schema=SCHEMA_VERSION)), default=str) + "\n")
+        for r in rows:
+            f.write(row_json(r) + "\n")
 
 
 def read_jsonl(path: str) -> Tuple[Dict, List[Dict]]:
@@ -373,7 +382,10 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
     counts = defaultdict(int)
     for r in rows:
         counts[r["status"]] += 1
-    parts = [f"# delta-attn bench {suite}", "",
+    parts = [f"# delta-attn bench {suite}", ""]
+    if run.get("interrupted"):
+        parts += ["> **Interrupted**: this report holds only the rows measured before the run was stopped.", ""]
+    parts += [
              f"Command: `{run.get('command', '')}`  ",
              f"Started {run.get('started', '?')} UTC, took {_f(run.get('duration_s'))} s; rows: " +
              ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]

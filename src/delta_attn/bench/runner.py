@@ -13,7 +13,7 @@ import torch
 from . import cases, models
 from .gate import GateResult, gate_key, is_unavailable_error, run_gate
 from .impls import Impl
-from .timer import estimate_ms, measure
+from .timer import _flush_buffer, estimate_ms, measure
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -95,9 +95,12 @@ def _free(device: torch.device) -> None:
 
 
 class Runner:
-    def __init__(self, settings: Settings, ceilings: Dict):
+    def __init__(self, settings: Settings, ceilings: Dict, on_row: Optional[Callable[[Dict], None]] = None):
         self.s = settings
         self.device = torch.device(settings.device)
+        self.on_row = on_row
+        if self.device.type == "cuda":
+            _flush_buffer(self.device)      # allocated once, before any row's memory baseline
         self.ceilings = ceilings
         self.rows: List[Dict] = []
         self._gates: Dict[Tuple, GateResult] = {}
@@ -120,6 +123,8 @@ class Runner:
 
     def _emit(self, row: Dict, progress: Optional[Progress]) -> None:
         self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(row)
         if progress is not None:
             progress.update(row)
 
