@@ -213,7 +213,7 @@ class Runner:
                         out = b.fn()
                         _sync(dev)
                         first = (time.perf_counter() - t0) * 1e3
-                        if not bool(torch.isfinite(out.float() if out.dtype != torch.float64 else out).all()):
+                        if not bool(torch.isfinite(out).all()):
                             return self._row(task, direction, "FAILED", "non-finite output at the timed size")
                         call = b.fn
                         est = estimate_ms(call, dev) if self.s.rep_ms > 0 else None
