@@ -62,9 +62,13 @@ def main():
     ap.add_argument("--time-budget", type=float, default=60.0, help="stop training after this many seconds")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads (the reference path runs many tiny ops: one thread is fastest)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     cfg = HybridConfig(vocab_size=1 + args.keys + args.values, hidden_size=args.hidden, num_layers=args.layers,
                        num_heads=args.heads, num_kv_heads=max(1, args.heads // 2), pattern=args.pattern,
@@ -77,7 +81,7 @@ def main():
     data = torch.Generator().manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    first = last = None
+    losses = []
     step = 0
     for step in range(1, args.steps + 1):
         ids, answer = make_batch(args.batch, args.pairs, args.queries, args.keys, args.values, dev, data)
@@ -87,13 +91,16 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        last = loss.item()
-        first = last if first is None else first
+        losses.append(loss.item())
         if step == 1 or step % 20 == 0:
-            print(f"step {step:4d}  loss {last:.3f}  {time.perf_counter() - t0:6.1f}s", flush=True)
+            avg = sum(losses[-20:]) / len(losses[-20:])
+            print(f"step {step:4d}  loss {losses[-1]:.3f}  (mean of last 20: {avg:.3f})  "
+                  f"{time.perf_counter() - t0:6.1f}s", flush=True)
         if time.perf_counter() - t0 > args.time_budget:
             break
-    print(f"trained {step} steps in {time.perf_counter() - t0:.1f}s: loss {first:.3f} -> {last:.3f}")
+    k = min(20, len(losses))
+    print(f"trained {step} steps in {time.perf_counter() - t0:.1f}s: mean loss of the first {k} steps "
+          f"{sum(losses[:k]) / k:.3f} -> of the last {k} steps {sum(losses[-k:]) / k:.3f}")
 
     # generate with caches: the prompt ends with a query key, the model answers with its value
     model.eval()
