@@ -220,6 +220,16 @@ def test_hybrid_compiles_without_graph_breaks():
     torch.testing.assert_close(out, model(ids), atol=1e-6, rtol=1e-6)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+    # decoding from the caches (dataclasses updated in place, kda_step / gated_diag_step) compiles too
+    with torch.no_grad():
+        eager_cache, compiled_cache = model.new_cache(), model.new_cache()
+        model(ids, cache=eager_cache)
+        compiled(ids, cache=compiled_cache)
+        nxt = ids[:, -1:]
+        for _ in range(2):
+            ref = model(nxt, cache=eager_cache)
+            torch.testing.assert_close(compiled(nxt, cache=compiled_cache), ref, atol=1e-6, rtol=1e-6)
+            nxt = ref[:, -1:].argmax(-1)
 
 
 # ---------------------------------------------------------------------------------------------
