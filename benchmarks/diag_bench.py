@@ -129,7 +129,7 @@ def correct(q, k, v, g, do, fcfg=None, bcfg=None):
     return bad
 
 
-def fla_rows(b, t, q, k, v, g, do):
+def fla_rows(b, t, q, k, v, g, do, fused=True):
     try:
         from fla.ops.hgrn import chunk_hgrn, fused_recurrent_hgrn
     except Exception as e:  # noqa: BLE001
@@ -140,6 +140,9 @@ def fla_rows(b, t, q, k, v, g, do):
     dox = do.reshape(b, t, w)
     out = {}
     for name, fn in (("chunk_hgrn", chunk_hgrn), ("fused_recurrent_hgrn", fused_recurrent_hgrn)):
+        if name == "fused_recurrent_hgrn" and not fused:
+            out[name] = "skipped (--fused-max-t)"
+            continue
         try:
             with torch.no_grad():
                 f = bench(lambda: fn(x, gg), budget_ms=300)
@@ -155,19 +158,77 @@ def fla_rows(b, t, q, k, v, g, do):
     return out
 
 
-FWD_SWEEP = [ti.DiagConfig(32, 128, 8, 4), ti.DiagConfig(64, 128, 8, 4), ti.DiagConfig(64, 128, 8, 8),
-             ti.DiagConfig(128, 128, 8, 8), ti.DiagConfig(32, 64, 8, 4), ti.DiagConfig(64, 64, 8, 4),
-             ti.DiagConfig(128, 64, 8, 8), ti.DiagConfig(64, 128, 16, 8)]
-BWD_SWEEP = [ti.DiagConfig(32, 64, 8, 4), ti.DiagConfig(64, 64, 8, 8), ti.DiagConfig(64, 64, 8, 4),
-             ti.DiagConfig(32, 128, 8, 8), ti.DiagConfig(64, 32, 8, 4), ti.DiagConfig(128, 64, 8, 8),
-             ti.DiagConfig(64, 128, 8, 8)]
+C = ti.DiagConfig
+# (bt, bd, w, warps, ticket, early); register counts from an sm_90 compile are in the results file
+FWD_SWEEP = [C(64, 128, 8, 4), C(32, 128, 8, 4), C(32, 128, 8, 4, early=False), C(32, 128, 4, 8),
+             C(32, 128, 4, 8, early=False), C(16, 128, 4, 4), C(16, 128, 4, 4, early=False),
+             C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False), C(16, 64, 4, 2, early=False),
+             C(32, 128, 4, 8, ticket=True, early=False), C(64, 128, 8, 8)]
+BWD_SWEEP = [C(64, 64, 8, 4), C(32, 128, 8, 4, early=False), C(32, 128, 4, 8), C(32, 128, 4, 8, early=False),
+             C(32, 64, 8, 4, early=False), C(16, 128, 4, 4), C(16, 128, 4, 4, early=False),
+             C(16, 64, 4, 2, early=False), C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False)]
+
+
+def sweep_configs(bw, rec):
+    """Time every candidate on (B=1, T=32768) (the packed layout makes (8, 4096) the same work),
+    each checked against the float64 scan first; returns the fastest correct fwd / bwd pair."""
+    b, t = 1, 32768
+    q, k, v, g, do = inputs(b, t, seed=1)
+    elems = b * t * H * D
+    sl = lambda x: x[:, :, :1].contiguous()
+    o64, _, g64 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do))
+    o32, _, g32 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do), dtype=torch.float32)
+    fwd, bwd = [], []
+    for cfg in FWD_SWEEP:
+        try:
+            v_ = check(sl(ti.diag_fwd(q, k, v, g, config=cfg)[0]), o64, o32.to(DT))
+            ms = bench(lambda: ti.diag_fwd(q, k, v, g, config=cfg), budget_ms=120)[0]
+            r = {"kind": "fwd", "cfg": cfg, "ms": ms, "frac": elems * 10 / (ms * 1e-3) / 1e12 / bw, "ok": v_.ok}
+            if v_.ok:
+                fwd.append((ms, cfg))
+        except Exception as e:  # noqa: BLE001
+            r = {"kind": "fwd", "cfg": cfg, "error": f"{type(e).__name__}: {e}"[:200]}
+        rec.append(r)
+        print("sweep", r)
+    f16 = C(16, 128, 4, 4)
+    _, _, ws16 = ti.diag_fwd(q, k, v, g, config=f16)
+    for cfg in BWD_SWEEP:
+        try:
+            grads = ti.diag_bwd(q, k, v, g, do, ws16, config=cfg, fwd_bt=16)
+            oks = [check(sl(x), r64, r32.to(x.dtype), kind="grad").ok for x, r64, r32 in zip(grads[:4], g64, g32)]
+            ms = bench(lambda: ti.diag_bwd(q, k, v, g, do, ws16, config=cfg, fwd_bt=16), budget_ms=120)[0]
+            r = {"kind": "bwd", "cfg": cfg, "ms": ms, "frac_of_9": elems * 18 / (ms * 1e-3) / 1e12 / bw,
+                 "ok": all(oks)}
+            if all(oks):
+                bwd.append((ms, cfg))
+        except Exception as e:  # noqa: BLE001
+            r = {"kind": "bwd", "cfg": cfg, "error": f"{type(e).__name__}: {e}"[:200]}
+        rec.append(r)
+        print("sweep", r)
+    best_f = min(fwd, key=lambda x: x[0])[1] if fwd else ti.FWD_CONFIG
+    pairs = [(tf + tb, cf, cb) for tf, cf in fwd for tb, cb in bwd if cb.bt % cf.bt == 0]
+    pair = min(pairs, key=lambda x: x[0])[1:] if pairs else (ti.FWD_CONFIG, ti.BWD_CONFIG)
+    # diagnostics: the same kernels without the look-back (wrong results: streaming cost only)
+    ti._lookback = False
+    try:
+        d_f = bench(lambda: ti.diag_fwd(q, k, v, g, config=best_f), budget_ms=120)[0]
+        d_b = bench(lambda: ti.diag_bwd(q, k, v, g, do, ws16, config=pair[1], fwd_bt=16), budget_ms=120)[0]
+        rec.append({"kind": "diagnostic_no_lookback", "fwd_ms": d_f, "bwd_ms": d_b,
+                    "fwd_cfg": best_f, "bwd_cfg": pair[1]})
+        print("sweep", rec[-1])
+    finally:
+        ti._lookback = True
+    del q, k, v, g, do, ws16
+    torch.cuda.empty_cache()
+    return best_f, pair
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="time several tile configs")
+    ap.add_argument("--sweep", action="store_true", help="time tile configs first and use the fastest")
     ap.add_argument("--crossover", action="store_true", help="cuDNN causal attention at 64K tokens per batch")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fused-max-t", type=int, default=1 << 30, help="skip fused_recurrent_hgrn above this T")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     info = env()
@@ -175,101 +236,56 @@ def main():
     bw = copy_bandwidth()
     info["copy_TBps"] = bw
     print(f"device-to-device copy: {bw:.3f} TB/s (read + written)")
-    print(f"defaults: fwd {ti.FWD_CONFIG}  bwd {ti.BWD_CONFIG}")
-    rows, sweep = [], []
+    sweep = []
+    fcfg, (pf, pb) = ti.FWD_CONFIG, (ti.FWD_CONFIG, ti.BWD_CONFIG)
+    if a.sweep:
+        fcfg, (pf, pb) = sweep_configs(bw, sweep)
+    info["fwd_config"], info["train_configs"] = str(fcfg), (str(pf), str(pb))
+    print(f"forward config: {fcfg}\ntraining pair: fwd {pf} / bwd {pb}")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "diag_tuned.json"), "w") as fh:
+            json.dump({"fwd": pf.__dict__, "bwd": pb.__dict__, "fwd_inference": fcfg.__dict__}, fh)
+    rows = []
     for b, t in SHAPES:
         q, k, v, g, do = inputs(b, t)
         elems = b * t * H * D
         fwd_bytes = elems * 2 * 5
         fb_bytes = elems * 2 * 14
         row = {"B": b, "T": t, "H": H, "D": D}
-        bad = correct(q, k, v, g, do)
+        bad = correct(q, k, v, g, do, pf, pb)
+        if fcfg != pf:
+            bad += correct(q, k, v, g, do, fcfg, pb if pb.bt % fcfg.bt == 0 else
+                           ti.DiagConfig(max(fcfg.bt, pb.bt), pb.bd, pb.w, pb.warps, pb.ticket, pb.early))
         row["correct"] = bad or "ok"
         if bad:
             print(f"B={b} T={t}: FAILED {bad}")
         else:
-            f = bench(lambda: ti.diag_fwd(q, k, v, g))
-            o, _, ws = ti.diag_fwd(q, k, v, g)
+            f = bench(lambda: ti.diag_fwd(q, k, v, g, config=fcfg))
 
             def fwdbwd():
-                _, _, w_ = ti.diag_fwd(q, k, v, g)
-                ti.diag_bwd(q, k, v, g, do, w_)
+                _, _, w_ = ti.diag_fwd(q, k, v, g, config=pf)
+                ti.diag_bwd(q, k, v, g, do, w_, config=pb, fwd_bt=pf.bt)
             fb = bench(fwdbwd)
-            bwd = bench(lambda: ti.diag_bwd(q, k, v, g, do, ws))
-            row.update(fwd_ms=f, fwdbwd_ms=fb, bwd_ms=bwd,
+            row.update(fwd_ms=f, fwdbwd_ms=fb,
                        fwd_TBps=fwd_bytes / (f[0] * 1e-3) / 1e12, fwdbwd_TBps=fb_bytes / (fb[0] * 1e-3) / 1e12)
             row["fwd_frac"] = row["fwd_TBps"] / bw
             row["fwdbwd_frac"] = row["fwdbwd_TBps"] / bw
             print(f"B={b} T={t}: fwd {f[0]:.3f} ms [{f[1]:.3f}, {f[2]:.3f}] {row['fwd_TBps']:.2f} TB/s "
-                  f"({100 * row['fwd_frac']:.0f}% of copy); bwd {bwd[0]:.3f} ms; fwd+bwd {fb[0]:.3f} ms "
+                  f"({100 * row['fwd_frac']:.0f}% of copy); fwd+bwd {fb[0]:.3f} ms [{fb[1]:.3f}, {fb[2]:.3f}] "
                   f"{row['fwdbwd_TBps']:.2f} TB/s ({100 * row['fwdbwd_frac']:.0f}%)")
-            del o, ws
-        if a.sweep and t <= 32768:
-            sl = lambda x: x[:, :, :1].contiguous()
-            o64, _, _ = gated_diag_scan(*(sl(x) for x in (q, k, v, g)))
-            o32, _, _ = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), dtype=torch.float32)
-            for cfg in FWD_SWEEP:
-                try:
-                    ok = check(sl(ti.diag_fwd(q, k, v, g, config=cfg)[0]), o64, o32.to(DT)).message
-                    ms = bench(lambda: ti.diag_fwd(q, k, v, g, config=cfg), budget_ms=150)[0]
-                    sweep.append({"B": b, "T": t, "kind": "fwd", "cfg": str(cfg), "ms": ms,
-                                  "frac": fwd_bytes / (ms * 1e-3) / 1e12 / bw, "check": ok})
-                except Exception as e:  # noqa: BLE001
-                    sweep.append({"B": b, "T": t, "kind": "fwd", "cfg": str(cfg), "error": str(e)[:200]})
-                print("sweep", sweep[-1])
-            f32cfg = ti.DiagConfig(32, 128, 8, 4)
-            _, _, ws32 = ti.diag_fwd(q, k, v, g, config=f32cfg)
-            for cfg in BWD_SWEEP:
-                try:
-                    bad = correct(q, k, v, g, do, f32cfg, cfg) if t <= 32768 else []
-                    ms = bench(lambda: ti.diag_bwd(q, k, v, g, do, ws32, config=cfg, fwd_bt=32), budget_ms=150)[0]
-                    sweep.append({"B": b, "T": t, "kind": "bwd", "cfg": str(cfg), "ms": ms,
-                                  "frac_of_9": elems * 2 * 9 / (ms * 1e-3) / 1e12 / bw, "bad": bad})
-                except Exception as e:  # noqa: BLE001
-                    sweep.append({"B": b, "T": t, "kind": "bwd", "cfg": str(cfg), "error": str(e)[:200]})
-                print("sweep", sweep[-1])
-            del ws32, o64, o32
         if not a.no_fla:
-            row["fla"] = fla_rows(b, t, q, k, v, g, do)
+            row["fla"] = fla_rows(b, t, q, k, v, g, do, fused=t <= a.fused_max_t)
             for name, r in row["fla"].items():
                 if isinstance(r, dict):
-                    w_elems = elems
-                    print(f"  {name}: fwd {r['fwd_ms'][0]:.3f} ms ({3 * w_elems * 2 / (r['fwd_ms'][0] * 1e-3) / 1e12:.2f}"
+                    print(f"  {name}: fwd {r['fwd_ms'][0]:.3f} ms ({3 * elems * 2 / (r['fwd_ms'][0] * 1e-3) / 1e12:.2f}"
                           f" TB/s own model), fwd+bwd {r['fwdbwd_ms'][0]:.3f} ms "
-                          f"({8 * w_elems * 2 / (r['fwdbwd_ms'][0] * 1e-3) / 1e12:.2f} TB/s own model)")
+                          f"({8 * elems * 2 / (r['fwdbwd_ms'][0] * 1e-3) / 1e12:.2f} TB/s own model)")
                 else:
                     print(f"  {name}: {r}")
         rows.append(row)
         del q, k, v, g, do
         torch.cuda.empty_cache()
-    cross = []
-    if a.crossover:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        import torch.nn.functional as F
-        for s in (1024, 4096, 16384, 65536):
-            b = 65536 // s
-            qa, ka, va = (torch.randn(b, H, s, D, device="cuda", dtype=DT, requires_grad=True) for _ in range(3))
-            doa = torch.randn_like(qa)
-            r = {"S": s, "B": b}
-            try:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    with torch.no_grad():
-                        r["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True))[0]
-                    r["cudnn_fwdbwd"] = bench(lambda: torch.autograd.grad(
-                        F.scaled_dot_product_attention(qa, ka, va, is_causal=True), (qa, ka, va), doa))[0]
-            except Exception as e:  # noqa: BLE001
-                r["cudnn"] = f"failed: {e}"[:200]
-            del qa, ka, va, doa
-            q, k, v, g, do = inputs(b, s)
-            r["diag_fwd"] = bench(lambda: ti.diag_fwd(q, k, v, g))[0]
-
-            def fwdbwd():
-                _, _, w_ = ti.diag_fwd(q, k, v, g)
-                ti.diag_bwd(q, k, v, g, do, w_)
-            r["diag_fwdbwd"] = bench(fwdbwd)[0]
-            del q, k, v, g, do
-            cross.append(r)
-            print("crossover", r)
     print("\n| B | T | fwd ms | fwd TB/s | % copy | fwd+bwd ms | fwd+bwd TB/s | % copy | chunk_hgrn fwd / fwd+bwd ms | fused_recurrent_hgrn fwd / fwd+bwd ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -282,8 +298,35 @@ def main():
         print(f"| {r['B']} | {r['T']} | {r['fwd_ms'][0]:.3f} | {r['fwd_TBps']:.2f} | {100 * r['fwd_frac']:.0f}% | "
               f"{r['fwdbwd_ms'][0]:.3f} | {r['fwdbwd_TBps']:.2f} | {100 * r['fwdbwd_frac']:.0f}% | "
               f"{cell('chunk_hgrn')} | {cell('fused_recurrent_hgrn')} |")
+    cross = []
+    if a.crossover:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch.nn.functional as F
+        for s_ in (1024, 4096, 16384, 65536):
+            b = 65536 // s_
+            qa, ka, va = (torch.randn(b, H, s_, D, device="cuda", dtype=DT, requires_grad=True) for _ in range(3))
+            doa = torch.randn_like(qa)
+            r = {"S": s_, "B": b}
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    with torch.no_grad():
+                        r["cudnn_fwd"] = bench(lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True))[0]
+                    r["cudnn_fwdbwd"] = bench(lambda: torch.autograd.grad(
+                        F.scaled_dot_product_attention(qa, ka, va, is_causal=True), (qa, ka, va), doa))[0]
+            except Exception as e:  # noqa: BLE001
+                r["cudnn"] = f"failed: {e}"[:200]
+            del qa, ka, va, doa
+            q, k, v, g, do = inputs(b, s_)
+            r["diag_fwd"] = bench(lambda: ti.diag_fwd(q, k, v, g, config=fcfg))[0]
+
+            def fwdbwd():
+                _, _, w_ = ti.diag_fwd(q, k, v, g, config=pf)
+                ti.diag_bwd(q, k, v, g, do, w_, config=pb, fwd_bt=pf.bt)
+            r["diag_fwdbwd"] = bench(fwdbwd)[0]
+            del q, k, v, g, do
+            cross.append(r)
+            print("crossover", r)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "diag_bench.json"), "w") as fh:
             json.dump({"env": info, "rows": rows, "sweep": sweep, "crossover": cross}, fh, indent=1, default=str)
 

@@ -126,53 +126,91 @@ def _seq_info(rows, cu, T_seq, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
             go = tl.load(cu + mid).to(tl.int64) <= rows
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid - 1)
-        seq = lo
-        start = rows == tl.load(cu + seq).to(tl.int64)
-        end = rows == tl.load(cu + seq + 1).to(tl.int64) - 1
+        seq = lo.to(tl.int64)
+        start = rows == tl.load(cu + lo).to(tl.int64)
+        end = rows == tl.load(cu + lo + 1).to(tl.int64) - 1
     else:
-        seq = (rows // T_seq).to(tl.int32)
-        pos = rows - seq.to(tl.int64) * T_seq
+        seq = rows // T_seq
+        pos = rows - seq * T_seq
         start = pos == 0
         end = pos == T_seq - 1
     return seq, start, end
 
 
 @triton.jit
-def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
-                     T_seq, total, N, H, D, n_tiles, n_db,
-                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
-    # 1. ticket -> (tile j, head h, channel block)
-    ticket = tl.atomic_add(counter, 1)
-    n_chains = H * n_db
-    j = ticket // n_chains
-    c = ticket % n_chains
-    h = c // n_db
-    db = c % n_db
-    HD = H * D
+def _tile_rows(j, cu, T_seq, total, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, BT: tl.constexpr,
+               EVEN: tl.constexpr):
+    """Rows of tile j: (valid, sequence index, sequence start, sequence end) per row.
+    EVEN (fixed length, T % BT == 0, total % BT == 0): the tile lies in one sequence, which can
+    only start at its first row and end at its last, so the flags are two scalar tests."""
     r = tl.arange(0, BT)
-    rows = j.to(tl.int64) * BT + r
+    row0 = j.to(tl.int64) * BT
+    if EVEN:
+        seq0 = row0 // T_seq
+        p0 = row0 - seq0 * T_seq
+        rmask = r < BT
+        seq = tl.zeros([BT], tl.int64) + seq0
+        start = (r == 0) & (p0 == 0)
+        end = (r == BT - 1) & (p0 + BT == T_seq)
+    else:
+        rows = row0 + r
+        rmask = rows < total
+        seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
+    return rmask, seq, start, end
+
+
+@triton.jit
+def _ld(ptr, m, EVEN: tl.constexpr):
+    if EVEN:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=m, other=0.0)
+    return x
+
+
+@triton.jit
+def _st(ptr, x, m, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, x)
+    else:
+        tl.store(ptr, x, mask=m)
+
+
+@triton.jit
+def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
+                     T_seq, total, N, n_tiles,
+                     H: tl.constexpr, D: tl.constexpr,
+                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                     EVEN: tl.constexpr, USE_TICKET: tl.constexpr, Q_EARLY: tl.constexpr,
+                     LOOKBACK: tl.constexpr):
+    # 1. tile order: a ticket from a global counter, or the program id (blocks are dispatched in
+    #    index order, so every earlier tile has started either way)
+    if USE_TICKET:
+        pid = tl.atomic_add(counter, 1)
+    else:
+        pid = tl.program_id(0)
+    N_DB: tl.constexpr = (D + BD - 1) // BD
+    HD: tl.constexpr = H * D
+    j = pid // (H * N_DB)
+    c = pid % (H * N_DB)
+    h = c // N_DB
+    db = c % N_DB
+    r = tl.arange(0, BT)
     cols = db * BD + tl.arange(0, BD)
-    rmask = rows < total
     cmask = cols < D
-    m = rmask[:, None] & cmask[None, :]
     chan = h * D + cols
-    # 64-bit offset of the tile's corner, 32-bit offsets inside the tile (fewer registers)
+    rmask, seq, start, end = _tile_rows(j, cu, T_seq, total, N, IS_VARLEN, LOG_N, BT, EVEN)
+    m = rmask[:, None] & cmask[None, :]
+    # 64-bit offset of the tile's corner; constant offsets inside the tile
     base = j.to(tl.int64) * BT * HD + h * D + db * BD
-    q += base
-    k += base
-    v += base
-    g += base
-    o += base
     off = r[:, None] * HD + tl.arange(0, BD)[None, :]
-    seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
 
     # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
-    gt = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
-    decay = tl.exp(gt)
-    b = tl.load(k + off, mask=m, other=0.0).to(tl.float32) * tl.load(v + off, mask=m, other=0.0).to(tl.float32)
+    decay = tl.exp(_ld(g + base + off, m, EVEN).to(tl.float32))
+    b = _ld(k + base + off, m, EVEN).to(tl.float32) * _ld(v + base + off, m, EVEN).to(tl.float32)
     if HAS_H0:
-        s0 = tl.load(h0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
         b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
     a = tl.where(start[:, None], 0.0, decay)
     ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
@@ -182,15 +220,21 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
     b_tile = _last_row(cb, r, BT)
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
-    qt = tl.load(q + off, mask=m, other=0.0)
-    s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+    if Q_EARLY:
+        qt = _ld(q + base + off, m, EVEN)
+    if LOOKBACK:
+        s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+    else:   # (timing diagnostic only: wrong results)
+        s_in = tl.zeros_like(a_tile)
+    if not Q_EARLY:
+        qt = _ld(q + base + off, m, EVEN)
 
     # 4. publish the inclusive state, write o and the final states
     tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * s_in + b_tile), mask=cmask)
     s = ca * s_in[None, :] + cb
-    tl.store(o + off, (qt.to(tl.float32) * s).to(o.dtype.element_ty), mask=m)
+    _st(o + base + off, (qt.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
     if STORE_FINAL:
-        tl.store(ht + seq.to(tl.int64)[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
+        tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
         if IS_VARLEN:
             # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
             if j == 0:
@@ -207,50 +251,65 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
 
 
 @triton.jit
-def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, counter, cu,
-                     T_seq, total, N, H, D, n_tiles, n_db, carry_stride,
-                     HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
-    # 1. ticket -> tile j counted from the end, head h, channel block
-    ticket = tl.atomic_add(counter, 1)
-    n_chains = H * n_db
-    j = n_tiles - 1 - ticket // n_chains
-    c = ticket % n_chains
-    h = c // n_db
-    db = c % n_db
-    HD = H * D
-    r = tl.arange(0, BT)
-    rows = j.to(tl.int64) * BT + r
-    cols = db * BD + tl.arange(0, BD)
-    rmask = rows < total
-    cmask = cols < D
-    m = rmask[:, None] & cmask[None, :]
-    chan = h * D + cols
-    # 64-bit offset of the tile's corner, 32-bit offsets inside the tile (fewer registers)
-    base = j.to(tl.int64) * BT * HD + h * D + db * BD
-    q += base
-    k += base
-    v += base
-    g += base
-    do += base
-    dq += base
-    dk += base
-    dv += base
-    dg += base
-    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
-    seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
+def _bwd_states(k, v, g, h0, ws_f, base, off, m, seq, start, chan, cmask, j, carry_stride, dq, dot,
+                HD: tl.constexpr, HAS_H0: tl.constexpr, EVEN: tl.constexpr):
+    """Recompute the tile's states from the forward's carry; write dq = do * s.
+    Returns (exp(g), k, v, exp(g_t) s_{t-1})."""
+    decay = tl.exp(_ld(g + base + off, m, EVEN).to(tl.float32))
+    kt = _ld(k + base + off, m, EVEN)
+    vt = _ld(v + base + off, m, EVEN)
+    kv = kt.to(tl.float32) * vt.to(tl.float32)
+    b = kv
+    if HAS_H0:
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
+    a = tl.where(start[:, None], 0.0, decay)
+    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
+    jc = j.to(tl.int64) * carry_stride - 1
+    carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
+    s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    s = ca * s_in[None, :] + cb
+    _st(dq + base + off, (dot * s).to(dq.dtype.element_ty), m, EVEN)
+    return decay, kt, vt, s - kv
 
-    # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end)
-    rows1 = rows + 1
-    seq1, start1, end1 = _seq_info(rows1, cu, T_seq, N, IS_VARLEN, LOG_N)
-    m1 = (rows1 < total)[:, None] & cmask[None, :]
-    g1 = tl.load(g + off + HD, mask=m1, other=0.0).to(tl.float32)
-    a_next = tl.where(m1 & (start1 == 0)[:, None], tl.exp(g1), 0.0)
-    dot = tl.load(do + off, mask=m, other=0.0).to(tl.float32)
-    beta = dot * tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+
+@triton.jit
+def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, counter, cu,
+                     T_seq, total, N, n_tiles, carry_stride,
+                     H: tl.constexpr, D: tl.constexpr,
+                     HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                     EVEN: tl.constexpr, USE_TICKET: tl.constexpr, KV_EARLY: tl.constexpr,
+                     LOOKBACK: tl.constexpr):
+    # 1. tile order from the end: ticket or program id, as in the forward
+    if USE_TICKET:
+        pid = tl.atomic_add(counter, 1)
+    else:
+        pid = tl.program_id(0)
+    N_DB: tl.constexpr = (D + BD - 1) // BD
+    HD: tl.constexpr = H * D
+    j = n_tiles - 1 - pid // (H * N_DB)
+    c = pid % (H * N_DB)
+    h = c // N_DB
+    db = c % N_DB
+    r = tl.arange(0, BT)
+    cols = db * BD + tl.arange(0, BD)
+    cmask = cols < D
+    chan = h * D + cols
+    rmask, seq, start, end = _tile_rows(j, cu, T_seq, total, N, IS_VARLEN, LOG_N, BT, EVEN)
+    m = rmask[:, None] & cmask[None, :]
+    base = j.to(tl.int64) * BT * HD + h * D + db * BD
+    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
+
+    # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end); the row after
+    #    a sequence's end starts the next sequence, so a_{t+1} = 0 there
+    m1 = ((j.to(tl.int64) * BT + r + 1) < total)[:, None] & cmask[None, :]
+    g1 = tl.load(g + base + HD + off, mask=m1, other=0.0).to(tl.float32)
+    a_next = tl.where(m1 & (end == 0)[:, None], tl.exp(g1), 0.0)
+    dot = _ld(do + base + off, m, EVEN).to(tl.float32)
+    beta = dot * _ld(q + base + off, m, EVEN).to(tl.float32)
     if HAS_DHT:
-        beta += tl.load(dht + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & end[:, None],
-                        other=0.0).to(tl.float32)
+        beta += tl.load(dht + seq[:, None] * HD + chan[None, :], mask=m & end[:, None], other=0.0).to(tl.float32)
     ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
 
     # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds
@@ -259,34 +318,25 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     wptr = ws_b + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
 
-    # 4. while the neighbours publish: recompute the states from the forward's tile carry, write dq
-    gt = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
-    decay = tl.exp(gt)
-    kt = tl.load(k + off, mask=m, other=0.0)
-    vt = tl.load(v + off, mask=m, other=0.0)
-    kv = kt.to(tl.float32) * vt.to(tl.float32)
-    b = kv
-    if HAS_H0:
-        s0 = tl.load(h0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
-        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
-    a = tl.where(start[:, None], 0.0, decay)
-    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
-    jc = j.to(tl.int64) * carry_stride - 1
-    carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
-    s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    s = ca * s_in[None, :] + cb
-    tl.store(dq + off, (dot * s).to(dq.dtype.element_ty), mask=m)
-    sprev = s - kv                           # exp(g_t) s_{t-1}, the factor of dg
-
+    # 4. states from the forward's tile carry (before the look-back when KV_EARLY), dq
+    if KV_EARLY:
+        decay, kt, vt, sprev = _bwd_states(k, v, g, h0, ws_f, base, off, m, seq, start, chan, cmask, j, carry_stride,
+                                           dq, dot, HD, HAS_H0, EVEN)
     # 5. look back to the right for the carry, publish the inclusive value, the other gradients
-    x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+    if LOOKBACK:
+        x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+    else:   # (timing diagnostic only: wrong results)
+        x_in = tl.zeros_like(a_tile)
     tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * x_in + b_tile), mask=cmask)
+    if not KV_EARLY:
+        decay, kt, vt, sprev = _bwd_states(k, v, g, h0, ws_f, base, off, m, seq, start, chan, cmask, j, carry_stride,
+                                           dq, dot, HD, HAS_H0, EVEN)
     ds = ra * x_in[None, :] + rb
-    tl.store(dk + off, (ds * vt.to(tl.float32)).to(dk.dtype.element_ty), mask=m)
-    tl.store(dv + off, (ds * kt.to(tl.float32)).to(dv.dtype.element_ty), mask=m)
-    tl.store(dg + off, (ds * sprev).to(dg.dtype.element_ty), mask=m)
+    _st(dk + base + off, (ds * vt.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
+    _st(dv + base + off, (ds * kt.to(tl.float32)).to(dv.dtype.element_ty), m, EVEN)
+    _st(dg + base + off, (ds * sprev).to(dg.dtype.element_ty), m, EVEN)
     if HAS_H0:
-        tl.store(dh0 + seq.to(tl.int64)[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
+        tl.store(dh0 + seq[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
         if IS_VARLEN:
             # zero-length sequences pass the final state's gradient straight through
             if j == 0:
