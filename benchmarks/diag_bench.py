@@ -163,10 +163,12 @@ C = ti.DiagConfig
 FWD_SWEEP = [C(64, 128, 8, 4), C(32, 128, 8, 4), C(32, 128, 8, 4, early=False), C(32, 128, 4, 8),
              C(32, 128, 4, 8, early=False), C(16, 128, 4, 4), C(16, 128, 4, 4, early=False),
              C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False), C(16, 64, 4, 2, early=False),
-             C(32, 128, 4, 8, ticket=True, early=False), C(64, 128, 8, 8)]
+             C(32, 128, 4, 8, ticket=True, early=False), C(64, 128, 8, 8), C(16, 128, 2, 4, early=False),
+             C(32, 128, 2, 8, early=False)]
 BWD_SWEEP = [C(64, 64, 8, 4), C(32, 128, 8, 4, early=False), C(32, 128, 4, 8), C(32, 128, 4, 8, early=False),
              C(32, 64, 8, 4, early=False), C(16, 128, 4, 4), C(16, 128, 4, 4, early=False),
-             C(16, 64, 4, 2, early=False), C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False)]
+             C(16, 64, 4, 2, early=False), C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False),
+             C(16, 128, 2, 4, early=False)]
 
 
 def sweep_configs(bw, rec):

@@ -36,8 +36,8 @@ class DiagConfig:
 
 # Defaults measured on the H200 (benchmarks/results/diag_h200.md); the interpreter uses tiny tiles.
 # The backward's tile must be a multiple of the forward's (it reads the forward's tile carries).
-FWD_CONFIG = DiagConfig(bt=64, bd=128, w=8, warps=4)
-BWD_CONFIG = DiagConfig(bt=64, bd=64, w=8, warps=4)
+FWD_CONFIG = DiagConfig(bt=32, bd=128, w=4, warps=8, early=False)
+BWD_CONFIG = DiagConfig(bt=32, bd=128, w=4, warps=8, early=False)
 INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1)
 INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1)
 
