@@ -168,22 +168,22 @@ def mem_check(log, s=131072, h=16, d=128):
     return dict(s=s, ms=ms, tflops=tf, peak_extra_gib=peak / 2**30, finite=ok)
 
 
-SWEEP = {  # (BLOCK_M, BLOCK_N, warps, stages) candidates per head-dim class
-    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4),
-                  (64, 128, 4, 3)],
-            64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 4)]},
-    "dkdv": {128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3),
-                   (128, 128, 8, 2), (64, 128, 4, 2)],
-             64: [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2)]},
-    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-                 (64, 128, 4, 3), (128, 64, 4, 3)],
-           64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)]},
+_T, _W, _TW = {"USE_TMA": True}, {"WS": True}, {"USE_TMA": True, "WS": True}
+SWEEP = {  # (BLOCK_M, BLOCK_N, warps, stages[, forward meta: TMA descriptors, warp specialisation])
+    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 3, _T), (128, 128, 8, 3, _W), (128, 128, 8, 3, _TW),
+                  (128, 64, 8, 3, _TW), (128, 64, 4, 3, _TW), (128, 128, 4, 3, _T)],
+            64: [(128, 128, 4, 3, _T), (128, 128, 4, 3, _TW), (128, 64, 4, 3, _TW), (128, 128, 8, 3, _TW),
+                 (128, 64, 8, 4)]},
+    "dkdv": {128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3), (128, 128, 8, 2)],
+             64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3)]},
+    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2)],
+           64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]},
 }
 
 
 def sweep(b, s, h, d, causal, log, kinds=("fwd", "dkdv", "dq")):
     """Time every candidate configuration of each kernel (the others fixed at their first entry);
-    the forward with and without TMA descriptors; cuDNN's forward in the same run for scale."""
+    cuDNN's forward in the same run for scale."""
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     dc = 64 if d <= 64 else 128
@@ -195,10 +195,7 @@ def sweep(b, s, h, d, causal, log, kinds=("fwd", "dkdv", "dq")):
     wr = 0 if causal else -1
     out, lse = triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)
     res = {}
-    jobs = [(kind, cfg, tma) for kind in kinds for cfg in SWEEP[kind][dc]
-            for tma in ((False, True) if kind == "fwd" else (triton_impl.FWD_TMA,))]
-    for kind, cfg, tma in jobs:
-        triton_impl.FWD_TMA = tma
+    for kind, cfg in [(kind, cfg) for kind in kinds for cfg in SWEEP[kind][dc]]:
         triton_impl.FORCED_CONFIGS.clear()
         triton_impl.FORCED_CONFIGS.update({kk: SWEEP[kk][dc][0] for kk in ("fwd", "dkdv", "dq")})
         triton_impl.FORCED_CONFIGS[kind] = cfg
@@ -209,13 +206,12 @@ def sweep(b, s, h, d, causal, log, kinds=("fwd", "dkdv", "dq")):
                 fn = lambda: triton_impl.flash_bwd(do, q, k, v, out, lse, scale=scale, wl=-1, wr=wr)  # noqa: E731
             ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
             tf = fl * (1.0 if kind == "fwd" else 2.5) / ms * 1e-9
-            log(f"  sweep {kind:4s} {str(cfg):22s} tma={int(tma)} {ms:7.3f} ms  {tf:5.0f} TFLOP/s"
+            log(f"  sweep {kind:4s} {str(cfg):50s} {ms:7.3f} ms  {tf:5.0f} TFLOP/s"
                 + ("" if kind == "fwd" else " (whole bwd)"))
-            res[f"{kind}{cfg}tma{int(tma)}"] = ms
+            res[f"{kind}{cfg}"] = ms
         except Exception as e:
-            log(f"  sweep {kind:4s} {str(cfg):22s} failed: {type(e).__name__} {str(e)[:120]}")
+            log(f"  sweep {kind:4s} {str(cfg):50s} failed: {type(e).__name__} {str(e)[:120]}")
     triton_impl.FORCED_CONFIGS.clear()
-    triton_impl.FWD_TMA = True
     return res
 
 

@@ -115,9 +115,9 @@ def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, off
                seqlen_k, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
                USE_TMA: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr,               MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-               EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+               EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         offs_n = n0 + offs_nb
         # 1. scores of this key block (unmasked blocks lie inside [0, Sk): no load mask; the TMA
         #    descriptors zero-fill past the sequence and the head dim by themselves)
@@ -178,7 +178,7 @@ def _flash_fwd_kernel(
         IS_VARLEN: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_DROPOUT: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, REVERSE_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_TMA: tl.constexpr):
+        TMA_OK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
     """One program: BLOCK_M query rows of one (sequence, query head). Grid (m blocks, B * Hq)."""
     pid_bh = tl.program_id(1)
     pid_b = pid_bh // n_heads
@@ -201,7 +201,8 @@ def _flash_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)
     k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start * stride_kt
     v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start * stride_vt
-    if USE_TMA:   # per-sequence TMA descriptors (rows past Sk and columns past D read as zero)
+    TMA: tl.constexpr = USE_TMA and TMA_OK
+    if TMA:   # per-sequence TMA descriptors (rows past Sk and columns past D read as zero)
         k_src = tl.make_tensor_descriptor(k_base, shape=[sk, HEAD_DIM], strides=[stride_kt, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
         v_src = tl.make_tensor_descriptor(v_base, shape=[sk, HEAD_DIM], strides=[stride_vt, 1],
@@ -231,16 +232,16 @@ def _flash_fwd_kernel(
     # masked blocks left of the window, unmasked middle, masked diagonal / right edge
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, lo, fs,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               USE_TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
-                               HEAD_DIM, BLOCK_N)
+                               TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
+                               HEAD_DIM, BLOCK_N, False)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               USE_TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D,
-                               HEAD_DIM, BLOCK_N)
+                               TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D,
+                               HEAD_DIM, BLOCK_N, WS)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
                                sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               USE_TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
-                               HEAD_DIM, BLOCK_N)
+                               TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
+                               HEAD_DIM, BLOCK_N, False)
 
     # 4. normalise; a row that saw no key: zero output, lse = +inf
     empty_row = l_i == 0.0

@@ -47,32 +47,37 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, warps, stages, extra=None):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **(extra or {})}, num_warps=warps, num_stages=stages)
 
 
-# (BLOCK_M, BLOCK_N, warps, stages) per head-dim class, Hopper first
+_TMA = {"USE_TMA": True}
+# (BLOCK_M, BLOCK_N, warps, stages[, extra meta]) per head-dim class, from the H200 sweeps in
+# benchmarks/results/flash_h200.md; the first entry is what DELTA_ATTN_AUTOTUNE=0 runs.
+# The forward tries K/V loads through TMA descriptors ("USE_TMA") as a tuning choice (TMA with
+# 2 stages made ptxas 12.9 crash: avoided).
 _FWD_CONFIGS = {
-    64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4)],
-    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
-    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    64: [(128, 128, 4, 3, _TMA), (128, 64, 4, 3, _TMA), (128, 64, 8, 4), (128, 64, 4, 3)],
+    128: [(128, 128, 8, 3), (128, 128, 8, 3, _TMA), (128, 64, 8, 3, _TMA)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3, _TMA)],
 }
 # dK/dV: BLOCK_N keys per program, BLOCK_M queries per inner step
 _DKDV_CONFIGS = {
-    64: [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 2)],
-    128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 5)],
+    64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 4, 2)],
+    128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3)],
     256: [(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2)],
 }
 # dQ: BLOCK_M queries per program, BLOCK_N keys per inner step
 _DQ_CONFIGS = {
-    64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     256: [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
 }
-_INTERP_FWD = dict(BLOCK_M=16, BLOCK_N=16)
+_FWD_META = {"USE_TMA": False, "WS": False}      # defaults of the forward's tuning meta-parameters
+_INTERP_FWD = dict(BLOCK_M=16, BLOCK_N=16, **_FWD_META)
 _INTERP_BWD = dict(BLOCK_M=16, BLOCK_N=16)
 
-# forward K/V loads through per-sequence TMA descriptors (Hopper+, 16-byte aligned tensors)
+# TMA descriptors allowed at all (the sweep turns this off to compare)
 FWD_TMA = True
 
 _FLAGS = ["IS_VARLEN", "SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "HAS_WL", "HAS_WR", "HEAD_DIM"]
@@ -90,11 +95,13 @@ def _bucket(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _tuned(kind: str, dclass: int):
     kernel, table, key = {
-        "fwd": (_flash_fwd_kernel, _FWD_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M", "PLAIN", "USE_TMA"] + _FLAGS),
+        "fwd": (_flash_fwd_kernel, _FWD_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M", "PLAIN", "TMA_OK"] + _FLAGS),
         "dkdv": (_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "group"] + _FLAGS),
         "dq": (_flash_bwd_dq_kernel, _DQ_CONFIGS, ["SQ_BUCKET", "SK_BUCKET", "REVERSE_M"] + _FLAGS),
     }[kind]
-    return triton.autotune([_cfg(*c) for c in table[dclass]], key=key)(kernel)
+    configs = [_cfg(*c[:4], {**_FWD_META, **(c[4] if len(c) > 4 else {})} if kind == "fwd" else None)
+               for c in table[dclass]]
+    return triton.autotune(configs, key=key)(kernel)
 
 
 # benchmarking hooks: force one (BLOCK_M, BLOCK_N, warps, stages) per kernel kind, or set
@@ -132,7 +139,7 @@ def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple,
         meta = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta)
         return
-    if kwargs.get("USE_TMA"):
+    if kwargs.get("TMA_OK"):
         _set_allocator()
     forced = FORCED_CONFIGS.get(kind)
     if forced is None and os.environ.get("DELTA_ATTN_AUTOTUNE", "1") == "0":
@@ -140,6 +147,8 @@ def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple,
     if forced is not None:
         bm, bn, warps, stages = forced[:4]
         meta = dict(BLOCK_M=bm, BLOCK_N=bn)
+        if kind == "fwd":
+            meta.update(_FWD_META, **(forced[4] if len(forced) > 4 else {}))
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta, num_warps=warps,
                                                           num_stages=stages)
         return
@@ -236,7 +245,7 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_lse_strides(lse, layout), *L.alibi_strides)
     _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
             dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
-                 USE_TMA=FWD_TMA and not triton_interpreter_on() and _tma_ok(k, v)))
+                 TMA_OK=FWD_TMA and not triton_interpreter_on() and _tma_ok(k, v)))
     return out, lse
 
 
