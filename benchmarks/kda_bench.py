@@ -234,9 +234,10 @@ def main():
     if args.tune:
         from delta_attn.ops.kda import triton_impl as ti
         base = dict(ti.CONFIG)
-        variants = [dict(scan_warps=8), dict(scan_stages=2), dict(prep_warps=8), dict(prep_bk=32),
-                    dict(intra_warps=8), dict(bwd_scan_warps=8), dict(min_programs=128), dict(min_programs=512),
-                    dict(step_bv=64), dict(step_warps=2)]
+        variants = [dict(), dict(scan_warps=4), dict(scan_stages=2), dict(prep_warps=4), dict(intra_warps=4),
+                    dict(bwd_scan_warps=4), dict(bwd_min_programs=32), dict(bwd_min_programs=128),
+                    dict(min_programs=128), dict(min_programs=512), dict(step_bv=64), dict(step_bv=16),
+                    dict(step_warps=2), dict(step_warps=8)]
         for var in variants:
             ti.CONFIG.clear()
             ti.CONFIG.update(base, **var)
@@ -245,13 +246,13 @@ def main():
                 for B, T in ((8, 4096), (1, 32768)):
                     xs = inputs(B, T)
                     do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
-                    if "step" in next(iter(var)):
+                    if var and "step" in next(iter(var)):
                         continue
                     with torch.no_grad():
                         res[f"fwd_{B}x{T}"] = bench(lambda: ours(*xs))[0]
                     step, _ = fwd_bwd(ours, xs, do)
                     res[f"fwdbwd_{B}x{T}"] = bench(step)[0]
-                if "step" in next(iter(var)):
+                if not var or "step" in next(iter(var)):
                     xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
                     res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
             except Exception as e:  # noqa: BLE001

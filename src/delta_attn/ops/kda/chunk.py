@@ -147,7 +147,7 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
-    rq, rk, _ = _kda_row_norms(q, k, q_off, q_off, mr, scale, K, BT, BK, L2NORM)
+    rq, rk, nq = _kda_row_norms(q, k, q_off, q_off, mr, scale, K, BT, BK, L2NORM)
     tril = i[:, None] >= i[None, :]
     # 1. pairwise intra-chunk products with per-channel decays exp(G_i - G_j), i >= j
     akk = tl.zeros([BT, BT], tl.float32)
@@ -157,7 +157,7 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         m = mr[:, None] & (cols[None, :] < K)
         qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        _, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+        xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
                                HAS_DT_BIAS)
         d = tl.where(m, tl.maximum(d, -FLOOR), 0.0)
         G = tl.cumsum(d, 0)
@@ -186,7 +186,7 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         cols = k0 + tl.arange(0, BK)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        _, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+        xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
                                HAS_DT_BIAS)
         d = tl.where(m, tl.maximum(d, -FLOOR), 0.0)
         G = tl.cumsum(d, 0)
@@ -353,7 +353,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
         cols = k0 + tl.arange(0, BK)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        _, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+        xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
                                HAS_DT_BIAS)
         G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
         dw = tl.zeros([BT, BK], tl.float32)

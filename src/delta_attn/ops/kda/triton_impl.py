@@ -49,8 +49,10 @@ def _pow2(x: int) -> int:
 
 
 # launch settings (the benchmark's tuning pass edits these)
-CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=4, scan_stages=3, bwd_scan_warps=4, intra_bk=16,
-              intra_warps=4, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64)
+# (register counts from ptxas for sm_90, K = V = 128: prep 109 regs at 8 warps; fwd scan BV=64 167 regs
+# at 8 warps, no spill; bwd scan 255 regs + 44 B spill at 8 warps (400 B at 4); bwd intra 211 regs at 8)
+CONFIG = dict(prep_bk=16, prep_warps=8, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
+              intra_warps=8, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64)
 
 
 def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs"):
@@ -117,7 +119,8 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
             VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
             K=K, V=V, BT=BT, KP=KP, BV=BV, USE_H0=initial_state is not None,
-            STORE_FINAL=final is not None, STORE_H=store_states, num_warps=CONFIG["scan_warps"],
+            STORE_FINAL=final is not None, STORE_H=store_states,
+            num_warps=CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
             num_stages=CONFIG["scan_stages"])
     saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax) if store_states else None
     return o, final, saved
