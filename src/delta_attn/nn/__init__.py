@@ -9,6 +9,14 @@ module runs the Triton / cuDNN kernels on a GPU and the ``torch`` reference path
 - :class:`GatedDiagonalAttention`: the same layer around gated diagonal attention
 - :class:`HybridLM`: a small decoder LM mixing those layers (3 linear : 1 attention by default), with
   cached ``generate``
+
+Caches are dataclasses (:class:`KVCache`, :class:`RecurrentCache`, :class:`CrossAttentionCache`)
+updated in place: pass an empty one to the prefill call and the same object to every later call.
+
+``torch.compile(model, fullgraph=True)`` traces dense batches (training forward/backward and
+decoding steps from the caches) without graph breaks. Padded batches (``attention_mask``) pack their
+real tokens with ``nonzero`` (a data-dependent shape) and varlen batches on the ``torch`` backend
+read ``cu_seqlens`` on the host: both graph-break under compile.
 """
 from .attention import GQACrossAttention, MultiheadAttention
 from .cache import CrossAttentionCache, KVCache, RecurrentCache
