@@ -50,14 +50,14 @@ def test_same_logits_as_sdpa_dense_and_padded(family):
     torch.testing.assert_close(out[1][real], ref[1][real], **TOL)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_same_greedy_generation_with_kv_cache_as_sdpa(family):
+@pytest.mark.parametrize("family,cache", [("llama", "dynamic"), ("qwen2", "dynamic"), ("llama", "static")])
+def test_same_greedy_generation_with_kv_cache_as_sdpa(family, cache):
     model = tiny(family)
     ids = torch.randint(0, 61, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0
     gen = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
-               attention_mask=mask, pad_token_id=0)
+               attention_mask=mask, pad_token_id=0, cache_implementation=cache)
     ref, out = both(model, lambda m: m.generate(ids, **gen))
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), **TOL)
@@ -110,3 +110,20 @@ def test_unsupported_requests_raise_clear_errors():
         fn(module, q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="output_attentions"):
         fn(module, q, q, q, None, output_attentions=True)
+
+
+def test_single_query_is_always_real_and_static_cache_keys_are_sliced():
+    """As transformers' flash path: one query attends the real keys even when the mask's last slot
+    is 0, and keys beyond the mask's length (unfilled static-cache slots) are ignored."""
+    from delta_attn.integrations.transformers import make_attention_forward
+    fn = make_attention_forward("torch")
+    module = torch.nn.Module()
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 1], [0, 1, 1, 1, 0]])          # 5 < 6 keys: slot 5 is unfilled
+    out, _ = fn(module, q, k, v, mask)
+    for b in range(2):
+        real = mask[b].bool().nonzero().view(-1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1], k[b:b + 1, :, real].repeat_interleave(2, 1), v[b:b + 1, :, real].repeat_interleave(2, 1))
+        torch.testing.assert_close(out[b], ref[0].transpose(0, 1), **TOL)

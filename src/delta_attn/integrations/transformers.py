@@ -82,10 +82,13 @@ def make_attention_forward(backend: str = "auto") -> Callable:
                 return out.unsqueeze(0), None
             return _masked_attention(q, k, v, None, None, backend, **kw), None
         kmask = attention_mask[:, -sk:].bool()
-        if kmask.shape[1] != sk:
-            raise ValueError(f"attention_mask covers {kmask.shape[1]} keys, the keys are {sk}")
-        # the queries are the last Sq positions of the mask
-        return _masked_attention(q, k, v, kmask[:, -sq:], kmask, backend, **kw), None
+        if kmask.shape[1] < sk:
+            # a static cache: its first mask-length slots are the keys filled so far
+            k, v, sk = k[:, :kmask.shape[1]], v[:, :kmask.shape[1]], kmask.shape[1]
+        # the queries are the last Sq positions of the mask; a single query is always real (with a
+        # static cache the mask's last slots are still empty while decoding)
+        qmask = None if sq == 1 else kmask[:, -sq:]
+        return _masked_attention(q, k, v, qmask, kmask, backend, **kw), None
 
     delta_attn_attention_forward.backend = backend
     return delta_attn_attention_forward
