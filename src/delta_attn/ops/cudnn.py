@@ -180,13 +180,28 @@ register("sdpa", "flash_varlen", Capability(
 # ---------------------------------------------------------------------------------------------
 
 
+# The order on sm90+ per (operator, training): training = some input requires grad, so the backward
+# follows and forward+backward time decides; otherwise the forward time decides.
+SM90_ORDER = {
+    ("flash", False): ("cudnn", "triton", "sdpa", "torch"),
+    ("flash", True): ("cudnn", "triton", "sdpa", "torch"),
+    ("flash_varlen", False): ("cudnn", "triton", "sdpa", "torch"),
+    ("flash_varlen", True): ("cudnn", "triton", "sdpa", "torch"),
+}
+SM90_WHY = {
+    ("flash", False): "dense forward: cuDNN fastest on every H200 benchmark shape",
+    ("flash", True): "dense forward+backward: cuDNN fastest on every H200 benchmark shape",
+    ("flash_varlen", False): "varlen forward: the cuDNN ragged graph is fastest on the H200 mixed batch",
+    ("flash_varlen", True): "varlen forward+backward: the cuDNN ragged graphs are fastest on the H200 mixed batch",
+}
+
+
 def _flash_policy(call: Call) -> Tuple[str, ...]:
     cc = B.device_capability(call.device) if call.device.type == "cuda" else None
     if cc is None:
         return B._DEFAULT_ORDER[call.op]
     if cc >= (9, 0):
-        # H200: cuDNN leads every dense and varlen shape measured, forward and forward+backward
-        return ("cudnn", "triton", "sdpa", "torch")
+        return SM90_ORDER[(call.op, call.needs_grad)]
     # Ampere / Ada: not measured by us; cuDNN and FA2 are close there, ours last among fused paths
     return ("cudnn", "sdpa", "triton", "torch")
 
@@ -196,8 +211,7 @@ def _policy_note(call: Call) -> str:
     if cc is None:
         return "not a CUDA call: default order"
     if cc >= (9, 0):
-        return ("sm90+: cudnn > triton > sdpa, measured on H200 (docs/DISPATCH.md: cuDNN fastest on every "
-                "dense and varlen benchmark shape)")
+        return f"sm90+, {SM90_WHY[(call.op, call.needs_grad)]} (docs/DISPATCH.md)"
     return f"sm{cc[0]}{cc[1]}: cudnn > sdpa > triton (not measured on this architecture)"
 
 
