@@ -195,3 +195,13 @@ def test_timer_statistics_and_protocol():
 def test_cli_rejects_unknown_suite(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "nonsense"])
+
+
+def test_time_budget_skips_rows_not_started():
+    s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=1, max_reps=1,
+                 time_budget_s=1.0)
+    runner = Runner(s, {})
+    runner.deadline = 0.0           # already past
+    case = dict(op="diag", B=1, S=9, H=2, D=4)
+    rows = runner.run([Task("kernels", case, _fake("right", lambda o: o), ("fwd",), torch.float32)], "test")
+    assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["note"] and rows[0]["ms"] is None

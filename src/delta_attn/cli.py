@@ -51,6 +51,8 @@ def _cmd_bench(args) -> int:
         s.warmup_ms, s.rep_ms, s.max_call_ms = 10.0, 40.0, 1500.0
     if tiny:
         s.warmup_ms, s.rep_ms, s.min_reps, s.max_reps, s.max_call_ms = 0.0, 0.0, 1, 1, 3000.0
+    # each GPU suite stops starting rows after 540 s so that it ends within 10 minutes (0 = no limit)
+    s.time_budget_s = args.time_budget if args.time_budget is not None else (0.0 if tiny else 540.0)
     for name in ("warmup_ms", "rep_ms", "min_reps", "max_reps", "max_call_ms"):
         v = getattr(args, name)
         if v is not None:
@@ -96,6 +98,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--max-seq", type=int, default=131072, help="crossover: longest quadratic S (default 128K)")
     b.add_argument("--max-linear-seq", type=int, default=1048576, help="crossover: longest linear S (default 1M)")
     b.add_argument("--max-call-ms", type=float, help="skip a row whose predicted single call exceeds this (default 2500)")
+    b.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="rows not started after this many seconds are skipped with a note (default 540 on a GPU, "
+                        "so a suite ends within 10 minutes; 0 = no limit)")
     b.add_argument("--warmup-ms", type=float, help="warm-up per row (default 25)")
     b.add_argument("--rep-ms", type=float, help="timed calls per row fill this many ms (default 100)")
     b.add_argument("--min-reps", type=int, help="at least this many timed calls (default 3)")

@@ -57,6 +57,8 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
         sink.flush()
 
     runner = Runner(settings, ceilings, on_row=on_row)
+    if settings.time_budget_s > 0:
+        runner.deadline = t0 + settings.time_budget_s
     previous = _sigterm_raises_interrupt()
     try:
         runner.run(tasks, desc=f"bench {suite}")

@@ -178,7 +178,8 @@ def crossover_section(rows: List[Dict]) -> str:
         for direction in [d for d in ("fwd", "bwd", "fwd+bwd") if any(r["direction"] == d for r in rows)]:
             rs = [r for r in rows if r["direction"] == direction and r["dtype"] == dtype]
             impls = list(OrderedDict.fromkeys(r["impl"] + (" [" + r["op"] + "]" if r["family"] == "linear" else "")
-                                              for r in rs))
+                                              for r in sorted(rs, key=lambda r: (r["family"] != "quadratic",
+                                                                                 r["op"] != "kda"))))
             lengths = sorted({r["case"]["S"] for r in rs})
             cell = {}
             for r in rs:
@@ -195,6 +196,7 @@ def crossover_section(rows: List[Dict]) -> str:
             best = _best_quadratic(rs, direction, dtype)
             quad_ms = {S: v[0] for S, v in best.items()}
             lin_impls = list(OrderedDict.fromkeys((r["impl"], r["op"]) for r in rs if r["family"] == "linear"))
+            lin_impls.sort(key=lambda io: io[1] != "kda")
             xl = []
             for impl, op in lin_impls:
                 s = {r["case"]["S"]: r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"}
@@ -263,7 +265,8 @@ def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None) -
     by_op = OrderedDict()
     for r in rows:
         by_op.setdefault((r["suite"], r["op"]), []).append(r)
-    for (suite, op), rs in by_op.items():
+    order = list(_OP_TITLE)
+    for (suite, op), rs in sorted(by_op.items(), key=lambda kv: order.index(kv[0][1]) if kv[0][1] in order else 99):
         out.append(f"### {_OP_TITLE.get(op, op)} ({suite})")
         hdr = ["shape", "dtype", "dir", "implementation", "ms (median)", "spread p20-p80", "rate", "of ceiling",
                "Mtok/s", "vs best peer", "peak MiB"]

@@ -39,6 +39,7 @@ class Settings:
     max_seq: int = 131072
     max_linear_seq: int = 1048576
     gate: bool = True
+    time_budget_s: float = 0.0       # > 0: rows not started by then are skipped (the suite ends in time)
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -105,6 +106,7 @@ class Runner:
         self.rows: List[Dict] = []
         self._gates: Dict[Tuple, GateResult] = {}
         self._last: Dict[Tuple, Tuple[float, float]] = {}     # series key -> (work, ms)
+        self.deadline: Optional[float] = None                 # perf_counter() time after which rows are skipped
 
     # ---------------------------------------------------------------- rows
     def _row(self, task: Task, direction: str, status: str, note: str = "", **extra) -> Dict:
@@ -135,6 +137,11 @@ class Runner:
         base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         try:
             for direction in task.directions:
+                if self.deadline is not None and time.perf_counter() > self.deadline:
+                    self._emit(self._row(task, direction, "skipped",
+                                         f"suite time budget of {self.s.time_budget_s:.0f} s reached (--time-budget)"),
+                               progress)
+                    continue
                 if case.get("over_budget"):
                     self._emit(self._row(task, direction, "skipped",
                                          f"KV cache of {case['over_budget'] / 1e9:.0f} GB exceeds the memory budget"),
