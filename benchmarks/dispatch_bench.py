@@ -64,7 +64,8 @@ def sdpa_peer(kind):
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal).transpose(1, 2)
+                                                  is_causal=causal, enable_gqa=k.shape[2] != q.shape[2]
+                                                  ).transpose(1, 2)
     return run
 
 
@@ -79,24 +80,28 @@ def gate_dense(fn, q, k, v, causal):
     with torch.no_grad():
         out = fn(q, k, v, causal)
     n = min(256, q.shape[1])
-    qs, ks, vs = q[:1, -n:, :2], k[:1, :, :2], v[:1, :, :2]
+    kh = 2 if k.shape[2] == q.shape[2] else 1     # with GQA (group >= 2) q heads 0, 1 read kv head 0
+    qs, ks, vs = q[:1, -n:, :2], k[:1, :, :kh], v[:1, :, :kh]
     r64, _ = reference.attention(qs.double(), ks.double(), vs.double(), causal=causal)
     rlo, _ = reference.attention(qs, ks, vs, causal=causal, upcast=False)
     return check(out[:1, -n:, :2], r64, rlo, name="out")
 
 
 def dense_rows(shapes, methods, results, log, deadline=None):
-    for (b, s, h, d, causal) in shapes:
+    for shape in shapes:
+        b, s, h, d, causal = shape[:5]
+        hk = shape[5] if len(shape) > 5 else h
         if deadline is not None and time.time() > deadline:
             log(dict(kind="dense", B=b, S=s, H=h, D=d, causal=causal, method="*", status="SKIPPED: time budget"))
             continue
         torch.manual_seed(0)
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DT, requires_grad=True) for _ in range(3))
+        q = torch.randn(b, s, h, d, device="cuda", dtype=DT, requires_grad=True)
+        k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=DT, requires_grad=True) for _ in range(2))
         dout = torch.randn_like(q)
         fl = flops_dense(b, s, h, d, causal)
         chosen = da.explain(da.flash_attn_func, q, k, v, causal=causal).chosen
         for name, fn in methods:
-            row = dict(kind="dense", B=b, S=s, H=h, D=d, causal=causal, method=name)
+            row = dict(kind="dense", B=b, S=s, H=h, Hk=hk, D=d, causal=causal, method=name)
             if name == "auto":
                 row["auto_chose"] = chosen
             try:
@@ -166,20 +171,10 @@ def varlen_rows(methods_names, results, log, lens=VARLEN_LENS, h=16, d=128):
 
     fns = {n: backend_fn(n) for n in ("auto", "cudnn", "sdpa", "triton")}
     from delta_attn.ops import cudnn as C
-
-    def knobs(**kw):
-        def run():
-            old = {k_: getattr(C, k_) for k_ in kw}
-            for k_, v_ in kw.items():
-                setattr(C, k_, v_)
-            try:
-                return fns["cudnn"]()
-            finally:
-                for k_, v_ in old.items():
-                    setattr(C, k_, v_)
-        return run
-    fns["cudnn[bottom_right]"] = knobs(TOP_LEFT_WHEN_EQUAL=False)
-    fns["cudnn[heur_B]"] = knobs(HEUR_MODES=("B", "FALLBACK"))
+    # variants of backend="cudnn": module knobs held for the whole row (forward and backward)
+    knobs = {"cudnn[bottom_right]": dict(TOP_LEFT_WHEN_EQUAL=False), "cudnn[heur_B]": dict(HEUR_MODES=("B", "FALLBACK"))}
+    for n in knobs:
+        fns[n] = fns["cudnn"]
     fns.update(varlen_attn=varlen_attn_fn, cudnn_per_seq_loop=loop_fn, cudnn_padded_8192=padded_fn)
     # reference slice: the last 256 rows of the longest sequence, heads 0..1
     i = max(range(len(lens)), key=lambda j: lens[j])
@@ -189,6 +184,9 @@ def varlen_rows(methods_names, results, log, lens=VARLEN_LENS, h=16, d=128):
     rlo, _ = reference.attention(qs, ks, vs, causal=True, upcast=False)
     for name in methods_names:
         fn = fns[name]
+        saved = {k_: getattr(C, k_) for k_ in knobs.get(name, {})}
+        for k_, v_ in knobs.get(name, {}).items():
+            setattr(C, k_, v_)
         row = dict(kind="varlen", tokens=t, H=h, D=d, method=name)
         if name == "auto":
             row["auto_chose"] = da.explain(da.flash_attn_varlen_func, q, k, v, cu, cu, mx, mx, causal=True).chosen
@@ -221,6 +219,8 @@ def varlen_rows(methods_names, results, log, lens=VARLEN_LENS, h=16, d=128):
             row.update(fb_ms=med, fb_lo=lo, fb_hi=hi, fb_tflops=3.5 * useful / med / 1e9, status="ok")
         except Exception as e:   # noqa: BLE001
             row["status"] = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        for k_, v_ in saved.items():
+            setattr(C, k_, v_)
         results.append(row)
         log(row)
 
@@ -318,7 +318,8 @@ def render(results, env, cmd):
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r["kind"] == "dense":
-            shape = f"B{r['B']} S{r['S']} H{r['H']} D{r['D']} {'causal' if r['causal'] else 'full'}"
+            shape = (f"B{r['B']} S{r['S']} H{r['H']}" + (f"/{r['Hk']}kv" if r.get("Hk", r["H"]) != r["H"] else "")
+                     + f" D{r['D']} {'causal' if r['causal'] else 'full'}")
         elif r["kind"] == "varlen":
             shape = f"varlen {r['tokens']} tok H{r['H']} D{r['D']} causal"
         else:
@@ -359,7 +360,7 @@ def main():
         methods.append(("triton", ours("triton")))
     methods += [(n, sdpa_peer(n)) for n in ("cudnn_sdpa", "fa2_sdpa", "memeff_sdpa")]
     shapes = [(8, 4096, 16, 128, False), (8, 4096, 16, 128, True), (2, 16384, 16, 128, False),
-              (2, 16384, 16, 128, True), (2, 16384, 32, 64, True)]
+              (2, 16384, 16, 128, True), (2, 16384, 32, 64, True), (8, 4096, 16, 128, True, 2)]
     if args.quick:
         shapes = shapes[1:2]
     varlen_methods = ["auto", "cudnn", "sdpa"] + (["triton"] if "flash_varlen" in BACKENDS["triton"].capabilities

@@ -162,3 +162,21 @@ def test_env_renders_install_hint_without_frontend():
     from delta_attn.env import collect, render
     text = render(collect())
     assert "cudnn" in text and "delta-attn[cudnn]" in text
+
+
+def test_policy_reads_the_measured_table_per_training(fake_gpu, monkeypatch):
+    monkeypatch.setitem(C.SM90_ORDER, ("flash_varlen", True), ("sdpa", "cudnn", "triton", "torch"))
+    assert auto_order(_call("flash_varlen", feats={"varlen"}, grad=True))[:2] == ("sdpa", "cudnn")
+    assert auto_order(_call("flash_varlen", feats={"varlen"}, grad=False))[0] == "cudnn"
+    assert "forward+backward" in str(explain_call(_call("flash_varlen", feats={"varlen"}, grad=True)))
+
+
+def test_lse_from_stats_marks_empty_rows_without_touching_stats():
+    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 4], dtype=torch.int32)          # sequence 0 has no key
+    m = C._prepare(cu_q, cu_k, 5, 4, 0, 2, None)
+    stats = torch.arange(10, dtype=torch.float32).view(5, 2)
+    lse = C._lse_from_stats(stats, m)
+    assert lse.shape == (2, 5)
+    assert torch.isinf(lse[:, :3]).all() and torch.equal(lse[:, 3:], stats[3:].t())
+    assert torch.isfinite(stats).all()

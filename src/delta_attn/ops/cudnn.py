@@ -22,11 +22,11 @@ Nothing here imports ``cudnn`` (the frontend) at ``import delta_attn`` time.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -66,6 +66,7 @@ def _cudnn_head_dims(dims: Tuple[int, ...]) -> Optional[str]:
     return None
 
 
+@lru_cache(maxsize=None)
 def _torch_cudnn_version() -> Optional[int]:
     try:
         return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -620,9 +621,10 @@ class CudnnVarlenFunction(torch.autograd.Function):
 
 
 def _lse_from_stats(stats: torch.Tensor, m: _Meta) -> torch.Tensor:
-    lse = stats.t().contiguous()                 # (Hq, Tq)
+    """(Hq, Tq) lse: a view of the (Tq, Hq) statistics, or a copy with +inf on rows that see no key."""
+    lse = stats.t()
     if m.empty_q is not None:
-        lse.masked_fill_(m.empty_q[None, :], float("inf"))
+        lse = torch.where(m.empty_q[None, :], float("inf"), lse)
     return lse
 
 
