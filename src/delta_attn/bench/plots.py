@@ -36,6 +36,14 @@ def _series(rows: List[Dict], x_of, y_of) -> "OrderedDict[str, list]":
     return out
 
 
+def _len_label(x, _pos=None) -> str:
+    if x >= 2 ** 20:
+        return f"{x / 2 ** 20:g}M"
+    if x >= 1024:
+        return f"{x / 1024:g}K"
+    return f"{x:g}"
+
+
 def _line_plot(plt, path, panels, xlabel, ylabel, title, logy=True, hlines=None):
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, (sub, series) in zip(axes[0], panels):
@@ -44,6 +52,8 @@ def _line_plot(plt, path, panels, xlabel, ylabel, title, logy=True, hlines=None)
             style = "--" if "[" in name else "-"
             ax.plot(xs, ys, style, marker="o", ms=3, label=name)
         ax.set_xscale("log", base=2)
+        from matplotlib.ticker import FuncFormatter
+        ax.xaxis.set_major_formatter(FuncFormatter(_len_label))
         if logy:
             ax.set_yscale("log")
         for y, lab in (hlines or []):
