@@ -70,7 +70,9 @@ def crossover(s: Settings) -> List[Task]:
         # KDA first: FLA's chunk_kda compiles for minutes, so that happens early and the time budget
         # (--time-budget), if ever reached, cuts the longest attention rows instead
         for op, family in (("kda", "linear"), ("diag", "linear"), ("flash", "quadratic")):
-            for impl in _impls(op, s, exclude=("mem-efficient",)):
+            # SDPA's memory-efficient kernel is never the best; delta-attn's sdpa backend runs the same FA2
+            # kernel as the "FA2 (SDPA flash)" row: both are left to the kernels suite to save time
+            for impl in _impls(op, s, exclude=("mem-efficient", "delta-attn sdpa")):
                 for S in lengths[family]:
                     case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
                     if op != "flash":

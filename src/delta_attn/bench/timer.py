@@ -1,7 +1,7 @@
 """The timing protocol (DESIGN.md): warm-up, L2 flushed before every repeat, CUDA events, median.
 
 ``measure(fn)`` is a small ``do_bench``: one call estimates the cost, enough calls follow to fill
-``warmup_ms``, then ``reps`` timed calls (``rep_ms`` worth, clamped to [min_reps, max_reps]); before
+``warmup_ms`` (none for a call slower than that: the estimate call warmed it), then ``reps`` timed calls (``rep_ms`` worth, clamped to [min_reps, max_reps]); before
 each timed call the L2 cache is flushed by writing a buffer larger than it and ``before()`` runs
 (e.g. dropping ``.grad``), neither inside the events. On a CPU device the clock is
 ``time.perf_counter`` and nothing is flushed.
@@ -106,8 +106,9 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup_ms: float 
         estimate = estimate_ms(fn, device, before)
     est = max(estimate or 0.0, 1e-3)
     flush = _flush_buffer(device) if device.type == "cuda" else None
-    # warm-up: clocks and caches settle (at least one call unless warmup_ms <= 0)
-    for _ in range(0 if warmup_ms <= 0 else max(1, min(50, int(warmup_ms / est)))):
+    # warm-up: calls filling warmup_ms; the estimate call (and the untimed first call before it) already
+    # warmed up a call slower than warmup_ms
+    for _ in range(0 if warmup_ms <= 0 else min(50, int(warmup_ms / est))):
         if before is not None:
             before()
         fn()
