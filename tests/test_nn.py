@@ -263,7 +263,14 @@ def test_auto_backend_layers_match_torch_backend(kind):
     torch.testing.assert_close(torch.cat(outs, 1)[mask], full[mask], atol=2e-5, rtol=2e-5)
 
 
-def test_auto_backend_hybrid_compiles_without_graph_breaks():
+def test_auto_backend_hybrid_compiles_without_graph_breaks(monkeypatch):
+    """Also with nothing imported yet: dispatch imports each implementation while the trace runs
+    (kda and diag from one backend in one graph), and select() must see the later ones."""
+    import types
+    from delta_attn.backends import BACKENDS
+    for b in BACKENDS.values():
+        monkeypatch.setattr(b, "_loaded", {})
+        monkeypatch.setattr(b, "loaded", types.SimpleNamespace(), raising=False)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = dnn.HybridLM(dnn.HybridConfig(vocab_size=23, hidden_size=32, num_layers=4, num_heads=2,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -97,12 +98,17 @@ class Backend:
         self.capabilities: Dict[str, Capability] = {}
         self._device_rule = device_rule
         self._loaded: Dict[str, Callable] = {}
+        # the same functions as attributes, read by select(): torch.compile snapshots a dict when the
+        # trace first touches it (an implementation imported later in the same trace is then
+        # missing), whereas it reads an object's attribute when asked
+        self.loaded = types.SimpleNamespace()
 
     def register(self, op: str, capability: Capability) -> None:
         if op not in OPS:
             raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
         self.capabilities[op] = capability
         self._loaded.pop(op, None)
+        self.loaded.__dict__.pop(op, None)
 
     def not_supported_reasons(self, call: Call) -> List[str]:
         cap = self.capabilities.get(call.op)
@@ -144,6 +150,7 @@ class Backend:
             module, _, attr = self.capabilities[op].impl.partition(":")
             fn = getattr(importlib.import_module(module), attr)
             self._loaded[op] = fn
+            setattr(self.loaded, op, fn)
         return fn
 
 
@@ -273,4 +280,4 @@ def select(call: Call, backend: str = "auto") -> Callable:
     """The implementation that runs ``call`` on ``backend`` (or raises UnsupportedError)."""
     name = _choose(call.op, call.device, call.dtype, tuple(call.head_dims), tuple(sorted(call.features)),
                    call.needs_grad, backend)
-    return BACKENDS[name]._loaded[call.op]
+    return getattr(BACKENDS[name].loaded, call.op)
