@@ -178,7 +178,31 @@ def main():
     nbytes = 2 * state.numel() * 4
     drow["ours_us"] = [t * 1e3 for t in bench(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton"))]
     drow["ours_TBps"] = nbytes / (drow["ours_us"][0] * 1e-6) / 1e12
+    from triton.testing import do_bench_cudagraph
+    try:
+        drow["ours_graph_us"] = do_bench_cudagraph(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")) * 1e3
+        drow["ours_graph_TBps"] = nbytes / (drow["ours_graph_us"] * 1e-6) / 1e12
+    except Exception as e:  # noqa: BLE001
+        drow["ours_graph_error"] = repr(e)[:300]
     print(json.dumps(drow))
+    # per-kernel breakdown (B=8, T=4096)
+    try:
+        from delta_attn.ops.kda import triton_impl as ti
+        xs8 = inputs(8, 4096)
+        q, k, v, g, beta = xs8
+        sc = K ** -0.5
+        _, _, chunk_t, ncmax = (None, None) + ti._index_tables(8, 4096, None, DEV)[1:]
+        brk = {}
+        brk["prep"] = bench(lambda: ti._prep(q, k, v, g, beta, None, None, sc, None, True, chunk_t))[0]
+        brk["fwd_total"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False))[0]
+        brk["fwd_store_states"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False, True))[0]
+        do8 = torch.randn_like(v)
+        brk["bwd_total"] = bench(lambda: ti.kda_bwd(q, k, v, g, beta, None, None, None, None, sc, None, True, do8, None))[0]
+        print(json.dumps(dict(breakdown_8x4096_ms=brk)))
+        rows.append(dict(breakdown_8x4096_ms=brk))
+        del xs8, q, k, v, g, beta, do8
+    except Exception as e:  # noqa: BLE001
+        print("breakdown failed", repr(e)[:500])
 
     # ---------------------------------------------------------------------------------- FLA, same run
     if have_fla and not args.no_fla:
@@ -193,12 +217,17 @@ def main():
         s3.copy_(state)
         drow["fla_us"] = [t * 1e3 for t in bench(fla_dec)]
         drow["fla_TBps"] = nbytes / (drow["fla_us"][0] * 1e-6) / 1e12
+        try:
+            drow["fla_graph_us"] = do_bench_cudagraph(fla_dec) * 1e3
+            drow["fla_graph_TBps"] = nbytes / (drow["fla_graph_us"] * 1e-6) / 1e12
+        except Exception as e:  # noqa: BLE001
+            drow["fla_graph_error"] = repr(e)[:300]
         drow["decode_speedup"] = drow["fla_us"][0] / drow["ours_us"][0]
         print(json.dumps(drow))
-        for row in rows:
+        shape_rows = [r for r in rows if "T" in r and "B" in r]
+        for row in shape_rows:
             B, T = row["B"], row["T"]
             xs_ = inputs(B, T)
-            do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
             o, g1 = keep[(B, T)]
             t0 = time.time()
             with torch.no_grad():
@@ -210,7 +239,7 @@ def main():
             if "ours_fwd_ms" in row:
                 row["fwd_speedup"] = row["fla_fwd_ms"][0] / row["ours_fwd_ms"][0]
             print(json.dumps(row))
-        for row in rows:
+        for row in shape_rows:
             B, T = row["B"], row["T"]
             xs_ = inputs(B, T)
             do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)

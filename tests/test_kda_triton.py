@@ -218,3 +218,13 @@ def test_fake_implementation_shapes():
         cu = torch.empty(4, dtype=torch.int32)
         o, s = torch.ops.delta_attn.kda_chunk_fwd(q, q, v, g, beta, None, cu, None, None, 0.1, None, True, True)
         assert o.shape == (1, 50, 4, 16) and s.shape == (3, 4, 32, 16) and s.dtype == torch.float32
+
+
+@pytest.mark.parametrize("factor_max", [-1.0, 1e9])
+def test_pairwise_and_factored_paths(monkeypatch, factor_max):
+    """Each chunk takes the factored path (every |G| <= factor_max) or the exact pairwise one:
+    force each in turn (1e9 would overflow on strong decays; the default 60 never does)."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "factor_max", factor_max)
+    xs, kw = make(1, 35, 1, 2, 16, 16, torch.float32, gate="softplus", h0=True)
+    check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)

@@ -130,8 +130,9 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                          W, U, QG, KD, AQK, TM, GC,
                          scale, lower_bound, H, HV,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-                         HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr):
+                         BV: tl.constexpr, KP: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                         HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
@@ -149,25 +150,42 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
     rq, rk, nq = _kda_row_norms(q, k, q_off, q_off, mr, scale, K, BT, BK, L2NORM)
     tril = i[:, None] >= i[None, :]
-    # 1. pairwise intra-chunk products with per-channel decays exp(G_i - G_j), i >= j
-    akk = tl.zeros([BT, BT], tl.float32)
-    aqk = tl.zeros([BT, BT], tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        d = tl.where(m, tl.maximum(d, -FLOOR), 0.0)
-        G = tl.cumsum(d, 0)
-        G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
-        E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
-        akk += tl.sum(ks[:, None, :] * ks[None, :, :] * E, 2)
-        aqk += tl.sum(qs[:, None, :] * ks[None, :, :] * E, 2)
-        tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
-        tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty), mask=m)
-        tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
+    # 1. intra-chunk products with per-channel decays exp(G_i - G_j), i >= j. When every |G| of the
+    #    chunk is <= FACTOR_MAX, exp(G_i - G_j) = exp(G_i) exp(-G_j) stays in fp32 range: two
+    #    small dots. Otherwise (strong decays) the exact pairwise form, K slice by K slice.
+    kk = tl.arange(0, KP)
+    mrk = mr[:, None] & (kk[None, :] < K)
+    xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + kk[None, :], hv, kk, mrk, K, GATE, HAS_DT_BIAS)
+    Gf = tl.cumsum(tl.where(mrk, tl.maximum(d, -FLOOR), 0.0), 0)
+    if tl.max(tl.max(tl.abs(Gf), 1), 0) <= FACTOR_MAX:
+        qs = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rq[:, None]
+        ks = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rk[:, None]
+        eP = tl.exp(Gf)
+        kn = ks * tl.exp(-Gf)
+        akk = tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
+        aqk = tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
+        Gl = tl.sum(tl.where(i[:, None] == L - 1, Gf, 0.0), 0)
+        tl.store(QG + g_off + kk[None, :], (qs * eP).to(QG.dtype.element_ty), mask=mrk)
+        tl.store(KD + g_off + kk[None, :], (ks * tl.exp(Gl[None, :] - Gf)).to(KD.dtype.element_ty), mask=mrk)
+        tl.store(GC + (c * HV + hv) * K + kk, tl.exp(Gl), mask=kk < K)
+    else:
+        akk = tl.zeros([BT, BT], tl.float32)
+        aqk = tl.zeros([BT, BT], tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = mr[:, None] & (cols[None, :] < K)
+            qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_ = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                       HAS_DT_BIAS)
+            G = tl.cumsum(tl.where(m, tl.maximum(ds_, -FLOOR), 0.0), 0)
+            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
+            E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
+            akk += tl.sum(ks[:, None, :] * ks[None, :, :] * E, 2)
+            aqk += tl.sum(qs[:, None, :] * ks[None, :, :] * E, 2)
+            tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty), mask=m)
+            tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
     # 2. UT transform: T = (I + strictly_lower(beta_i k_i D_ij k_j))^-1
     akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
     aqk = tl.where(tril, aqk, 0.0)
@@ -180,18 +198,11 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         vc = v0 + tl.arange(0, BV)
         m = mr[:, None] & (vc[None, :] < V)
         vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(T, b[:, None] * vs)
+        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
         tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        d = tl.where(m, tl.maximum(d, -FLOOR), 0.0)
-        G = tl.cumsum(d, 0)
-        w = tl.dot(T, b[:, None] * ks * tl.exp(G))
-        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+    ks = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rk[:, None]
+    w = tl.dot(T, b[:, None] * ks * tl.exp(Gf), input_precision=DOT_PREC)
+    tl.store(W + g_off + kk[None, :], w.to(W.dtype.element_ty), mask=mrk)
 
 
 @triton.jit
@@ -315,8 +326,9 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
                           DQ, DK, DV, DB, DG, DALOG,
                           scale, lower_bound, R, NC, H, HV, NV,
                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-                          HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr):
+                          BV: tl.constexpr, KP: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                          HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
@@ -344,24 +356,22 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
         m = mr[:, None] & (vc[None, :] < V)
         vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
         du = tl.load(DU + v_off + vc[None, :], mask=m, other=0.0)
-        dbv = tl.dot(tl.trans(T), du)
+        dbv = tl.dot(tl.trans(T), du, input_precision=DOT_PREC)
         tl.store(DV + v_off + vc[None, :], (b[:, None] * dbv).to(DV.dtype.element_ty), mask=m)
         db += tl.sum(vs * dbv, 1)
-        dT += tl.dot(du, tl.trans(b[:, None] * vs))
-    # 2. W = T Kb with Kb = beta exp(G) k: dT += dW Kb^T
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
-        dw = tl.zeros([BT, BK], tl.float32)
-        for p in range(0, NV):
-            dw += tl.load(DW + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
-        dT += tl.dot(dw, tl.trans(b[:, None] * ks * tl.exp(G)))
+        dT += tl.dot(du, tl.trans(b[:, None] * vs), input_precision=DOT_PREC)
+    # 2. W = T Kb with Kb = beta exp(G) k: dT += dW Kb^T (full K tile)
+    kk = tl.arange(0, KP)
+    mrk = mr[:, None] & (kk[None, :] < K)
+    xf, df = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + kk[None, :], hv, kk, mrk, K, GATE, HAS_DT_BIAS)
+    Gf = tl.cumsum(tl.where(mrk, tl.maximum(df, -FLOOR), 0.0), 0)
+    ksf = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rk[:, None]
+    dwf = tl.zeros([BT, KP], tl.float32)
+    for p in range(0, NV):
+        dwf += tl.load(DW + p * R * HV * K + g_off + kk[None, :], mask=mrk, other=0.0)
+    dT += tl.dot(dwf, tl.trans(b[:, None] * ksf * tl.exp(Gf)), input_precision=DOT_PREC)
     # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk summed over V blocks (lower)
-    dA = -tl.dot(tl.dot(tl.trans(T), dT), tl.trans(T))
+    dA = -tl.dot(tl.dot(tl.trans(T), dT, input_precision=DOT_PREC), tl.trans(T), input_precision=DOT_PREC)
     dA = tl.where(i[:, None] > i[None, :], dA, 0.0)
     dAqk = tl.zeros([BT, BT], tl.float32)
     for p in range(0, NV):
@@ -371,58 +381,102 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
     dotq = tl.zeros([BT], tl.float32)
     dotk = tl.zeros([BT], tl.float32)
     dal = tl.zeros([BT], tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        mc = cols < K
-        m = mr[:, None] & mc[None, :]
-        qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if tl.max(tl.max(tl.abs(Gf), 1), 0) <= FACTOR_MAX:
+        # factored decays (every |G| <= FACTOR_MAX): the pairwise sums are small dots
+        qr = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
+        kr = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
         qs = qr * rq[:, None]
         ks = kr * rk[:, None]
-        x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        live = d > -FLOOR
-        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
-        G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
-        eG = tl.exp(G)
-        kd = ks * tl.exp(G_last[None, :] - G)
+        G_last = tl.sum(tl.where(i[:, None] == L - 1, Gf, 0.0), 0)
+        eG = tl.exp(Gf)
+        eN = tl.exp(-Gf)
+        kd = ks * tl.exp(G_last[None, :] - Gf)
         Kb = b[:, None] * ks * eG
-        E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
-        dqg = tl.zeros([BT, BK], tl.float32)
-        dkd = tl.zeros([BT, BK], tl.float32)
-        dw = tl.zeros([BT, BK], tl.float32)
-        dgc = tl.zeros([BK], tl.float32)
+        dqg = tl.zeros([BT, KP], tl.float32)
+        dkd = tl.zeros([BT, KP], tl.float32)
+        dgc = tl.zeros([KP], tl.float32)
         for p in range(0, NV):
-            dqg += tl.load(DQG + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
-            dkd += tl.load(DKD + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
-            dw += tl.load(DW + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
-            dgc += tl.load(DGC + p * NC * HV * K + (c * HV + hv) * K + cols, mask=mc, other=0.0)
-        dKb = tl.dot(tl.trans(T), dw)
+            dqg += tl.load(DQG + p * R * HV * K + g_off + kk[None, :], mask=mrk, other=0.0)
+            dkd += tl.load(DKD + p * R * HV * K + g_off + kk[None, :], mask=mrk, other=0.0)
+            dgc += tl.load(DGC + p * NC * HV * K + (c * HV + hv) * K + kk, mask=kk < K, other=0.0)
+        dKb = tl.dot(tl.trans(T), dwf, input_precision=DOT_PREC)
         Xa = b[:, None] * ks
-        P1 = tl.sum(dAqk[:, :, None] * ks[None, :, :] * E, 1)      # row side of Aqk
-        P2 = tl.sum(dAqk[:, :, None] * qs[:, None, :] * E, 0)      # column side of Aqk
-        P3 = tl.sum(dA[:, :, None] * ks[None, :, :] * E, 1)        # row side of A (beta_i k_i)
-        P4 = tl.sum(dA[:, :, None] * Xa[:, None, :] * E, 0)        # column side of A
+        P1 = eG * tl.dot(dAqk, ks * eN, input_precision=DOT_PREC)
+        P2 = eN * tl.dot(tl.trans(dAqk), qs * eG, input_precision=DOT_PREC)
+        P3 = eG * tl.dot(dA, ks * eN, input_precision=DOT_PREC)
+        P4 = eN * tl.dot(tl.trans(dA), Xa * eG, input_precision=DOT_PREC)
         dqs = eG * dqg + P1
-        dks = P2 + P4 + b[:, None] * P3 + tl.exp(G_last[None, :] - G) * dkd + b[:, None] * eG * dKb
+        dks = P2 + P4 + b[:, None] * P3 + tl.exp(G_last[None, :] - Gf) * dkd + b[:, None] * eG * dKb
         db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
         dG = qs * dqs - ks * (P2 + P4) + Xa * P3 + Kb * dKb - kd * dkd
         dG += tl.where(i[:, None] == L - 1, (tl.sum(kd * dkd, 0) + tl.exp(G_last) * dgc)[None, :], 0.0)
-        dG = tl.where(m, dG, 0.0)
+        dG = tl.where(mrk, dG, 0.0)
         dd = tl.cumsum(dG, 0, reverse=True)
-        dd = tl.where(live, dd, 0.0)
-        dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
-        tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
+        dd = tl.where(df > -FLOOR, dd, 0.0)
+        dx, dA_ = _kda_gate_grads(xf, a, lower_bound, GATE)
+        tl.store(DG + g_off + kk[None, :], dd * dx, mask=mrk)
         if GATE != 0:
-            dal += tl.sum(tl.where(m, dd * dA_, 0.0), 1)
-        # gradients of the normalised q / k (scale folded); l2norm backward below
+            dal += tl.sum(tl.where(mrk, dd * dA_, 0.0), 1)
         gq = dqs * rq[:, None]
         gk = dks * rk[:, None]
         if L2NORM:
             dotq += tl.sum(gq * qr, 1)
             dotk += tl.sum(gk * kr, 1)
-        tl.store(DQ + g_off + cols[None, :], gq, mask=m)
-        tl.store(DK + g_off + cols[None, :], gk, mask=m)
+        tl.store(DQ + g_off + kk[None, :], gq, mask=mrk)
+        tl.store(DK + g_off + kk[None, :], gk, mask=mrk)
+    else:
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            mc = cols < K
+            m = mr[:, None] & mc[None, :]
+            qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            qs = qr * rq[:, None]
+            ks = kr * rk[:, None]
+            x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                   HAS_DT_BIAS)
+            live = d > -FLOOR
+            G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
+            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
+            eG = tl.exp(G)
+            kd = ks * tl.exp(G_last[None, :] - G)
+            Kb = b[:, None] * ks * eG
+            E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
+            dqg = tl.zeros([BT, BK], tl.float32)
+            dkd = tl.zeros([BT, BK], tl.float32)
+            dw = tl.zeros([BT, BK], tl.float32)
+            dgc = tl.zeros([BK], tl.float32)
+            for p in range(0, NV):
+                dqg += tl.load(DQG + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+                dkd += tl.load(DKD + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+                dw += tl.load(DW + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+                dgc += tl.load(DGC + p * NC * HV * K + (c * HV + hv) * K + cols, mask=mc, other=0.0)
+            dKb = tl.dot(tl.trans(T), dw)
+            Xa = b[:, None] * ks
+            P1 = tl.sum(dAqk[:, :, None] * ks[None, :, :] * E, 1)      # row side of Aqk
+            P2 = tl.sum(dAqk[:, :, None] * qs[:, None, :] * E, 0)      # column side of Aqk
+            P3 = tl.sum(dA[:, :, None] * ks[None, :, :] * E, 1)        # row side of A (beta_i k_i)
+            P4 = tl.sum(dA[:, :, None] * Xa[:, None, :] * E, 0)        # column side of A
+            dqs = eG * dqg + P1
+            dks = P2 + P4 + b[:, None] * P3 + tl.exp(G_last[None, :] - G) * dkd + b[:, None] * eG * dKb
+            db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
+            dG = qs * dqs - ks * (P2 + P4) + Xa * P3 + Kb * dKb - kd * dkd
+            dG += tl.where(i[:, None] == L - 1, (tl.sum(kd * dkd, 0) + tl.exp(G_last) * dgc)[None, :], 0.0)
+            dG = tl.where(m, dG, 0.0)
+            dd = tl.cumsum(dG, 0, reverse=True)
+            dd = tl.where(live, dd, 0.0)
+            dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
+            tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
+            if GATE != 0:
+                dal += tl.sum(tl.where(m, dd * dA_, 0.0), 1)
+            # gradients of the normalised q / k (scale folded); l2norm backward below
+            gq = dqs * rq[:, None]
+            gk = dks * rk[:, None]
+            if L2NORM:
+                dotq += tl.sum(gq * qr, 1)
+                dotk += tl.sum(gk * kr, 1)
+            tl.store(DQ + g_off + cols[None, :], gq, mask=m)
+            tl.store(DK + g_off + cols[None, :], gk, mask=m)
     tl.store(DB + rows * HV + hv, db, mask=mr)
     if GATE != 0:
         tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
@@ -433,10 +487,10 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
             cols = k0 + tl.arange(0, BK)
             m = mr[:, None] & (cols[None, :] < K)
             qq = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kk = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kraw = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
             gq = tl.load(DQ + g_off + cols[None, :], mask=m, other=0.0)
             gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
             gq = gq - qq * (nq * nq * dotq)[:, None]
-            gk = gk - kk * (rk * rk * dotk)[:, None]
+            gk = gk - kraw * (rk * rk * dotk)[:, None]
             tl.store(DQ + g_off + cols[None, :], gq, mask=m)
             tl.store(DK + g_off + cols[None, :], gk, mask=m)

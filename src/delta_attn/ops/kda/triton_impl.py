@@ -52,7 +52,8 @@ def _pow2(x: int) -> int:
 # (register counts from ptxas for sm_90, K = V = 128: prep 109 regs at 8 warps; fwd scan BV=64 167 regs
 # at 8 warps, no spill; bwd scan 255 regs + 44 B spill at 8 warps (400 B at 4); bwd intra 211 regs at 8)
 CONFIG = dict(prep_bk=16, prep_warps=8, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
-              intra_warps=8, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64)
+              intra_warps=8, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64,
+              factor_max=60.0)   # per chunk: factored exp(G_i) exp(-G_j) when every |G| <= this (fp32-safe)
 
 
 def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs"):
@@ -82,8 +83,9 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
             q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
             chunk_t, W, U, QG, KD, AQK, TM, GC,
             float(scale), float(lower_bound or 0.0), H, HV,
-            K=K, V=V, BT=BT, BK=min(CONFIG["prep_bk"], _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
-            GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR,
+            K=K, V=V, BT=BT, BK=min(CONFIG["prep_bk"], _pow2(K)), BV=min(64, _pow2(V)), KP=_pow2(K),
+            L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
+            FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
             num_warps=CONFIG["prep_warps"])
     return W, U, QG, KD, AQK, TM, GC
 
@@ -93,6 +95,11 @@ def _work_dtype(dtype):
     bf16 for bf16 inputs (bandwidth), fp32 otherwise (fp16's range and precision are too narrow for
     the UT-transform products)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _dot_prec(dtype) -> str:
+    """fp32 small dots of the per-chunk kernels: tf32 tensor cores for bf16 inputs, exact FMA otherwise."""
+    return "tf32" if dtype == torch.bfloat16 else "ieee"
 
 
 def _contig(*ts):
@@ -165,8 +172,9 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             chunk_t, TM, GC, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal,
             float(scale), float(lower_bound or 0.0), R, NC, H, HV, NV,
-            K=K, V=V, BT=BT, BK=min(CONFIG["intra_bk"], _pow2(K)), BV=min(64, _pow2(V)), L2NORM=use_qk_l2norm,
-            GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR,
+            K=K, V=V, BT=BT, BK=min(CONFIG["intra_bk"], _pow2(K)), BV=min(64, _pow2(V)), KP=_pow2(K),
+            L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
+            FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
             num_warps=CONFIG["intra_warps"])
     G = HV // H
     dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
