@@ -34,10 +34,12 @@ class DiagConfig:
     early: bool = True       # fwd: load q before the look-back; bwd: recompute states + dq before it
 
 
-# Defaults measured on the H200 (benchmarks/results/diag_h200.md); the interpreter uses tiny tiles.
-# The backward's tile must be a multiple of the forward's (it reads the forward's tile carries).
-FWD_CONFIG = DiagConfig(bt=32, bd=128, w=4, warps=8, early=False)
-BWD_CONFIG = DiagConfig(bt=32, bd=128, w=4, warps=8, early=False)
+# Defaults: the fastest correct candidates of the sweep measured on the H200, bf16, H=16, D=128
+# (benchmarks/results/diag_h200.md): 32x64 tiles, 2 warps, ~110 registers, ~9 programs per SM.
+# The interpreter uses tiny tiles. The backward's tile must be a multiple of the forward's (it reads
+# the forward's tile carries).
+FWD_CONFIG = DiagConfig(bt=32, bd=64, w=4, warps=2, early=False)
+BWD_CONFIG = DiagConfig(bt=32, bd=64, w=4, warps=2, early=False)
 INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1)
 INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1)
 
