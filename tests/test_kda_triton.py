@@ -228,3 +228,15 @@ def test_pairwise_and_factored_paths(monkeypatch, factor_max):
     monkeypatch.setitem(triton_impl.CONFIG, "factor_max", factor_max)
     xs, kw = make(1, 35, 1, 2, 16, 16, torch.float32, gate="softplus", h0=True)
     check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+
+
+def test_custom_op_path_matches_eager(monkeypatch):
+    """The torch.compile path (custom op, backward recomputes) == the eager autograd Function
+    (backward from the saved intermediates)."""
+    from delta_attn.ops.kda import triton_impl
+    xs, kw = make(1, 21, 1, 2, 16, 16, torch.float32, h0=True)
+    eager = run("triton", xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = run("triton", xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+    for a, b in zip([eager[0], eager[1]] + eager[2], [traced[0], traced[1]] + traced[2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -104,24 +104,14 @@ def _kda_tri_inverse(A, BT: tl.constexpr):
 
 
 @triton.jit
-def _kda_row_norms(q, k, q_off, k_off, mr, scale, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   L2NORM: tl.constexpr):
-    """Per-row factors: q_used = rq * q (scale folded in), k_used = rk * k; and the raw rsqrt's."""
+def _kda_row_norms_tile(qf, kf, scale, L2NORM: tl.constexpr):
+    """Row factors from full (BT x KP) tiles: q_used = rq * q (scale folded in), k_used = rk * k."""
     if L2NORM:
-        sq = tl.zeros([BT], tl.float32)
-        sk = tl.zeros([BT], tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            m = mr[:, None] & (cols[None, :] < K)
-            qq = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kk = tl.load(k + k_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            sq += tl.sum(qq * qq, 1)
-            sk += tl.sum(kk * kk, 1)
-        nq = 1.0 / tl.sqrt(sq + 1e-6)
-        nk = 1.0 / tl.sqrt(sk + 1e-6)
+        nq = 1.0 / tl.sqrt(tl.sum(qf * qf, 1) + 1e-6)
+        nk = 1.0 / tl.sqrt(tl.sum(kf * kf, 1) + 1e-6)
     else:
-        nq = tl.full([BT], 1.0, tl.float32)
-        nk = tl.full([BT], 1.0, tl.float32)
+        nq = tl.full([qf.shape[0]], 1.0, tl.float32)
+        nk = tl.full([qf.shape[0]], 1.0, tl.float32)
     return nq * scale, nk, nq
 
 
@@ -148,18 +138,20 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
-    rq, rk, nq = _kda_row_norms(q, k, q_off, q_off, mr, scale, K, BT, BK, L2NORM)
+    kk = tl.arange(0, KP)
+    mrk = mr[:, None] & (kk[None, :] < K)
+    qf = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
+    kf = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
+    rq, rk, nq = _kda_row_norms_tile(qf, kf, scale, L2NORM)
     tril = i[:, None] >= i[None, :]
     # 1. intra-chunk products with per-channel decays exp(G_i - G_j), i >= j. When every |G| of the
     #    chunk is <= FACTOR_MAX, exp(G_i - G_j) = exp(G_i) exp(-G_j) stays in fp32 range: two
     #    small dots. Otherwise (strong decays) the exact pairwise form, K slice by K slice.
-    kk = tl.arange(0, KP)
-    mrk = mr[:, None] & (kk[None, :] < K)
     xg, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + kk[None, :], hv, kk, mrk, K, GATE, HAS_DT_BIAS)
     Gf = tl.cumsum(tl.where(mrk, tl.maximum(d, -FLOOR), 0.0), 0)
     if tl.max(tl.max(tl.abs(Gf), 1), 0) <= FACTOR_MAX:
-        qs = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rq[:, None]
-        ks = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rk[:, None]
+        qs = qf * rq[:, None]
+        ks = kf * rk[:, None]
         eP = tl.exp(Gf)
         kn = ks * tl.exp(-Gf)
         akk = tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
@@ -200,8 +192,7 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
         u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
         tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
-    ks = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rk[:, None]
-    w = tl.dot(T, b[:, None] * ks * tl.exp(Gf), input_precision=DOT_PREC)
+    w = tl.dot(T, b[:, None] * kf * rk[:, None] * tl.exp(Gf), input_precision=DOT_PREC)
     tl.store(W + g_off + kk[None, :], w.to(W.dtype.element_ty), mask=mrk)
 
 
@@ -345,7 +336,11 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
-    rq, rk, nq = _kda_row_norms(q, k, q_off, q_off, mr, scale, K, BT, BK, L2NORM)
+    kk = tl.arange(0, KP)
+    mrk = mr[:, None] & (kk[None, :] < K)
+    qf = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
+    kf = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
+    rq, rk, nq = _kda_row_norms_tile(qf, kf, scale, L2NORM)
     T = tl.load(TM + a_off, mask=mr[:, None], other=0.0)
     tril = i[:, None] >= i[None, :]
     db = tl.zeros([BT], tl.float32)
@@ -361,11 +356,9 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
         db += tl.sum(vs * dbv, 1)
         dT += tl.dot(du, tl.trans(b[:, None] * vs), input_precision=DOT_PREC)
     # 2. W = T Kb with Kb = beta exp(G) k: dT += dW Kb^T (full K tile)
-    kk = tl.arange(0, KP)
-    mrk = mr[:, None] & (kk[None, :] < K)
     xf, df = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + kk[None, :], hv, kk, mrk, K, GATE, HAS_DT_BIAS)
     Gf = tl.cumsum(tl.where(mrk, tl.maximum(df, -FLOOR), 0.0), 0)
-    ksf = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32) * rk[:, None]
+    ksf = kf * rk[:, None]
     dwf = tl.zeros([BT, KP], tl.float32)
     for p in range(0, NV):
         dwf += tl.load(DW + p * R * HV * K + g_off + kk[None, :], mask=mrk, other=0.0)
@@ -383,10 +376,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
     dal = tl.zeros([BT], tl.float32)
     if tl.max(tl.max(tl.abs(Gf), 1), 0) <= FACTOR_MAX:
         # factored decays (every |G| <= FACTOR_MAX): the pairwise sums are small dots
-        qr = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
-        kr = tl.load(k + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
-        qs = qr * rq[:, None]
-        ks = kr * rk[:, None]
+        qs = qf * rq[:, None]
+        ks = kf * rk[:, None]
         G_last = tl.sum(tl.where(i[:, None] == L - 1, Gf, 0.0), 0)
         eG = tl.exp(Gf)
         eN = tl.exp(-Gf)
@@ -420,8 +411,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
         gq = dqs * rq[:, None]
         gk = dks * rk[:, None]
         if L2NORM:
-            dotq += tl.sum(gq * qr, 1)
-            dotk += tl.sum(gk * kr, 1)
+            dotq += tl.sum(gq * qf, 1)
+            dotk += tl.sum(gk * kf, 1)
         tl.store(DQ + g_off + kk[None, :], gq, mask=mrk)
         tl.store(DK + g_off + kk[None, :], gk, mask=mrk)
     else:

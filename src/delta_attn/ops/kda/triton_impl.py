@@ -53,7 +53,7 @@ def _pow2(x: int) -> int:
 # at 8 warps, no spill; bwd scan 255 regs + 44 B spill at 8 warps (400 B at 4); bwd intra 211 regs at 8)
 CONFIG = dict(prep_bk=16, prep_warps=8, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64,
-              factor_max=60.0)   # per chunk: factored exp(G_i) exp(-G_j) when every |G| <= this (fp32-safe)
+              factor_max=60.0, save_intermediates=True)   # per chunk: factored exp(G_i) exp(-G_j) when every |G| <= this (fp32-safe)
 
 
 def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs"):
@@ -134,16 +134,17 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
 
 
 def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
-            lower_bound: Optional[float], use_qk_l2norm: bool, do, dht):
+            lower_bound: Optional[float], use_qk_l2norm: bool, do, dht, saved=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0 or None, dA_log or None, ddt_bias or None).
-    Recomputes the forward intermediates (chunk-start states included)."""
+    Uses the forward's intermediates ``saved`` (kda_fwd(store_states=True)) or recomputes them."""
     q, k, v, g, beta, do, dht = _contig(q, k, v, g, beta, do, dht)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R = B * T
-    _, _, (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax) = kda_fwd(
-        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-        False, store_states=True)
+    if saved is None:
+        saved = kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                        use_qk_l2norm, False, store_states=True)[2]
+    W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax = saved
     N, NC = seq_t.shape[0], chunk_t.shape[0]
     KP, BV = _blocks(K, V, N * HV, "bwd_min_programs")
     NV = triton.cdiv(V, BV)
@@ -259,16 +260,38 @@ def _backward(ctx, do, dht):
 torch.library.register_autograd("delta_attn::kda_chunk_fwd", _backward, setup_context=_setup_context)
 
 
-class KDAFunction:
-    """Autograd entry: ``KDAFunction.apply(args) -> (o, final_state or None)`` (runs the custom op,
-    whose backward is registered with ``torch.library.register_autograd``)."""
+class KDAFunction(torch.autograd.Function):
+    """Eager autograd: the forward keeps its chunk intermediates (chunk-start states in the work dtype,
+    about K*V/16 elements per token and value head) when ``CONFIG["save_intermediates"]``, so the
+    backward does not recompute them; otherwise the backward recomputes. Under torch.compile the
+    ``delta_attn::kda_chunk_fwd`` custom op (recomputing backward) is traced instead."""
 
     @staticmethod
-    def apply(a: KDAArgs):
-        o, final = _kda_chunk_fwd_op(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.A_log,
-                                     a.dt_bias, float(a.scale), a.lower_bound, bool(a.use_qk_l2norm),
-                                     bool(a.output_final_state))
-        return o, (final if a.output_final_state else None)
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                use_qk_l2norm, output_final_state):
+        keep = CONFIG["save_intermediates"] and any(ctx.needs_input_grad)
+        o, final, saved = kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                                  use_qk_l2norm, output_final_state, store_states=keep)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+        ctx.saved_chunks = saved
+        ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state)
+        return o, (final if final is not None else q.new_empty(0, dtype=torch.float32))
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
+        scale, lower_bound, use_qk_l2norm, output_final_state = ctx.opts
+        if not output_final_state or dht is None or dht.numel() == 0:
+            dht = None
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, db, dh0, dal, ddt = kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                                                    scale, lower_bound, use_qk_l2norm, do, dht, ctx.saved_chunks)
+        ctx.saved_chunks = None
+        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        dal = dal.to(A_log.dtype) if A_log is not None else None
+        ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
+        return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None
 
 
 @torch.library.custom_op("delta_attn::kda_step", mutates_args=("state",))
@@ -311,9 +334,18 @@ def kda_step_fwd(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, 
 # ----------------------------------------------------------------------------------------------
 
 def kda(a: KDAArgs):
-    return KDAFunction.apply(a)
+    args = (a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.A_log, a.dt_bias, float(a.scale),
+            a.lower_bound, bool(a.use_qk_l2norm), bool(a.output_final_state))
+    if torch.compiler.is_compiling():
+        o, final = _kda_chunk_fwd_op(*args)            # traced: custom op with a fake implementation
+    else:
+        o, final = KDAFunction.apply(*args)            # eager: no dispatcher overhead, saved intermediates
+    return o, (final if a.output_final_state else None)
 
 
 def kda_step(a: KDAArgs):
-    return _kda_step_op(a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log, a.dt_bias,
-                        float(a.scale), a.lower_bound, bool(a.use_qk_l2norm))
+    args = (a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log, a.dt_bias, float(a.scale),
+            a.lower_bound, bool(a.use_qk_l2norm))
+    if torch.compiler.is_compiling():
+        return _kda_step_op(*args)
+    return kda_step_fwd(*args)                         # eager decode: skip the dispatcher (launch-bound)
