@@ -259,38 +259,6 @@ def main():
     rows.append(drow)
     del keep
 
-    # ---------------------------------------------------------------------------------- tuning variants
-    if args.tune:
-        from delta_attn.ops.kda import triton_impl as ti
-        base = dict(ti.CONFIG)
-        variants = [dict(), dict(scan_warps=4), dict(scan_stages=2), dict(prep_warps=4), dict(intra_warps=4),
-                    dict(bwd_scan_warps=4), dict(bwd_min_programs=32), dict(bwd_min_programs=128),
-                    dict(min_programs=128), dict(min_programs=512), dict(step_bv=64), dict(step_bv=16),
-                    dict(step_warps=2), dict(step_warps=8)]
-        for var in variants:
-            ti.CONFIG.clear()
-            ti.CONFIG.update(base, **var)
-            res = dict(variant=var)
-            try:
-                for B, T in ((8, 4096), (1, 32768)):
-                    xs = inputs(B, T)
-                    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
-                    if var and "step" in next(iter(var)):
-                        continue
-                    with torch.no_grad():
-                        res[f"fwd_{B}x{T}"] = bench(lambda: ours(*xs))[0]
-                    step, _ = fwd_bwd(ours, xs, do)
-                    res[f"fwdbwd_{B}x{T}"] = bench(step)[0]
-                if not var or "step" in next(iter(var)):
-                    xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
-                    res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
-            except Exception as e:  # noqa: BLE001
-                res["error"] = repr(e)[:300]
-            print(json.dumps(res))
-            rows.append(res)
-        ti.CONFIG.clear()
-        ti.CONFIG.update(base)
-
     # ---------------------------------------------------------------------------------- crossover vs cuDNN
     if args.crossover:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -315,6 +283,37 @@ def main():
             rows.append(row)
             del xs, do
             torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------------------------- tuning variants
+    if args.tune:
+        from delta_attn.ops.kda import triton_impl as ti
+        base = dict(ti.CONFIG)
+        variants = [dict(prep_warps=4), dict(intra_warps=4), dict(bwd_min_programs=128), dict(min_programs=128),
+                    dict(scan_stages=2), dict(bwd_scan_warps=4), dict(step_bv=64), dict(step_warps=2),
+                    dict(save_intermediates=False)]
+        for var in variants:
+            ti.CONFIG.clear()
+            ti.CONFIG.update(base, **var)
+            res = dict(variant=var)
+            try:
+                for B, T in ((8, 4096), (1, 32768)):
+                    xs = inputs(B, T)
+                    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+                    if var and "step" in next(iter(var)):
+                        continue
+                    with torch.no_grad():
+                        res[f"fwd_{B}x{T}"] = bench(lambda: ours(*xs))[0]
+                    step, _ = fwd_bwd(ours, xs, do)
+                    res[f"fwdbwd_{B}x{T}"] = bench(step)[0]
+                if not var or "step" in next(iter(var)):
+                    xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
+                    res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
+            except Exception as e:  # noqa: BLE001
+                res["error"] = repr(e)[:300]
+            print(json.dumps(res))
+            rows.append(res)
+        ti.CONFIG.clear()
+        ti.CONFIG.update(base)
 
     with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
         json.dump(dict(env=info, rows=rows), f, indent=1)
