@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 import traceback
