@@ -188,3 +188,13 @@ def test_validation_runs_before_any_backend(monkeypatch):
     with pytest.raises(ValueError):
         call_attn(attn(softcap=-1.0))
     assert ran == []
+
+
+def test_value_checks_can_be_skipped_to_stay_asynchronous(monkeypatch):
+    """DELTA_ATTN_SKIP_VALUE_CHECKS=1 drops only the checks that read device values on the host."""
+    monkeypatch.setenv("DELTA_ATTN_SKIP_VALUE_CHECKS", "1")
+    from delta_attn.ops.flash.api import validate_varlen
+    kw = varlen(cu_seqlens_q=torch.tensor([0, 6, 5, 9], dtype=I32), cu_seqlens_k=torch.tensor([0, 6, 5, 9], dtype=I32))
+    validate_varlen(**kw)                                  # decreasing values: not read, not caught
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        validate_varlen(**varlen(cu_seqlens_q=torch.tensor([0, 4, 9])))

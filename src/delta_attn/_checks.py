@@ -7,7 +7,8 @@ shape or value). Value checks that need the host to read a device tensor (``cu_s
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Tuple
+import os
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -103,10 +104,14 @@ def window(window_size) -> Tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device,
-               max_seqlen: Optional[int] = None, max_seqlen_name: str = "max_seqlen") -> int:
-    """cu_seqlens is int32, 1-D with >= 2 entries, starts at 0, non-decreasing, ends at ``total``
-    and ``max_seqlen`` (when given) is >= the longest sequence. Returns the number of sequences."""
+def value_checks_enabled() -> bool:
+    """Checks that read device values on the host (one sync per call): off while torch.compile
+    traces, or when the user sets DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches asynchronous."""
+    return not _tracing() and os.environ.get("DELTA_ATTN_SKIP_VALUE_CHECKS", "0") in ("", "0")
+
+
+def cu_seqlens_meta(name: str, cu: torch.Tensor, device: torch.device) -> int:
+    """cu_seqlens is an int32 1-D tensor with >= 2 entries on ``device``. Returns the sequence count."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -115,11 +120,13 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device,
         raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on the device of the inputs ({device}), got {cu.device}")
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
-        raise TypeError(f"{max_seqlen_name} must be an int, got {type(max_seqlen).__name__}")
-    if _tracing():
-        return cu.numel() - 1
-    values = cu.tolist()
+    return cu.numel() - 1
+
+
+def cu_seqlens_values(name: str, values: List[int], total: int, max_seqlen: Optional[int] = None,
+                      max_seqlen_name: str = "max_seqlen") -> None:
+    """The host copy of cu_seqlens starts at 0, is non-decreasing, ends at ``total``, and
+    ``max_seqlen`` (when given) is >= the longest sequence."""
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -130,7 +137,19 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device,
     if max_seqlen is not None and max_seqlen < max(lengths):
         raise ValueError(f"{max_seqlen_name} must be >= the longest sequence in {name} ({max(lengths)}), "
                          f"got {max_seqlen}")
-    return len(lengths)
+
+
+def max_seqlen(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> int:
+    """Every check of one cu_seqlens (linear ops). Returns the number of sequences."""
+    n = cu_seqlens_meta(name, cu, device)
+    if value_checks_enabled():
+        cu_seqlens_values(name, cu.tolist(), total)
+    return n
 
 
 def state(name: str, s: Optional[torch.Tensor], expected: Tuple[int, ...], device: torch.device,
@@ -153,12 +172,14 @@ def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device
     shape_equal("state_indices", indices, (batch,), "(one slot per sequence)")
     if indices.device != device:
         raise ValueError(f"state_indices must be on the device of the inputs ({device}), got {indices.device}")
-    if _tracing() or batch == 0:
+    if not value_checks_enabled() or batch == 0:
         return
-    lo, hi = int(indices.min()), int(indices.max())
+    # one device-to-host copy: min, max and whether a slot repeats
+    ordered = indices.sort().values
+    lo, hi, repeats = torch.stack([ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).any().to(ordered.dtype)]).tolist()
     if lo < 0 or hi >= pool:
         raise ValueError(f"state_indices must lie in [0, {pool}) (the state pool), got values from {lo} to {hi}")
-    if torch.unique(indices).numel() != batch:
+    if repeats:
         raise ValueError("state_indices must not repeat a slot: two sequences would update one state")
 
 

@@ -137,10 +137,16 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     C.dim_equal("token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
     device = q.device
-    n = C.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[tdim], device, max_seqlen_q, "max_seqlen_q")
-    n_k = C.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[tdim], device, max_seqlen_k, "max_seqlen_k")
+    n = C.cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, device)
+    n_k = C.cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, device)
+    C.max_seqlen("max_seqlen_q", max_seqlen_q)
+    C.max_seqlen("max_seqlen_k", max_seqlen_k)
     if n_k != n:
         raise ValueError(f"cu_seqlens_k must describe as many sequences as cu_seqlens_q ({n}), got {n_k}")
+    if C.value_checks_enabled():
+        values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()     # one device-to-host copy
+        C.cu_seqlens_values("cu_seqlens_q", values[:n + 1], q.shape[tdim], max_seqlen_q, "max_seqlen_q")
+        C.cu_seqlens_values("cu_seqlens_k", values[n + 1:], k.shape[tdim], max_seqlen_k, "max_seqlen_k")
     common = _common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), layout, n)
