@@ -217,28 +217,41 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     qs, ks, vs, gs, bs, dt = _prepare_kda(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias,
                                           lower_bound, upcast)
     b, t, hv, vdim = v.shape
-    kdim = q.shape[-1]
+    zero = qs.new_zeros(hv, q.shape[-1], vdim)
+
+    def scan(n, sl, bi):
+        """One sequence (or, dense, the whole batch at once): the recurrence token by token."""
+        S = (zero if initial_state is None else initial_state[n].to(dt)).expand(len(bi), -1, -1, -1)
+        outs = []
+        for ti in range(sl.start, sl.stop):
+            S = S * gs[bi, ti].exp().unsqueeze(-1)                               # decay the K rows
+            kt, bt = ks[bi, ti], bs[bi, ti].unsqueeze(-1)
+            pred = torch.einsum("bhkv,bhk->bhv", S, kt)                          # S^T k
+            S = S + torch.einsum("bhk,bhv->bhkv", kt, bt * (vs[bi, ti] - pred))  # delta rule
+            outs.append(torch.einsum("bhkv,bhk->bhv", S, qs[bi, ti]))            # S^T (scale q)
+        return outs, S
+
+    o, final = _run_sequences(scan, b, t, cu_seqlens, vs.new_zeros(b, 0, hv, vdim))
+    return o.to(v.dtype), (final.to(_state_dtype(dt)) if output_final_state else None)
+
+
+def _state_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _run_sequences(scan, b: int, t: int, cu_seqlens: Optional[torch.Tensor], empty: torch.Tensor):
+    """Run ``scan(n, time slice, batch index) -> (per-token outputs, final states)`` over every
+    sequence: the whole dense batch at once, or each packed sequence of ``cu_seqlens`` in turn.
+    Returns o (B, T, ...) and the final states (N, ...)."""
     if cu_seqlens is None:
-        bounds = [(bi, 0, t) for bi in range(b)]
-    else:
-        bounds = [(0, s0, s1) for (s0, s1) in _seq_slices(cu_seqlens)]
-    state_dt = torch.float64 if dt == torch.float64 else torch.float32
+        outs, final = scan(slice(None), slice(0, t), torch.arange(b))
+        return (torch.stack(outs, 1) if outs else empty), final
     outs, finals = [], []
-    for n, (bi, t0, t1) in enumerate(bounds):
-        if initial_state is not None:
-            S = initial_state[n].to(dt)
-        else:
-            S = torch.zeros(hv, kdim, vdim, dtype=dt, device=q.device)
-        for ti in range(t0, t1):
-            S = S * gs[bi, ti].exp().unsqueeze(-1)
-            kt, vt, bt = ks[bi, ti], vs[bi, ti], bs[bi, ti]
-            pred = torch.einsum("hkv,hk->hv", S, kt)
-            S = S + torch.einsum("hk,hv->hkv", kt, bt.unsqueeze(-1) * (vt - pred))
-            outs.append(torch.einsum("hkv,hk->hv", S, qs[bi, ti]))
-        finals.append(S.to(state_dt))
-    o = torch.stack(outs, 0) if outs else v.new_zeros(0, hv, vdim, dtype=dt)
-    o = o.view(b, t, hv, vdim).to(v.dtype)
-    return o, (torch.stack(finals, 0) if output_final_state else None)
+    for n, (t0, t1) in enumerate(_seq_slices(cu_seqlens)):
+        o_n, f_n = scan(n, slice(t0, t1), torch.zeros(1, dtype=torch.long))
+        outs += o_n
+        finals.append(f_n[0])
+    return (torch.stack(outs, 1) if outs else empty), torch.stack(finals, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,18 +269,15 @@ def gated_diag(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     dt = _compute_dtype(q.dtype, upcast)
     b, t, h, d = q.shape
     qf, kf, vf, gf = (x.to(dt) for x in (q, k, v, g))
-    if cu_seqlens is None:
-        bounds = [(bi, 0, t) for bi in range(b)]
-    else:
-        bounds = [(0, s0, s1) for (s0, s1) in _seq_slices(cu_seqlens)]
-    state_dt = torch.float64 if dt == torch.float64 else torch.float32
-    outs, finals = [], []
-    for n, (bi, t0, t1) in enumerate(bounds):
-        s = initial_state[n].to(dt) if initial_state is not None else qf.new_zeros(h, d)
-        for ti in range(t0, t1):
+    zero = qf.new_zeros(h, d)
+
+    def scan(n, sl, bi):
+        s = (zero if initial_state is None else initial_state[n].to(dt)).expand(len(bi), -1, -1)
+        outs = []
+        for ti in range(sl.start, sl.stop):
             s = gf[bi, ti].exp() * s + kf[bi, ti] * vf[bi, ti]
             outs.append(qf[bi, ti] * s)
-        finals.append(s.to(state_dt))
-    o = torch.stack(outs, 0) if outs else qf.new_zeros(0, h, d)
-    o = o.view(b, t, h, d).to(q.dtype)
-    return o, (torch.stack(finals, 0) if output_final_state else None)
+        return outs, s
+
+    o, final = _run_sequences(scan, b, t, cu_seqlens, qf.new_zeros(b, 0, h, d))
+    return o.to(q.dtype), (final.to(_state_dtype(dt)) if output_final_state else None)
