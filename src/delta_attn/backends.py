@@ -54,6 +54,13 @@ class Call:
         return f"{self.op}{grad} on {self.device.type}, {str(self.dtype).replace('torch.', '')}, head dims {dims}, {feats}"
 
 
+def recurrent_features(cu_seqlens, initial_state, output_final_state: bool, state_indices) -> set:
+    """The Call features shared by the recurrent operators (kda, diag and their decode steps)."""
+    named = {"varlen": cu_seqlens is not None, "initial_state": initial_state is not None,
+             "final_state": output_final_state, "state_indices": state_indices is not None}
+    return {name for name, used in named.items() if used}
+
+
 @dataclass(frozen=True)
 class Capability:
     """What one backend supports for one operator."""

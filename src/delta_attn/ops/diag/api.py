@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ... import _checks as C
-from ...backends import Call, Capability, explain_call, register, select
+from ...backends import Call, Capability, explain_call, recurrent_features, register, select
 
 
 @dataclass(frozen=True)
@@ -24,15 +24,7 @@ class DiagArgs:
     state_indices: Optional[torch.Tensor] = None
 
     def call(self, op: str) -> Call:
-        feats = set()
-        if self.cu_seqlens is not None:
-            feats.add("varlen")
-        if self.initial_state is not None:
-            feats.add("initial_state")
-        if self.output_final_state:
-            feats.add("final_state")
-        if self.state_indices is not None:
-            feats.add("state_indices")
+        feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.g, self.initial_state))
         return Call(op=op, device=self.q.device, dtype=self.q.dtype, head_dims=(self.q.shape[-1],),

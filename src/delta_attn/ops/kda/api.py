@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ... import _checks as C
-from ...backends import Call, Capability, explain_call, register, select
+from ...backends import Call, Capability, explain_call, recurrent_features, register, select
 
 SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
 
@@ -36,21 +36,13 @@ class KDAArgs:
     state_indices: Optional[torch.Tensor] = None    # kda_step: slot of each sequence
 
     def call(self, op: str) -> Call:
-        feats = set()
-        if self.cu_seqlens is not None:
-            feats.add("varlen")
-        if self.initial_state is not None:
-            feats.add("initial_state")
-        if self.output_final_state:
-            feats.add("final_state")
+        feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
         if self.use_qk_l2norm:
             feats.add("qk_l2norm")
         if self.A_log is not None:
             feats.add("gate_lower_bound" if self.lower_bound is not None else "gate_softplus")
         if self.v.shape[2] != self.q.shape[2]:
             feats.add("gva")
-        if self.state_indices is not None:
-            feats.add("state_indices")
         tensors = (self.q, self.k, self.v, self.g, self.beta, self.initial_state, self.A_log, self.dt_bias)
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
         return Call(op=op, device=self.q.device, dtype=self.q.dtype,
