@@ -48,12 +48,13 @@ def _pow2(x: int) -> int:
     return triton.next_power_of_2(x)
 
 
-# launch settings (the benchmark's tuning pass edits these)
-# (register counts from ptxas for sm_90, K = V = 128: prep 109 regs at 8 warps; fwd scan BV=64 167 regs
-# at 8 warps, no spill; bwd scan 255 regs + 44 B spill at 8 warps (400 B at 4); bwd intra 211 regs at 8)
-CONFIG = dict(prep_bk=16, prep_warps=8, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
-              intra_warps=8, step_bv=32, step_warps=4, min_programs=256, bwd_min_programs=64,
-              factor_max=60.0, save_intermediates=True)   # per chunk: factored exp(G_i) exp(-G_j) when every |G| <= this (fp32-safe)
+# Launch settings (the benchmark's --tune pass edits these). Measured on an H200 (benchmarks/results/
+# kda_h200.md): prep_warps 4 -> 8 made the forward 1.6x slower; step_warps 2 beat 4 for decode.
+# factor_max: per chunk, the factored exp(G_i) exp(-G_j) when every |G| <= it (fp32-safe), else the
+# exact pairwise form. save_intermediates: the eager forward keeps what the backward needs.
+CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
+              intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
+              factor_max=60.0, save_intermediates=True)
 
 
 def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs"):
