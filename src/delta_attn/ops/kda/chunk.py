@@ -41,7 +41,9 @@ def _interpreter_index_fix() -> None:
         return
     if getattr(_it, "_delta_attn_index_fix", False):
         return
-    orig = _it._patch_lang_tensor
+    orig = getattr(_it, "_patch_lang_tensor", None)
+    if orig is None:        # another Triton version: nothing to patch
+        return
 
     def patched(tensor, scope):
         orig(tensor, scope)
