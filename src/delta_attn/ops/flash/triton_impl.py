@@ -31,14 +31,13 @@ import torch
 import triton
 
 from ... import _outputs
+from .. import _triton_interpreter
 from ...backends import triton_interpreter_on
 from .api import AttnArgs
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
 
-if triton_interpreter_on():
-    from . import _interp_compat
-    _interp_compat.patch()
+_triton_interpreter.patch()
 
 Tensor = torch.Tensor
 

@@ -21,39 +21,17 @@ Algorithm (chunks of BT = 16 tokens, one value head per program):
 """
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
+
+from .. import _triton_interpreter
 
 DECAY_FLOOR = 30.0
 L2NORM_EPS = 1e-6
 
 
-def _interpreter_index_fix() -> None:
-    """Triton 3.6's interpreter turns a runtime loop bound into ``int(ndarray of shape (1,))``, which
-    NumPy >= 2.4 rejects; under TRITON_INTERPRET=1 only, read the single element instead."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        from triton.runtime import interpreter as _it
-    except ImportError:
-        return
-    if getattr(_it, "_delta_attn_index_fix", False):
-        return
-    orig = getattr(_it, "_patch_lang_tensor", None)
-    if orig is None:        # another Triton version: nothing to patch
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _it._patch_lang_tensor = patched
-    _it._delta_attn_index_fix = True
-
-
-_interpreter_index_fix()
+_triton_interpreter.patch()
 
 
 @triton.jit
