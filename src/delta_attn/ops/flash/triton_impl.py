@@ -379,15 +379,5 @@ def attention(a: AttnArgs):
                                    float(a.dropout_p))
 
 
-def head_dims_reason(dims: Tuple[int, ...]) -> Optional[str]:
-    """Head dims this backend runs: q/k and v the same, a multiple of 8 in [8, 256]."""
-    d, dv = dims[0], dims[-1]
-    if d != dv:
-        return f"needs the same head dim for q/k and v, got {d} and {dv}"
-    if d % 8 or not 8 <= d <= 256:
-        return f"supports head dims that are multiples of 8 from 8 to 256, got {d}"
-    return None
-
-
 __all__: List[str] = ["flash_fwd", "flash_bwd", "FlashAttnFunction", "attention", "dropout_keep_mask",
-                      "draw_dropout_seed", "head_dims_reason"]
+                      "draw_dropout_seed"]
