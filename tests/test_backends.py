@@ -118,3 +118,28 @@ def test_every_registered_capability_points_at_a_real_function():
             # the torch backend must load anywhere; others may need their package
             if backend.name == "torch":
                 assert callable(backend.implementation(op))
+
+
+def test_untraceable_backends_are_passed_over_under_torch_compile(fake_gpu):
+    """cudnn-frontend graphs run from Python: under torch.compile auto must pick a traceable path."""
+    from delta_attn.backends import BACKENDS
+    varlen = fake_call(op="flash_varlen", features=frozenset({"causal", "varlen"}), compiling=True)
+    assert "cannot be traced by torch.compile" in BACKENDS["cudnn"].not_supported_reasons(varlen)
+    gqa = fake_call(features=frozenset({"causal", "gqa"}), compiling=True)
+    assert any("torch.compile cannot trace" in r for r in BACKENDS["cudnn"].not_supported_reasons(gqa))
+    assert not any("trace" in r for r in BACKENDS["cudnn"].not_supported_reasons(fake_call(compiling=False)))
+
+
+def test_select_tells_the_registry_when_it_is_traced(monkeypatch):
+    seen = []
+    real = backends._choose
+
+    def spy(*args):
+        seen.append(args[-2])            # the `compiling` argument
+        return real(*args)
+    spy._dynamo_marked_constant = True
+    monkeypatch.setattr(backends, "_choose", spy)
+    x = torch.randn(1, 4, 2, 8)
+    da.flash_attn_func(x, x, x, backend="torch")
+    torch.compile(lambda t: da.flash_attn_func(t, t, t, backend="torch"), fullgraph=True, backend="eager")(x)
+    assert seen[0] is False and True in seen[1:]

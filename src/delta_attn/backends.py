@@ -46,12 +46,15 @@ class Call:
     head_dims: Tuple[int, ...]
     features: FrozenSet[str] = frozenset()
     needs_grad: bool = False
+    compiling: bool = False          # traced by torch.compile: the backend must be traceable
 
     def describe(self) -> str:
         feats = ", ".join(sorted(self.features)) or "no options"
         grad = " + backward" if self.needs_grad else ""
         dims = "x".join(str(d) for d in self.head_dims)
-        return f"{self.op}{grad} on {self.device.type}, {str(self.dtype).replace('torch.', '')}, head dims {dims}, {feats}"
+        traced = " under torch.compile" if self.compiling else ""
+        return (f"{self.op}{grad} on {self.device.type}{traced}, {str(self.dtype).replace('torch.', '')}, "
+                f"head dims {dims}, {feats}")
 
 
 def recurrent_features(cu_seqlens, initial_state, output_final_state: bool, state_indices) -> set:
@@ -74,6 +77,7 @@ class Capability:
     install_hint: str = ""
     head_dims: Optional[Callable[[Tuple[int, ...]], Optional[str]]] = None   # -> reason or None
     check: Optional[Callable[[Call], List[str]]] = None                      # extra reasons
+    traceable: bool = True                      # torch.compile can trace it (plain ops or custom ops)
 
 
 def package_available(module: str) -> bool:
@@ -147,6 +151,8 @@ class Backend:
             reasons.append(f"does not support {', '.join(unsupported)}")
         if call.needs_grad and not cap.backward:
             reasons.append("has no backward pass (inputs require grad)")
+        if call.compiling and not cap.traceable:
+            reasons.append("cannot be traced by torch.compile")
         if cap.check is not None:
             reasons += cap.check(call)
         return reasons
@@ -257,10 +263,10 @@ _warned: set = set()
 
 
 def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[int, ...],
-            features: Tuple[str, ...], needs_grad: bool, backend: str) -> str:
+            features: Tuple[str, ...], needs_grad: bool, compiling: bool, backend: str) -> str:
     """The backend that runs the call (imports its implementation now). Runs eagerly even while
     torch.compile traces, so dispatch never breaks a graph: the choice is a constant of the trace."""
-    call = Call(op, device, dtype, head_dims, frozenset(features), needs_grad)
+    call = Call(op, device, dtype, head_dims, frozenset(features), needs_grad, compiling)
     ex = explain_call(call, backend)
     if ex.chosen is None:
         if backend == "auto":
@@ -286,5 +292,5 @@ _choose._dynamo_marked_constant = True
 def select(call: Call, backend: str = "auto") -> Callable:
     """The implementation that runs ``call`` on ``backend`` (or raises UnsupportedError)."""
     name = _choose(call.op, call.device, call.dtype, tuple(call.head_dims), tuple(sorted(call.features)),
-                   call.needs_grad, backend)
+                   call.needs_grad, torch.compiler.is_compiling(), backend)
     return getattr(BACKENDS[name].loaded, call.op)

@@ -111,6 +111,9 @@ def _check_cudnn_dense(call: Call) -> List[str]:
     reasons = _cudnn_library_reasons(90000)
     if dense_needs_graph(call.features):
         what = sorted(call.features & _NEEDS_GRAPH) or ["causal with Sq != Sk"]
+        if call.compiling:
+            reasons.append(f"{', '.join(what)} on dense calls run cudnn-frontend graphs from Python, which "
+                           f"torch.compile cannot trace")
         if not B.package_available("cudnn"):
             reasons.append(f"{', '.join(what)} on dense calls need cudnn-frontend graphs: nvidia-cudnn-frontend not "
                            f"installed — {CUDNN_FRONTEND_HINT}")
@@ -167,7 +170,8 @@ register("cudnn", "flash", Capability(
 register("cudnn", "flash_varlen", Capability(
     impl="delta_attn.ops.cudnn:attention", dtypes=_FP, min_compute_capability=(9, 0),
     features=frozenset({"causal", "window", "gqa", "deterministic", "head_dim_v", "varlen", "layout_htd"}),
-    requires=("cudnn",), install_hint=CUDNN_FRONTEND_HINT, head_dims=_cudnn_head_dims, check=_check_cudnn_varlen))
+    requires=("cudnn",), install_hint=CUDNN_FRONTEND_HINT, head_dims=_cudnn_head_dims, check=_check_cudnn_varlen,
+    traceable=False))    # cudnn-frontend graphs are executed from Python
 register("sdpa", "flash", Capability(
     impl="delta_attn.ops.sdpa:attention", dtypes=_FP + (torch.float32,), min_compute_capability=(8, 0),
     features=frozenset({"causal", "window", "gqa", "sq_ne_sk"}), head_dims=_sdpa_head_dims, check=_check_sdpa))
