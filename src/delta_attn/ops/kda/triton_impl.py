@@ -5,6 +5,7 @@ Kernels: ``chunk.py`` (chunked forward / backward), ``recurrent.py`` (decode).
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -14,9 +15,11 @@ from ..._outputs import empty
 from .api import KDAArgs
 from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _kda_fwd_prep_kernel,
                     _kda_fwd_scan_kernel)
+from .chunk64 import _kda_fwd_prep64_kernel
 from .recurrent import _kda_step_kernel
 
 BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
+BT64 = 64        # chunk length of the opt-in forward-only path (4 sub-chunks of 16)
 
 
 def _gate_mode(A_log, lower_bound) -> int:
@@ -25,8 +28,9 @@ def _gate_mode(A_log, lower_bound) -> int:
     return 1 if lower_bound is None else 2
 
 
-def _index_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device):
-    """seq_info (N, 3) = (first row, length, first chunk); chunk_info (NC, 3) = (seq, first row, length)."""
+def _index_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, BT: int = BT):
+    """seq_info (N, 3) = (first row, length, first chunk); chunk_info (NC, 3) = (seq, first row, length)
+    for chunks of BT tokens."""
     if cu_seqlens is None:
         starts = torch.arange(B, dtype=torch.int64) * T
         lens = torch.full((B,), T, dtype=torch.int64)
@@ -52,9 +56,23 @@ def _pow2(x: int) -> int:
 # kda_h200.md): prep_warps 4 -> 8 made the forward 1.6x slower; step_warps 2 beat 4 for decode.
 # factor_max: per chunk, the factored exp(G_i) exp(-G_j) when every |G| <= it (fp32-safe), else the
 # exact pairwise form. save_intermediates: the eager forward keeps what the backward needs.
+# fwd_chunk: 16 (default, measured) or 64 (opt-in, unmeasured: the forward-only 64-token path of
+# chunk64.py, taken when no gradient is needed; env DELTA_ATTN_KDA_FWD_CHUNK); prep64_*: its prep
+# kernel (K slice, K slice of the exact pairwise diagonal blocks, warps), scan64_warps: its scan.
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
-              factor_max=60.0, save_intermediates=True)
+              factor_max=60.0, save_intermediates=True,
+              fwd_chunk=int(os.environ.get("DELTA_ATTN_KDA_FWD_CHUNK", "16") or 16),
+              prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=None)
+FWD_CHUNKS = (16, 64)
+
+
+def _fwd_chunk() -> int:
+    """The forward's chunk length from CONFIG["fwd_chunk"] (16 or 64)."""
+    c = int(CONFIG["fwd_chunk"])
+    if c not in FWD_CHUNKS:
+        raise ValueError(f"CONFIG['fwd_chunk'] / DELTA_ATTN_KDA_FWD_CHUNK must be one of {FWD_CHUNKS}, got {c}")
+    return c
 
 
 def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs"):
@@ -91,6 +109,30 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
     return W, U, QG, KD, AQK, TM, GC
 
 
+def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t):
+    """Per 64-token chunk operands of the forward-only path (chunk64.py): W, U, qg, kd, Aqk, exp(G_last)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R, NC = B * T, chunk_t.shape[0]
+    dev, dt = q.device, _work_dtype(q.dtype)
+    W = torch.empty(R, HV, K, dtype=dt, device=dev)
+    QG, KD = torch.empty_like(W), torch.empty_like(W)
+    U = torch.empty(R, HV, V, dtype=dt, device=dev)
+    AQK = torch.empty(R, HV, BT64, dtype=torch.float32, device=dev)
+    GC = torch.empty(NC, HV, K, dtype=torch.float32, device=dev)
+    if NC > 0:
+        BK = max(16, min(CONFIG["prep64_bk"], _pow2(K)))
+        _kda_fwd_prep64_kernel[(NC, HV)](
+            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+            chunk_t, W, U, QG, KD, AQK, GC,
+            float(scale), float(lower_bound or 0.0), H, HV,
+            K=K, V=V, BT=BT64, BC=16, BK=BK, BKD=min(CONFIG["prep64_bkd"], BK), BV=min(64, _pow2(V)),
+            L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
+            FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
+            num_warps=CONFIG["prep64_warps"])
+    return W, U, QG, KD, AQK, GC
+
+
 def _work_dtype(dtype):
     """Storage / tensor-core dtype of the chunk intermediates (W, U, qg, kd, states for the backward):
     bf16 for bf16 inputs (bandwidth), fp32 otherwise (fp16's range and precision are too narrow for
@@ -108,10 +150,16 @@ def _contig(*ts):
 
 
 def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
-            lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool, store_states: bool = False):
+            lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool, store_states: bool = False,
+            chunk: Optional[int] = None):
     """Chunked forward. Returns (o, final_state or None, saved) where ``saved`` holds the
-    intermediates the backward needs when ``store_states``."""
+    intermediates the backward needs when ``store_states``. ``chunk`` (default ``CONFIG["fwd_chunk"]``)
+    picks 16-token chunks or the forward-only 64-token path; ``store_states`` always uses 16."""
     q, k, v, g, beta, initial_state = _contig(q, k, v, g, beta, initial_state)
+    chunk = 16 if store_states else (chunk or _fwd_chunk())
+    if chunk == BT64:
+        return _kda_fwd64(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                          use_qk_l2norm, output_final_state)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device)
@@ -132,6 +180,28 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             num_stages=CONFIG["scan_stages"])
     saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax) if store_states else None
     return o, final, saved
+
+
+def _kda_fwd64(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+               output_final_state):
+    """Forward-only 64-token path: prep64 then the same sequential scan at BT = 64 (no saved states)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, BT64)
+    N = seq_t.shape[0]
+    W, U, QG, KD, AQK, GC = _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
+    o = empty((B, T, HV, V), v.dtype, q.device)
+    final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
+    KP, BV = _blocks(K, V, N * HV)
+    if N > 0:
+        _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
+            W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
+            q, q, final if final is not None else q, HV, ncmax,
+            K=K, V=V, BT=BT64, KP=KP, BV=BV, USE_H0=initial_state is not None,
+            STORE_FINAL=final is not None, STORE_H=False,
+            num_warps=CONFIG["scan64_warps"] or CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
+            num_stages=CONFIG["scan_stages"])
+    return o, final, None
 
 
 def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
@@ -270,9 +340,12 @@ class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                 use_qk_l2norm, output_final_state):
-        keep = CONFIG["save_intermediates"] and any(ctx.needs_input_grad)
+        needs_grad = any(ctx.needs_input_grad)
+        keep = CONFIG["save_intermediates"] and needs_grad
+        # the 64-token path is forward-only: with gradients the forward stays on 16-token chunks
         o, final, saved = kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                                  use_qk_l2norm, output_final_state, store_states=keep)
+                                  use_qk_l2norm, output_final_state, store_states=keep,
+                                  chunk=16 if needs_grad else None)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
         ctx.saved_chunks = saved
         ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state)
