@@ -85,6 +85,14 @@ def check_all(xs, kw, grad=False, **opts):
 # forward at odd lengths, every option
 # ---------------------------------------------------------------------------------------------
 
+@pytest.fixture(params=[16, 64], ids=["fwd16", "fwd64"])
+def fwd_chunk(request, monkeypatch):
+    """The forward's chunk length: 16 (default) or the opt-in forward-only 64-token path."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("T,dtype,opts", [
     (1, torch.float32, dict()),
     (17, torch.float16, dict(h0=True, l2=True, H=1, HV=2)),
@@ -92,11 +100,63 @@ def check_all(xs, kw, grad=False, **opts):
     (65, torch.float16, dict(gate="lower_bound", l2=True, final=True)),
     (130, torch.float32, dict(l2=True, H=2, HV=4, h0=True, final=True, K=32)),
 ])
-def test_forward_odd_lengths(T, dtype, opts):
+def test_forward_odd_lengths(T, dtype, opts, fwd_chunk):
     H, HV, K = opts.get("H", 1), opts.get("HV", 1), opts.get("K", 16)
     xs, kw = make(1, T, H, HV, K, 16, dtype, gate=opts.get("gate"), h0=opts.get("h0", False))
     check_all(xs, kw, use_qk_l2norm=opts.get("l2", False), output_final_state=opts.get("final", False),
               scale=0.3 if T == 63 else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward on both chunk lengths: varlen, strong decays, both intra-chunk factorisations
+# ---------------------------------------------------------------------------------------------
+
+def test_forward_varlen_with_empty_sequences(fwd_chunk):
+    cu = [0, 5, 5, 70, 71, 140, 140]          # a 65-token sequence spans two 64-token chunks
+    xs, kw = make(1, 140, 1, 2, 16, 16, torch.float16, gate="lower_bound", h0=True, cu=cu)
+    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert torch.equal(out[1][1], kw["initial_state"][1])
+    assert torch.equal(out[1][5], kw["initial_state"][5])
+
+
+@pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float32), (-1e4, torch.float16),
+                                         (float("-inf"), torch.float32)])
+def test_forward_strong_decays(decay, dtype, fwd_chunk):
+    xs, kw = make(1, 97, 1, 1, 48, 16, dtype, decay=decay, h0=True)    # K = 48: a partial K slice
+    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("factor_max", [-1.0, 1e9])
+def test_forward64_safe_and_fast_paths(monkeypatch, factor_max):
+    """The 64-token prep takes, per K slice, the one-reference factored products (every |G| <=
+    factor_max) or the safe ones (sub-chunk references off the diagonal, exact pairwise on it):
+    force each in turn on mild decays."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 64)
+    monkeypatch.setitem(triton_impl.CONFIG, "factor_max", factor_max)
+    xs, kw = make(2, 130, 1, 2, 32, 16, torch.float32, h0=True)     # mild decays: |G| < 88 per chunk
+    check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+
+
+def test_forward64_is_taken_without_grad_only(monkeypatch):
+    """fwd_chunk = 64 runs the 64-token path when no gradient is needed; with gradients the autograd
+    Function stays on the 16-token path (the 64-token one has no backward); any other value is an error."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 64)
+    calls = []
+    real = triton_impl._kda_fwd64
+    monkeypatch.setattr(triton_impl, "_kda_fwd64", lambda *a: calls.append(1) or real(*a))
+    xs, kw = make(1, 70, 1, 1, 16, 16, torch.float32, h0=True)
+    o64, s64, _ = run("triton", xs, kw, output_final_state=True)
+    assert len(calls) == 1
+    o16, s16, _ = run("triton", xs, kw, grad=True, output_final_state=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(o64, o16.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s64, s16.detach(), atol=2e-5, rtol=1e-4)
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 32)
+    with pytest.raises(ValueError, match="fwd_chunk"):
+        run("triton", xs, kw)
 
 
 # ---------------------------------------------------------------------------------------------
