@@ -7,6 +7,12 @@ fresh process, compile included); optionally the crossover with cuDNN causal att
 per batch. Correctness is checked before timing (a failing row prints FAILED, no speed).
 
     PYTHONPATH=src python benchmarks/kda_bench.py [--crossover] [--cold] [--tune] [--out DIR]
+        [--fwd-chunk 16 64] [--fwd-only]
+
+``--fwd-chunk 16 64`` times our forward (no gradient) with each chunk length of
+``CONFIG["fwd_chunk"]`` side by side (keys ``ours_fwd16_ms`` / ``ours_fwd64_ms``; ``ours_fwd_ms`` is the
+first listed), each checked against the float64 reference first. ``--fwd-only`` skips every
+forward+backward and the decode rows (FLA's first forward+backward autotunes for minutes).
 """
 from __future__ import annotations
 
@@ -115,7 +121,11 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--cold-only", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--fwd-chunk", type=int, nargs="+", default=[16], help="forward chunk lengths to time (16, 64)")
+    ap.add_argument("--fwd-only", action="store_true", help="forward rows only (no fwd+bwd, no decode)")
     args = ap.parse_args()
+    from delta_attn.ops.kda import triton_impl as ti
+    base_chunk = ti.CONFIG["fwd_chunk"]
     info = env()
     print(json.dumps(info))
     rows = []
@@ -142,9 +152,14 @@ def main():
     if args.cold_only:
         return
     # ---------------------------------------------------------------------------------- correctness
-    for T in ((4096, 32768) if args.check_long else (4096,)):
-        v = check_forward(1, T)
-        print("check", v.message, "OK" if v.ok else "FAILED")
+    chunk_ok = {}
+    for c in args.fwd_chunk:
+        ti.CONFIG["fwd_chunk"] = c
+        for T in ((4096, 32768) if args.check_long else (4096,)):
+            v = check_forward(1, T)
+            chunk_ok[c] = chunk_ok.get(c, True) and bool(v.ok)
+            print(f"check fwd_chunk={c}", v.message, "OK" if v.ok else "FAILED")
+    ti.CONFIG["fwd_chunk"] = base_chunk
 
     # ---------------------------------------------------------------------------------- ours first
     keep = {}
@@ -152,52 +167,73 @@ def main():
         xs = inputs(B, T)
         do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
         row = dict(B=B, T=T)
-        with torch.no_grad():
-            o = ours(*xs)
-        g1 = grads(ours, xs, do)
-        row["ok"] = all(torch.isfinite(t).all().item() for t in g1) and torch.isfinite(o).all().item()
+        outs = {}
+        for c in args.fwd_chunk:        # forward (no gradient) with each chunk length
+            ti.CONFIG["fwd_chunk"] = c
+            with torch.no_grad():
+                outs[c] = ours(*xs)
+            okc = chunk_ok.get(c, False) and torch.isfinite(outs[c]).all().item()
+            row[f"fwd{c}_ok"] = okc
+            if c != args.fwd_chunk[0]:
+                row[f"fwd{c}_rel_err_vs_fwd{args.fwd_chunk[0]}"] = rel_err(outs[c], outs[args.fwd_chunk[0]])
+            if okc:
+                with torch.no_grad():
+                    row[f"ours_fwd{c}_ms"] = bench(lambda: ours(*xs))
+        ti.CONFIG["fwd_chunk"] = base_chunk
+        o = outs[args.fwd_chunk[0]]
+        g1 = [] if args.fwd_only else grads(ours, xs, do)
+        row["ok"] = all(torch.isfinite(t).all().item() for t in g1) and row[f"fwd{args.fwd_chunk[0]}_ok"]
         keep[(B, T)] = (o, g1)
         if row["ok"]:
-            with torch.no_grad():
-                row["ours_fwd_ms"] = bench(lambda: ours(*xs))
-            step, _ = fwd_bwd(ours, xs, do)
-            row["ours_fwdbwd_ms"] = bench(step)
+            row["ours_fwd_ms"] = row[f"ours_fwd{args.fwd_chunk[0]}_ms"]
+            if not args.fwd_only:
+                step, _ = fwd_bwd(ours, xs, do)
+                row["ours_fwdbwd_ms"] = bench(step)
+        del outs
         print(json.dumps(row))
         rows.append(row)
         torch.cuda.empty_cache()
 
     # ---------------------------------------------------------------------------------- decode
     Bd = 64
-    xs = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
-    state = torch.randn(Bd, H, K, V, device=DEV) * 0.1
-    s1, s2 = state.clone(), state.clone()
-    o1 = da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")
-    o2 = da.kda_step(*xs, s2, use_qk_l2norm=True, backend="torch")
-    drow = dict(decode_B=Bd, ok=rel_err(o1, o2) < 2e-2 and rel_err(s1, s2) < 1e-3,
-                rel_err_o=rel_err(o1, o2), rel_err_state=rel_err(s1, s2))
-    nbytes = 2 * state.numel() * 4
-    drow["ours_us"] = [t * 1e3 for t in bench(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton"))]
-    drow["ours_TBps"] = nbytes / (drow["ours_us"][0] * 1e-6) / 1e12
-    from triton.testing import do_bench_cudagraph
-    try:
-        drow["ours_graph_us"] = do_bench_cudagraph(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")) * 1e3
-        drow["ours_graph_TBps"] = nbytes / (drow["ours_graph_us"] * 1e-6) / 1e12
-    except Exception as e:  # noqa: BLE001
-        drow["ours_graph_error"] = repr(e)[:300]
-    print(json.dumps(drow))
+    drow = dict(decode_B=Bd, skipped="--fwd-only")
+    if not args.fwd_only:
+        xs = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
+        state = torch.randn(Bd, H, K, V, device=DEV) * 0.1
+        s1, s2 = state.clone(), state.clone()
+        o1 = da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")
+        o2 = da.kda_step(*xs, s2, use_qk_l2norm=True, backend="torch")
+        drow = dict(decode_B=Bd, ok=rel_err(o1, o2) < 2e-2 and rel_err(s1, s2) < 1e-3,
+                    rel_err_o=rel_err(o1, o2), rel_err_state=rel_err(s1, s2))
+        nbytes = 2 * state.numel() * 4
+        drow["ours_us"] = [t * 1e3 for t in bench(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton"))]
+        drow["ours_TBps"] = nbytes / (drow["ours_us"][0] * 1e-6) / 1e12
+        from triton.testing import do_bench_cudagraph
+        try:
+            drow["ours_graph_us"] = do_bench_cudagraph(lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")) * 1e3
+            drow["ours_graph_TBps"] = nbytes / (drow["ours_graph_us"] * 1e-6) / 1e12
+        except Exception as e:  # noqa: BLE001
+            drow["ours_graph_error"] = repr(e)[:300]
+        print(json.dumps(drow))
     # per-kernel breakdown (B=8, T=4096)
     try:
-        from delta_attn.ops.kda import triton_impl as ti
         xs8 = inputs(8, 4096)
         q, k, v, g, beta = xs8
         sc = K ** -0.5
-        _, _, chunk_t, ncmax = (None, None) + ti._index_tables(8, 4096, None, DEV)[1:]
+        _, _, chunk_t, ncmax = (None, None) + ti._index_tables(q.shape[0], q.shape[1], None, DEV)[1:]
         brk = {}
         brk["prep"] = bench(lambda: ti._prep(q, k, v, g, beta, None, None, sc, None, True, chunk_t))[0]
-        brk["fwd_total"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False))[0]
+        brk["fwd_total"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False,
+                                                    chunk=16))[0]
+        if 64 in args.fwd_chunk and chunk_ok.get(64):
+            chunk64_t = ti._index_tables(q.shape[0], q.shape[1], None, DEV, ti.BT64)[1]
+            brk["prep64"] = bench(lambda: ti._prep64(q, k, v, g, beta, None, None, sc, None, True, chunk64_t))[0]
+            brk["fwd64_total"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True,
+                                                          False, chunk=64))[0]
         brk["fwd_store_states"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False, True))[0]
         do8 = torch.randn_like(v)
-        brk["bwd_total"] = bench(lambda: ti.kda_bwd(q, k, v, g, beta, None, None, None, None, sc, None, True, do8, None))[0]
+        if not args.fwd_only:
+            brk["bwd_total"] = bench(lambda: ti.kda_bwd(q, k, v, g, beta, None, None, None, None, sc, None, True, do8, None))[0]
         print(json.dumps(dict(breakdown_8x4096_ms=brk)))
         rows.append(dict(breakdown_8x4096_ms=brk))
         del xs8, q, k, v, g, beta, do8
@@ -207,23 +243,24 @@ def main():
     # ---------------------------------------------------------------------------------- FLA, same run
     if have_fla and not args.no_fla:
       try:
-        from fla.ops.kda import fused_recurrent_kda
-        s3 = state.clone()
+        if not args.fwd_only:
+            from fla.ops.kda import fused_recurrent_kda
+            s3 = state.clone()
 
-        def fla_dec():
-            return fused_recurrent_kda(*xs, initial_state=s3, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        of, _ = fla_dec()
-        drow["fla_rel_err_o"] = rel_err(of, o2)
-        s3.copy_(state)
-        drow["fla_us"] = [t * 1e3 for t in bench(fla_dec)]
-        drow["fla_TBps"] = nbytes / (drow["fla_us"][0] * 1e-6) / 1e12
-        try:
-            drow["fla_graph_us"] = do_bench_cudagraph(fla_dec) * 1e3
-            drow["fla_graph_TBps"] = nbytes / (drow["fla_graph_us"] * 1e-6) / 1e12
-        except Exception as e:  # noqa: BLE001
-            drow["fla_graph_error"] = repr(e)[:300]
-        drow["decode_speedup"] = drow["fla_us"][0] / drow["ours_us"][0]
-        print(json.dumps(drow))
+            def fla_dec():
+                return fused_recurrent_kda(*xs, initial_state=s3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            of, _ = fla_dec()
+            drow["fla_rel_err_o"] = rel_err(of, o2)
+            s3.copy_(state)
+            drow["fla_us"] = [t * 1e3 for t in bench(fla_dec)]
+            drow["fla_TBps"] = nbytes / (drow["fla_us"][0] * 1e-6) / 1e12
+            try:
+                drow["fla_graph_us"] = do_bench_cudagraph(fla_dec) * 1e3
+                drow["fla_graph_TBps"] = nbytes / (drow["fla_graph_us"] * 1e-6) / 1e12
+            except Exception as e:  # noqa: BLE001
+                drow["fla_graph_error"] = repr(e)[:300]
+            drow["decode_speedup"] = drow["fla_us"][0] / drow["ours_us"][0]
+            print(json.dumps(drow))
         shape_rows = [r for r in rows if "T" in r and "B" in r]
         for row in shape_rows:
             B, T = row["B"], row["T"]
@@ -238,8 +275,11 @@ def main():
                 row["fla_fwd_ms"] = bench(lambda: fla_chunk(*xs_))
             if "ours_fwd_ms" in row:
                 row["fwd_speedup"] = row["fla_fwd_ms"][0] / row["ours_fwd_ms"][0]
+            for c in args.fwd_chunk:
+                if f"ours_fwd{c}_ms" in row:
+                    row[f"fwd{c}_speedup"] = row["fla_fwd_ms"][0] / row[f"ours_fwd{c}_ms"][0]
             print(json.dumps(row))
-        for row in shape_rows:
+        for row in ([] if args.fwd_only else shape_rows):
             B, T = row["B"], row["T"]
             xs_ = inputs(B, T)
             do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
@@ -323,9 +363,13 @@ def main():
     for r in rows:
         if "ours_fwd_ms" in r:
             print(f"| B={r['B']} T={r['T']} | {r['ours_fwd_ms'][0]:.3f} | {r.get('fla_fwd_ms', [float('nan')])[0]:.3f} | "
-                  f"{r.get('fwd_speedup', float('nan')):.2f} | {r['ours_fwdbwd_ms'][0]:.3f} | "
+                  f"{r.get('fwd_speedup', float('nan')):.2f} | {r.get('ours_fwdbwd_ms', [float('nan')])[0]:.3f} | "
                   f"{r.get('fla_fwdbwd_ms', [float('nan')])[0]:.3f} | {r.get('fwdbwd_speedup', float('nan')):.2f} |")
-        if "decode_B" in r:
+        if "ours_fwd_ms" in r and len(args.fwd_chunk) > 1:
+            print(f"| B={r['B']} T={r['T']} forward by chunk: " + ", ".join(
+                f"{c}: {r[f'ours_fwd{c}_ms'][0]:.3f} ms ({r.get(f'fwd{c}_speedup', float('nan')):.2f}x FLA)"
+                for c in args.fwd_chunk if f"ours_fwd{c}_ms" in r) + " |")
+        if "decode_B" in r and "ours_us" in r:
             print(f"decode B=64: ours {r['ours_us'][0]:.1f} us {r['ours_TBps']:.2f} TB/s; FLA "
                   f"{r.get('fla_us', [float('nan')])[0]:.1f} us {r.get('fla_TBps', float('nan')):.2f} TB/s")
 

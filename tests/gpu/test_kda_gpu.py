@@ -103,3 +103,20 @@ def test_prefill_then_decode_bf16():
     err = (o_dec.float() - o_all[:, 257:].float()).abs().max().item()
     scale = o_all[:, 257:].float().abs().max().item()
     assert err <= 2e-2 * max(1.0, scale), (err, scale)
+
+
+@pytest.mark.parametrize("T,gate,decay,cu", [
+    (32768, None, None, None),
+    (777, "lower_bound", None, None),
+    (777, "softplus", -1e4, None),
+    (777, None, float("-inf"), None),
+    (2000, None, -50.0, [0, 100, 100, 1133, 1134, 2000]),
+])
+def test_forward64_bf16(monkeypatch, T, gate, decay, cu):
+    """The opt-in forward-only 64-token path (CONFIG["fwd_chunk"] = 64) in bf16 (tf32 products)."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 64)
+    B, HV = (1, 2) if T > 4096 or cu is not None else (2, 4)
+    xs, kw = make(B, T, HV // 2 if cu is None else 2, HV, 128, 128, gate=gate, decay=decay, h0=True, cu=cu)
+    out = check(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
