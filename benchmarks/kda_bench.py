@@ -7,7 +7,7 @@ fresh process, compile included); optionally the crossover with cuDNN causal att
 per batch. Correctness is checked before timing (a failing row prints FAILED, no speed).
 
     PYTHONPATH=src python benchmarks/kda_bench.py [--crossover] [--cold] [--tune] [--out DIR]
-        [--fwd-chunk 16 64] [--fwd-only]
+        [--fwd-chunk 16 64] [--fwd-only] [--tune64]
 
 ``--fwd-chunk 16 64`` times our forward (no gradient) with each chunk length of
 ``CONFIG["fwd_chunk"]`` side by side (keys ``ours_fwd16_ms`` / ``ours_fwd64_ms``; ``ours_fwd_ms`` is the
@@ -123,6 +123,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--fwd-chunk", type=int, nargs="+", default=[16], help="forward chunk lengths to time (16, 64)")
     ap.add_argument("--fwd-only", action="store_true", help="forward rows only (no fwd+bwd, no decode)")
+    ap.add_argument("--tune64", action="store_true", help="forward-only variants of the 64-token path's settings")
     args = ap.parse_args()
     from delta_attn.ops.kda import triton_impl as ti
     base_chunk = ti.CONFIG["fwd_chunk"]
@@ -348,6 +349,32 @@ def main():
                 if not var or "step" in next(iter(var)):
                     xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
                     res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
+            except Exception as e:  # noqa: BLE001
+                res["error"] = repr(e)[:300]
+            print(json.dumps(res))
+            rows.append(res)
+        ti.CONFIG.clear()
+        ti.CONFIG.update(base)
+
+    # ---------------------------------------------------------------------------------- 64-token variants
+    if args.tune64:
+        base = dict(ti.CONFIG)
+        variants = [dict(), dict(prep64_warps=4), dict(prep64_bk=16), dict(prep64_bk=64), dict(scan64_stages=3),
+                    dict(scan64_stages=1), dict(scan64_min_programs=512), dict(scan64_min_programs=128),
+                    dict(scan64_warps=4)]
+        for var in variants:
+            ti.CONFIG.clear()
+            ti.CONFIG.update(base, fwd_chunk=64, **var)
+            res = dict(variant64=var)
+            try:
+                for B, T in ((8, 4096), (1, 32768)):
+                    xs = inputs(B, T)
+                    with torch.no_grad():
+                        o = ours(*xs)
+                        ti.CONFIG["fwd_chunk"] = 16
+                        res[f"rel_err_vs_fwd16_{B}x{T}"] = rel_err(o, ours(*xs))
+                        ti.CONFIG["fwd_chunk"] = 64
+                        res[f"fwd64_{B}x{T}"] = bench(lambda: ours(*xs))[0]
             except Exception as e:  # noqa: BLE001
                 res["error"] = repr(e)[:300]
             print(json.dumps(res))

@@ -58,12 +58,16 @@ def _pow2(x: int) -> int:
 # exact pairwise form. save_intermediates: the eager forward keeps what the backward needs.
 # fwd_chunk: 16 (default, measured) or 64 (opt-in, unmeasured: the forward-only 64-token path of
 # chunk64.py, taken when no gradient is needed; env DELTA_ATTN_KDA_FWD_CHUNK); prep64_*: its prep
-# kernel (K slice, K slice of the exact pairwise diagonal blocks, warps), scan64_warps: its scan.
+# kernel (K slice, K slice of the exact pairwise diagonal blocks, warps), scan64_*: its scan. The 64
+# settings come from ptxas -v on sm_90a (no GPU run yet): at 4 warps both kernels spill (prep64
+# ~2 KB, scan ~0.5-1.8 KB per thread), at 8 warps prep64 ~0.3 KB (in the strong-decay branch) and
+# the scan none (BV 16/32, <= 2 stages) to 0.1 KB (BV 64, 2 stages).
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
               factor_max=60.0, save_intermediates=True,
               fwd_chunk=int(os.environ.get("DELTA_ATTN_KDA_FWD_CHUNK", "16") or 16),
-              prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=None)
+              prep64_bk=32, prep64_bkd=4, prep64_warps=8, scan64_warps=8, scan64_stages=2,
+              scan64_min_programs=256)
 FWD_CHUNKS = (16, 64)
 
 
@@ -192,15 +196,14 @@ def _kda_fwd64(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scal
     W, U, QG, KD, AQK, GC = _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
-    KP, BV = _blocks(K, V, N * HV)
+    KP, BV = _blocks(K, V, N * HV, "scan64_min_programs")
     if N > 0:
         _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
             W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
             q, q, final if final is not None else q, HV, ncmax,
             K=K, V=V, BT=BT64, KP=KP, BV=BV, USE_H0=initial_state is not None,
             STORE_FINAL=final is not None, STORE_H=False,
-            num_warps=CONFIG["scan64_warps"] or CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
-            num_stages=CONFIG["scan_stages"])
+            num_warps=CONFIG["scan64_warps"], num_stages=CONFIG["scan64_stages"])
     return o, final, None
 
 
