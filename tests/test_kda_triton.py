@@ -130,13 +130,16 @@ def test_forward_strong_decays(decay, dtype, fwd_chunk):
 @pytest.mark.parametrize("factor_max", [-1.0, 1e9])
 def test_forward64_safe_and_fast_paths(monkeypatch, factor_max):
     """The 64-token prep takes, per K slice, the one-reference factored products (every |G| <=
-    factor_max) or the safe ones (sub-chunk references off the diagonal, exact pairwise on it):
-    force each in turn on mild decays."""
+    factor_max, relative to the chunk's middle token) or the safe ones (sub-chunk references off the
+    diagonal, exact pairwise on it): force each in turn. Half the channels decay by ~1.5 per token
+    (~96 per chunk: exp(96) overflows fp32, so only the middle reference keeps the fast path finite)."""
     from delta_attn.ops.kda import triton_impl
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 64)
     monkeypatch.setitem(triton_impl.CONFIG, "factor_max", factor_max)
-    xs, kw = make(2, 130, 1, 2, 32, 16, torch.float32, h0=True)     # mild decays: |G| < 88 per chunk
-    check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    xs, kw = make(2, 130, 1, 2, 32, 16, torch.float32, h0=True)
+    xs[3][..., 16:] = -1.4 - 0.2 * torch.rand(2, 130, 2, 16)
+    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert torch.isfinite(out[0]).all()
 
 
 def test_forward64_is_taken_without_grad_only(monkeypatch):

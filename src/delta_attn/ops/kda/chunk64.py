@@ -11,8 +11,9 @@ so the sequential ``_kda_fwd_scan_kernel`` (generic in BT) walks 4x fewer chunks
    the output operands ``qg = exp(G) q``, ``kd = exp(G_last - G) k``, ``exp(G_last)``, and the
    intra-chunk products ``Akk_ij = k_i . D_ij . k_j`` and ``Aqk_ij = q_i . D_ij . k_j`` (i >= j)
    with ``D_ij = diag(exp(G_i - G_j))``:
-   * fast (every |G| of the slice <= FACTOR_MAX): exp(G_i - G_j) = exp(G_i) exp(-G_j), both factors
-     in fp32 range, two 64x64 tensor-core products;
+   * fast (every |G - G_mid| of the slice <= FACTOR_MAX, G_mid = G at the chunk's middle token, so
+     a chunk may decay by up to 2 x FACTOR_MAX): exp(G_i - G_j) = exp(G_i - G_mid) exp(G_mid - G_j),
+     both factors in fp32 range, two 64x64 tensor-core products;
    * safe (strong decays, -inf included; no exponent is ever > 0):
      - off-diagonal 16x16 blocks (row sub-chunk a > column sub-chunk b): factored at the sub-chunk
        boundary, exp(G_i - G_ref(a)) exp(G_ref(a) - G_j) with G_ref(a) = G at the last token before
@@ -121,10 +122,11 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
         tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty), mask=m)
         tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
-        if tl.max(tl.max(tl.abs(G), 1), 0) <= FACTOR_MAX:
-            # fast: one reference (the chunk start) for every pair
-            eP = tl.exp(G)
-            kn = ks * tl.exp(-G)
+        Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]              # relative to the chunk's middle
+        if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
+            # fast: one reference (the middle token) for every pair
+            eP = tl.exp(Gm)
+            kn = ks * tl.exp(-Gm)
             akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
             aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
         else:
