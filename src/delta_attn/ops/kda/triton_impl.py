@@ -60,7 +60,7 @@ def _pow2(x: int) -> int:
 # chunk64.py, taken when no gradient is needed; env DELTA_ATTN_KDA_FWD_CHUNK); prep64_*: its prep
 # kernel (K slice, K slice of the exact pairwise diagonal blocks, warps), scan64_*: its scan. The 64
 # settings come from ptxas -v on sm_90a (no GPU run yet): at 4 warps both kernels spill (prep64
-# ~2 KB, scan ~0.5-1.8 KB per thread), at 8 warps prep64 ~0.3 KB (in the strong-decay branch) and
+# ~2.3 KB, scan ~0.5-1.8 KB per thread), at 8 warps prep64 ~0.3 KB (in the strong-decay branch) and
 # the scan none (BV 16/32, <= 2 stages) to 0.1 KB (BV 64, 2 stages).
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
