@@ -170,7 +170,7 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
     aqk = tl.where(i[:, None] >= i[None, :], aqk, 0.0)
     a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
-    tl.store(AQK + a_off, aqk, mask=mr[:, None])
+    tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
     T = _kda_block_tri_inverse(akk, BT, BC, DOT_PREC)
     # 3. U = T (beta v), W = T (beta exp(G) k)
     for v0 in range(0, V, BV):

@@ -122,7 +122,7 @@ def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
     W = torch.empty(R, HV, K, dtype=dt, device=dev)
     QG, KD = torch.empty_like(W), torch.empty_like(W)
     U = torch.empty(R, HV, V, dtype=dt, device=dev)
-    AQK = torch.empty(R, HV, BT64, dtype=torch.float32, device=dev)
+    AQK = torch.empty(R, HV, BT64, dtype=dt, device=dev)     # the scan casts it to dt anyway: half the bytes
     GC = torch.empty(NC, HV, K, dtype=torch.float32, device=dev)
     if NC > 0:
         BK = max(16, min(CONFIG["prep64_bk"], _pow2(K)))
@@ -266,6 +266,9 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
 _E = torch.empty(0)
 
 
+# Under torch.compile the forward follows CONFIG["fwd_chunk"] (it cannot see whether gradients will be
+# asked for); its backward recomputes the 16-token intermediates, so the gradients are those of the
+# same function either way.
 @torch.library.custom_op("delta_attn::kda_chunk_fwd", mutates_args=())
 def _kda_chunk_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
