@@ -124,7 +124,9 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
         Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]              # relative to the chunk's middle
         if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
-            # fast: one reference (the middle token) for every pair
+            # fast: one reference (the middle token) for every pair. Entries i >= j are exp(G_i - G_j) <= 1
+            # as a product of two factors <= exp(FACTOR_MAX); entries i < j may overflow to inf / NaN and
+            # are discarded by the select (tl.where) of step 2, never multiplied.
             eP = tl.exp(Gm)
             kn = ks * tl.exp(-Gm)
             akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
