@@ -20,7 +20,6 @@ Shapes (B batch, T/Sq/Sk tokens, H heads, D/K/V head dims, N states):
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch

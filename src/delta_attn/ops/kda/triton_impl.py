@@ -89,17 +89,27 @@ def _blocks(K: int, V: int, programs_per_vblock: int, key: str = "min_programs")
     return KP, BV
 
 
-def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t):
-    B, T, H, K = q.shape
+def _chunk_operands(q, v, chunk_t, bt: int, aqk_dtype):
+    """The per-token / per-chunk intermediates both prep kernels write: W, qg, kd (R, HV, K), U (R, HV, V),
+    Aqk (R, HV, bt) and the chunk-end decays GC (NC, HV, K)."""
+    B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R, NC = B * T, chunk_t.shape[0]
     dev, dt = q.device, _work_dtype(q.dtype)
     W = torch.empty(R, HV, K, dtype=dt, device=dev)
     QG, KD = torch.empty_like(W), torch.empty_like(W)
     U = torch.empty(R, HV, V, dtype=dt, device=dev)
-    AQK = torch.empty(R, HV, BT, dtype=torch.float32, device=dev)
-    TM = torch.empty_like(AQK)
+    AQK = torch.empty(R, HV, bt, dtype=aqk_dtype, device=dev)
     GC = torch.empty(NC, HV, K, dtype=torch.float32, device=dev)
+    return W, QG, KD, U, AQK, GC
+
+
+def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t):
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    NC = chunk_t.shape[0]
+    W, QG, KD, U, AQK, GC = _chunk_operands(q, v, chunk_t, BT, torch.float32)
+    TM = torch.empty_like(AQK)
     if NC > 0:
         dummy = q
         _kda_fwd_prep_kernel[(NC, HV)](
@@ -115,15 +125,11 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
 
 def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t):
     """Per 64-token chunk operands of the forward-only path (chunk64.py): W, U, qg, kd, Aqk, exp(G_last)."""
-    B, T, H, K = q.shape
+    H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    R, NC = B * T, chunk_t.shape[0]
-    dev, dt = q.device, _work_dtype(q.dtype)
-    W = torch.empty(R, HV, K, dtype=dt, device=dev)
-    QG, KD = torch.empty_like(W), torch.empty_like(W)
-    U = torch.empty(R, HV, V, dtype=dt, device=dev)
-    AQK = torch.empty(R, HV, BT64, dtype=dt, device=dev)     # the scan casts it to dt anyway: half the bytes
-    GC = torch.empty(NC, HV, K, dtype=torch.float32, device=dev)
+    NC = chunk_t.shape[0]
+    # Aqk in the working dtype: the scan casts it to that anyway, half the bytes
+    W, QG, KD, U, AQK, GC = _chunk_operands(q, v, chunk_t, BT64, _work_dtype(q.dtype))
     if NC > 0:
         BK = max(16, min(CONFIG["prep64_bk"], _pow2(K)))
         _kda_fwd_prep64_kernel[(NC, HV)](
