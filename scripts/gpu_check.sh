@@ -14,4 +14,4 @@ else
 fi
 python3 -m delta_attn.cli env | tee "$OUT/env.txt"
 python3 -m delta_attn.cli env --json > "$OUT/env.json"
-python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --tb=short --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^DEBUG" | tail -60
