@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from datetime import datetime, timezone
-from typing import List, Optional
+from typing import Optional
 
 from .runner import Settings
 from .suites import SUITES

@@ -172,8 +172,6 @@ def _bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sdpa_bind(label: str, decode: bool):
-    from . import cases
-
     def bind(case, t):
         q, k, v = (_leaf(_bhsd(t[n]), not decode) for n in ("q", "k", "v"))
         causal = case.get("causal", True) and not decode   # Sq = 1 sees the whole cache
@@ -190,8 +188,6 @@ def _sdpa_bind(label: str, decode: bool):
 
 def _sdpa_varlen_bind(label: str, padded: bool):
     """cuDNN through SDPA on a packed batch: one call per sequence, or every sequence padded."""
-    from . import cases
-
     def bind(case, t):
         lens = case["seqlens"]
         cu = [0]
@@ -257,7 +253,6 @@ def _varlen_attn_bind(case, t):
 
 
 def _cpu_sdpa_bind(case, t):
-    from . import cases
     q, k, v = (_leaf(_bhsd(t[n])) for n in ("q", "k", "v"))
     kw = dict(is_causal=case.get("causal", True))
     if q.shape[1] != k.shape[1]:

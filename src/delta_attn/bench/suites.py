@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
