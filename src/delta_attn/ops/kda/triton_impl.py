@@ -325,19 +325,25 @@ def _setup_context(ctx, inputs, output):
     ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state)
 
 
-def _backward(ctx, do, dht):
+def _input_grads(ctx, do, dht, run_bwd):
+    """The gradients of (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
+    lower_bound, use_qk_l2norm, output_final_state) from ``run_bwd(*saved, *opts[:3], do, dht)``."""
     q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
     scale, lower_bound, use_qk_l2norm, output_final_state = ctx.opts
     if not output_final_state or dht is None or dht.numel() == 0:
         dht = None
     if do is None:
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, db, dh0, dal, ddt = _kda_chunk_bwd_op(
-        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, do, dht)
+    dq, dk, dv, dg, db, dh0, dal, ddt = run_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                                                scale, lower_bound, use_qk_l2norm, do, dht)
     dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
     dal = dal.to(A_log.dtype) if A_log is not None else None
     ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
     return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None
+
+
+def _backward(ctx, do, dht):
+    return _input_grads(ctx, do, dht, _kda_chunk_bwd_op)
 
 
 torch.library.register_autograd("delta_attn::kda_chunk_fwd", _backward, setup_context=_setup_context)
@@ -365,19 +371,8 @@ class KDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
-        scale, lower_bound, use_qk_l2norm, output_final_state = ctx.opts
-        if not output_final_state or dht is None or dht.numel() == 0:
-            dht = None
-        if do is None:
-            do = torch.zeros_like(v)
-        dq, dk, dv, dg, db, dh0, dal, ddt = kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
-                                                    scale, lower_bound, use_qk_l2norm, do, dht, ctx.saved_chunks)
-        ctx.saved_chunks = None
-        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
-        dal = dal.to(A_log.dtype) if A_log is not None else None
-        ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
-        return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None
+        saved, ctx.saved_chunks = ctx.saved_chunks, None
+        return _input_grads(ctx, do, dht, lambda *args: kda_bwd(*args, saved))
 
 
 @torch.library.custom_op("delta_attn::kda_step", mutates_args=("state",))
