@@ -185,7 +185,7 @@ def _(q, k, v, g, initial_state, cu_seqlens, output_final_state):
     total, _, n, h, d = _shape(q, cu_seqlens)
     n_tiles = (total + _configs()[0].bt - 1) // _configs()[0].bt
     final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
-    return torch.empty_like(q), final, q.new_empty((n_tiles, h, d), dtype=torch.int64)
+    return q.new_empty(q.shape), final, q.new_empty((n_tiles, h, d), dtype=torch.int64)
 
 
 @torch.library.custom_op("delta_attn::diag_bwd", mutates_args=())
@@ -198,9 +198,10 @@ def _diag_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 @_diag_bwd_op.register_fake
 def _(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens):
-    dh0 = (torch.empty_like(initial_state) if initial_state is not None
+    # contiguous, as the real op's outputs (empty_like would copy the inputs' strides)
+    dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
            else q.new_empty((0,), dtype=torch.float32))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), dh0
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
 
 
 @torch.library.custom_op("delta_attn::diag_step", mutates_args=("state",))
@@ -211,7 +212,7 @@ def _diag_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 @_diag_step_op.register_fake
 def _(q, k, v, g, state, state_indices):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 class GatedDiagFunction(torch.autograd.Function):

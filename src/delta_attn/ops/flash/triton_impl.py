@@ -58,7 +58,7 @@ _TMA = {"USE_TMA": True}
 # to compile on sm_90 with Triton 3.6: avoided).
 _FWD_CONFIGS = {
     64: [(128, 128, 4, 3, _TMA), (128, 64, 4, 3, _TMA), (128, 64, 8, 4), (128, 64, 4, 3)],
-    128: [(128, 128, 8, 3), (128, 128, 8, 3, {"WS": True}), (128, 128, 8, 3, _TMA)],
+    128: [(128, 128, 8, 3), (128, 128, 8, 3, {"WS": True}), (64, 64, 4, 3, _TMA)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3, _TMA)],
 }
 # dK/dV: BLOCK_N keys per program, BLOCK_M queries per inner step

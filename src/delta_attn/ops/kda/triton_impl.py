@@ -311,9 +311,10 @@ def _kda_chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 @_kda_chunk_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, do, dht):
     e = q.new_empty(0, dtype=torch.float32)
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta),
-            torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else e,
+    # the real op returns contiguous tensors whatever the inputs' strides: so must the fake
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape),
+            initial_state.new_empty(initial_state.shape, dtype=torch.float32) if initial_state is not None else e,
             A_log.new_empty(A_log.shape, dtype=torch.float32) if A_log is not None else e,
             dt_bias.new_empty(dt_bias.shape, dtype=torch.float32) if dt_bias is not None else e]
 
@@ -385,7 +386,7 @@ def _kda_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 @_kda_step_op.register_fake
 def _(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)
 
 
 def kda_step_fwd(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):

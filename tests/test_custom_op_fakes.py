@@ -1,0 +1,75 @@
+"""The fake (meta) implementation of every custom op must describe the real outputs exactly: shapes,
+dtypes *and strides*. Inductor asserts the strides of what a custom op returns against its fake, so
+a fake that copies a non-contiguous input's strides (``torch.empty_like``) breaks a compiled model
+whose projections hand the op strided views (found on the H200: the KDA backward under inductor)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import delta_attn  # noqa: F401  (registers the custom ops)
+from delta_attn.ops.diag import triton_impl as diag_impl  # noqa: F401
+from delta_attn.ops.kda import triton_impl as kda_impl  # noqa: F401
+
+
+def _strided(*shape, dtype=torch.float32):
+    """A tensor of ``shape`` whose storage is laid out heads-first: a permuted, non-contiguous view."""
+    b, t, h, d = shape
+    return torch.randn(b, h, t, d, dtype=dtype).permute(0, 2, 1, 3)
+
+
+def _meta(outs):
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    return [(tuple(o.shape), o.dtype, o.stride()) for o in outs if o.numel() > 0]
+
+
+def _fake_run(op, args):
+    with FakeTensorMode() as mode:
+        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return _meta(op(*fargs))
+
+
+def _kda_inputs():
+    torch.manual_seed(0)
+    q, k, v, g = (_strided(1, 5, 2, 16) for _ in range(4))
+    g = -torch.rand(1, 2, 5, 16).permute(0, 2, 1, 3)
+    beta = torch.rand(1, 2, 5).permute(0, 2, 1)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("which", ["kda_chunk_fwd", "kda_chunk_bwd", "kda_step"])
+def test_kda_fakes_match_real_strides(which):
+    q, k, v, g, beta = _kda_inputs()
+    assert not q.is_contiguous() and not beta.is_contiguous()
+    h0 = torch.randn(1, 2, 16, 16)
+    if which == "kda_chunk_fwd":
+        args = (q, k, v, g, beta, h0, None, None, None, 0.25, None, True, True)
+    elif which == "kda_chunk_bwd":
+        args = (q, k, v, g, beta, h0, None, None, None, 0.25, None, True, _strided(1, 5, 2, 16),
+                torch.randn(1, 2, 16, 16))
+    else:
+        args = (q, k, v, g, beta, h0.clone(), None, None, None, 0.25, None, True)
+    op = getattr(torch.ops.delta_attn, which)
+    real = _meta(op(*args))
+    assert real, "the op returned nothing to compare"
+    assert _fake_run(op, args) == real
+
+
+@pytest.mark.parametrize("which", ["diag_fwd", "diag_bwd", "diag_step"])
+def test_diag_fakes_match_real_strides(which):
+    torch.manual_seed(0)
+    q, k, v = (_strided(1, 5, 2, 8) for _ in range(3))
+    g = -torch.rand(1, 2, 5, 8).permute(0, 2, 1, 3)
+    h0 = torch.randn(1, 2, 8)
+    op = getattr(torch.ops.delta_attn, which)
+    if which == "diag_fwd":
+        args = (q, k, v, g, h0, None, True)
+    elif which == "diag_bwd":
+        _, _, ws = torch.ops.delta_attn.diag_fwd(q, k, v, g, h0, None, True)
+        args = (q, k, v, g, _strided(1, 5, 2, 8), ws, h0, torch.randn(1, 2, 8), None)
+    else:
+        args = (q, k, v, g, h0.clone(), None)
+    real = _meta(op(*args))
+    assert real, "the op returned nothing to compare"
+    assert _fake_run(op, args) == real
