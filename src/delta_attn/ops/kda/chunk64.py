@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk import _kda_load_decay
+from .chunk import _kda_gate_grads, _kda_load_decay
 
 
 @triton.jit
@@ -67,13 +67,34 @@ def _kda_row_at(G, i, r):
 
 
 @triton.jit
+def _kda_row_norms_sliced(q, k, q_off, mr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          L2NORM: tl.constexpr):
+    """Inverse L2 norms (nq, nk) of the BT rows of q and k (ones without L2NORM), K slice by K slice."""
+    nq = tl.full([BT], 1.0, tl.float32)
+    nk = tl.full([BT], 1.0, tl.float32)
+    if L2NORM:
+        sq = tl.zeros([BT], tl.float32)
+        sk = tl.zeros([BT], tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = mr[:, None] & (cols[None, :] < K)
+            qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            sq += tl.sum(qr * qr, 1)
+            sk += tl.sum(kr * kr, 1)
+        nq = 1.0 / tl.sqrt(sq + 1e-6)
+        nk = 1.0 / tl.sqrt(sk + 1e-6)
+    return nq, nk
+
+
+@triton.jit
 def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
-                           W, U, QG, KD, AQK, GC,
+                           W, U, QG, KD, AQK, GC, TM,
                            scale, lower_bound, H, HV,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                            GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr,
-                           FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr):
+                           FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, STORE_T: tl.constexpr):
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
@@ -92,21 +113,8 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
     # 0. row factors: q_used = rq * q (scale folded in), k_used = rk * k
-    rq = tl.full([BT], 1.0, tl.float32)
-    rk = tl.full([BT], 1.0, tl.float32)
-    if L2NORM:
-        sq = tl.zeros([BT], tl.float32)
-        sk = tl.zeros([BT], tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            m = mr[:, None] & (cols[None, :] < K)
-            qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            sq += tl.sum(qr * qr, 1)
-            sk += tl.sum(kr * kr, 1)
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-    rq = rq * scale
+    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
+    rq = nq * scale
     # 1. per K slice: decays, output operands, intra-chunk products
     akk = tl.zeros([BT, BT], tl.float32)
     aqk = tl.zeros([BT, BT], tl.float32)
@@ -174,6 +182,8 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
     tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
     T = _kda_block_tri_inverse(akk, BT, BC, DOT_PREC)
+    if STORE_T:                                     # kept for the backward (training path)
+        tl.store(TM + a_off, T, mask=mr[:, None])
     # 3. U = T (beta v), W = T (beta exp(G) k)
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
@@ -190,3 +200,211 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
         w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
         tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+    """The four decayed products of the backward with exact per-channel decays (strong decays, -inf
+    included; no exponent > 0), for one K slice:
+    P1_i = sum_j dAqk_ij ks_j E_ij, P2_j = sum_i dAqk_ij qs_i E_ij, P3_i = sum_j dA_ij ks_j E_ij,
+    P4_j = sum_i dA_ij Xa_i E_ij with E_ij = exp(G_i - G_j), i >= j.
+    Off-diagonal 16x16 blocks are factored at the row block's boundary token (as in the prep),
+    diagonal blocks are pairwise."""
+    NB: tl.constexpr = BT // BC
+    blk = i // BC
+    Gref = tl.zeros([BT, BK], tl.float32)
+    for sa in tl.static_range(1, NB):
+        Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
+    eR = tl.exp(G - Gref)                                              # row factor, exponent <= 0
+    qR = qs * eR
+    xR = Xa * eR
+    P1 = tl.zeros([BT, BK], tl.float32)
+    P2 = tl.zeros([BT, BK], tl.float32)
+    P3 = tl.zeros([BT, BK], tl.float32)
+    P4 = tl.zeros([BT, BK], tl.float32)
+    for sa in tl.static_range(1, NB):
+        ga = _kda_row_at(G, i, sa * BC - 1)
+        # column factor exp(G_ref(a) - G_j) for the columns before row block a (exponent <= 0), else 0
+        cf = tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
+        sel = (blk == sa)[:, None]
+        kc = ks * cf
+        P1 += tl.where(sel, tl.dot(dAqk, kc, input_precision=DOT_PREC), 0.0)
+        P3 += tl.where(sel, tl.dot(dA, kc, input_precision=DOT_PREC), 0.0)
+        P2 += cf * tl.dot(tl.trans(tl.where(sel, dAqk, 0.0)), qR, input_precision=DOT_PREC)
+        P4 += cf * tl.dot(tl.trans(tl.where(sel, dA, 0.0)), xR, input_precision=DOT_PREC)
+    P1 = P1 * eR
+    P3 = P3 * eR
+    # diagonal blocks: pairwise exp(G_i - G_j), i >= j inside each 16-token block, one block at a time
+    s4 = tl.arange(0, NB)
+    r4 = tl.arange(0, BC)
+    eye = (s4[:, None] == s4[None, :])[:, None, :, None]
+    tri = (r4[:, None] >= r4[None, :])[:, :, None]
+    dq4 = tl.sum(tl.where(eye, tl.reshape(dAqk, (NB, BC, NB, BC)), 0.0), 2)       # (NB, BC, BC)
+    da4 = tl.sum(tl.where(eye, tl.reshape(dA, (NB, BC, NB, BC)), 0.0), 2)
+    G4 = tl.reshape(G, (NB, BC, BK))
+    q4 = tl.reshape(qs, (NB, BC, BK))
+    k4 = tl.reshape(ks, (NB, BC, BK))
+    x4 = tl.reshape(Xa, (NB, BC, BK))
+    for sb in tl.static_range(0, NB):
+        on = (s4 == sb)[:, None, None]
+        Gs = tl.sum(tl.where(on, G4, 0.0), 0)                                          # (BC, BK)
+        E = tl.exp(tl.where(tri, Gs[:, None, :] - Gs[None, :, :], float("-inf")))        # (BC_i, BC_j, BK)
+        dqs_ = tl.sum(tl.where(on, dq4, 0.0), 0)[:, :, None]
+        das_ = tl.sum(tl.where(on, da4, 0.0), 0)[:, :, None]
+        kE = tl.sum(tl.where(on, k4, 0.0), 0)[None, :, :] * E
+        qE = tl.sum(tl.where(on, q4, 0.0), 0)[:, None, :] * E
+        xE = tl.sum(tl.where(on, x4, 0.0), 0)[:, None, :] * E
+        p1 = tl.sum(dqs_ * kE, 1)
+        p3 = tl.sum(das_ * kE, 1)
+        p2 = tl.sum(dqs_ * qE, 0)
+        p4 = tl.sum(das_ * xE, 0)
+        # place the (BC, BK) results at rows sb*BC ... sb*BC + BC - 1
+        P1 += tl.reshape(tl.where(on, p1[None, :, :], 0.0), (BT, BK))
+        P3 += tl.reshape(tl.where(on, p3[None, :, :], 0.0), (BT, BK))
+        P2 += tl.reshape(tl.where(on, p2[None, :, :], 0.0), (BT, BK))
+        P4 += tl.reshape(tl.where(on, p4[None, :, :], 0.0), (BT, BK))
+    return P1, P2, P3, P4
+
+
+@triton.jit
+def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
+                            DU, DQG, DKD, DW, DAQK, DGC,
+                            DQ, DK, DV, DB, DG, DALOG,
+                            scale, lower_bound, R, NC, H, HV, NV,
+                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                            HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                            DOT_PREC: tl.constexpr):
+    """Backward through one 64-token chunk (parallel over chunks x value heads), from the partial
+    gradients of the backward scan (summed over its NV value blocks): the UT transform, the decayed
+    intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h = hv // (HV // H)
+    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
+    L = tl.load(chunk_info + c * 3 + 2)
+    i = tl.arange(0, BT)
+    mr = i < L
+    rows = row0 + i
+    q_off = (rows * H + h)[:, None] * K
+    g_off = (rows * HV + hv)[:, None] * K
+    v_off = (rows * HV + hv)[:, None] * V
+    a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
+    a = 1.0
+    if GATE != 0:
+        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
+    b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
+    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
+    rq = nq * scale
+    T = tl.load(TM + a_off, mask=mr[:, None], other=0.0)
+    db = tl.zeros([BT], tl.float32)
+    dT = tl.zeros([BT, BT], tl.float32)
+    # 1. U = T (beta v): dv = beta T^T dU, dbeta += v . T^T dU, dT += dU (beta v)^T
+    for v0 in range(0, V, BV):
+        vc = v0 + tl.arange(0, BV)
+        m = mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        du = tl.load(DU + v_off + vc[None, :], mask=m, other=0.0)
+        dbv = tl.dot(tl.trans(T), du, input_precision=DOT_PREC)
+        tl.store(DV + v_off + vc[None, :], (b[:, None] * dbv).to(DV.dtype.element_ty), mask=m)
+        db += tl.sum(vs * dbv, 1)
+        dT += tl.dot(du, tl.trans(b[:, None] * vs), input_precision=DOT_PREC)
+    # 2. W = T Kb with Kb = beta exp(G) k: dT += dW Kb^T, K slice by K slice
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                HAS_DT_BIAS)
+        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
+        dw = tl.zeros([BT, BK], tl.float32)
+        for p in range(0, NV):
+            dw += tl.load(DW + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+        dT += tl.dot(dw, tl.trans(b[:, None] * ks * tl.exp(G)), input_precision=DOT_PREC)
+    # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk summed over the value blocks (lower)
+    dA = -tl.dot(tl.dot(tl.trans(T), dT, input_precision=DOT_PREC), tl.trans(T), input_precision=DOT_PREC)
+    dA = tl.where(i[:, None] > i[None, :], dA, 0.0)
+    dAqk = tl.zeros([BT, BT], tl.float32)
+    for p in range(0, NV):
+        dAqk += tl.load(DAQK + p * R * HV * BT + a_off, mask=mr[:, None], other=0.0)
+    dAqk = tl.where(i[:, None] >= i[None, :], dAqk, 0.0)
+    # 4. per K slice: through the decayed products, qg, kd, Kb, the cumulative sum, floor and gate
+    dotq = tl.zeros([BT], tl.float32)
+    dotk = tl.zeros([BT], tl.float32)
+    dal = tl.zeros([BT], tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        mc = cols < K
+        m = mr[:, None] & mc[None, :]
+        qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        qs = qr * rq[:, None]
+        ks = kr * rk[:, None]
+        x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                               HAS_DT_BIAS)
+        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
+        G_last = _kda_row_at(G, i, L - 1)
+        eG = tl.exp(G)
+        eL = tl.exp(G_last[None, :] - G)
+        Xa = b[:, None] * ks
+        dqg = tl.zeros([BT, BK], tl.float32)
+        dkd = tl.zeros([BT, BK], tl.float32)
+        dw = tl.zeros([BT, BK], tl.float32)
+        dgc = tl.zeros([BK], tl.float32)
+        for p in range(0, NV):
+            dqg += tl.load(DQG + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+            dkd += tl.load(DKD + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+            dw += tl.load(DW + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
+            dgc += tl.load(DGC + p * NC * HV * K + (c * HV + hv) * K + cols, mask=mc, other=0.0)
+        dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
+        Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]
+        if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
+            # factored relative to the middle token: dAqk / dA are zero above the diagonal, so no
+            # product of the two (possibly large) factors is ever formed for i < j
+            eP = tl.exp(Gm)
+            eN = tl.exp(-Gm)
+            P1 = eP * tl.dot(dAqk, ks * eN, input_precision=DOT_PREC)
+            P2 = eN * tl.dot(tl.trans(dAqk), qs * eP, input_precision=DOT_PREC)
+            P3 = eP * tl.dot(dA, ks * eN, input_precision=DOT_PREC)
+            P4 = eN * tl.dot(tl.trans(dA), Xa * eP, input_precision=DOT_PREC)
+        else:
+            P1, P2, P3, P4 = _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC)
+        dqs = eG * dqg + P1
+        dks = P2 + P4 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
+        db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
+        # d/dG of qs e^G, (k_i E_ij k_j), (q_i E_ij k_j), beta k e^G; then to the per-token log decays d_t
+        # (G_i = sum_{s<=i} d_s): a reverse cumulative sum. kd = k e^(G_last - G) and e^(G_last) depend on
+        # d_t through G_last - G_i = sum_{i<s<=L-1} d_s: an exclusive forward sum plus a constant, formed
+        # directly (total minus reverse partial sums would cancel catastrophically near the chunk's end)
+        dG = qs * dqs - ks * (P2 + P4) + Xa * P3 + Xa * eG * dKb
+        dG = tl.where(m, dG, 0.0)
+        kdd = ks * eL * dkd
+        dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + (tl.exp(G_last) * dgc)[None, :]
+        dd = tl.where(d > -FLOOR, dd, 0.0)
+        dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
+        tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
+        if GATE != 0:
+            dal += tl.sum(tl.where(m, dd * dA_, 0.0), 1)
+        gq = dqs * rq[:, None]
+        gk = dks * rk[:, None]
+        if L2NORM:
+            dotq += tl.sum(gq * qr, 1)
+            dotk += tl.sum(gk * kr, 1)
+        tl.store(DQ + g_off + cols[None, :], gq, mask=m)
+        tl.store(DK + g_off + cols[None, :], gk, mask=m)
+    tl.store(DB + rows * HV + hv, db, mask=mr)
+    if GATE != 0:
+        tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
+    # 5. l2 norm backward: dx = r (dy - y (y . dy)) with y = r x (DQ / DK hold r * dy so far)
+    if L2NORM:
+        tl.debug_barrier()
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = mr[:, None] & (cols[None, :] < K)
+            qq = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kraw = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            gq = tl.load(DQ + g_off + cols[None, :], mask=m, other=0.0)
+            gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
+            tl.store(DQ + g_off + cols[None, :], gq - qq * (nq * nq * dotq)[:, None], mask=m)
+            tl.store(DK + g_off + cols[None, :], gk - kraw * (rk * rk * dotk)[:, None], mask=m)

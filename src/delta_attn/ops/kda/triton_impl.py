@@ -15,11 +15,11 @@ from ..._outputs import empty
 from .api import KDAArgs
 from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _kda_fwd_prep_kernel,
                     _kda_fwd_scan_kernel)
-from .chunk64 import _kda_fwd_prep64_kernel
+from .chunk64 import _kda_bwd_intra64_kernel, _kda_fwd_prep64_kernel
 from .recurrent import _kda_step_kernel
 
 BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
-BT64 = 64        # chunk length of the opt-in forward-only path (4 sub-chunks of 16)
+BT64 = 64        # chunk length of the opt-in 64-token paths (4 sub-chunks of 16)
 
 
 def _gate_mode(A_log, lower_bound) -> int:
@@ -67,15 +67,19 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan
               factor_max=60.0, save_intermediates=True,
               fwd_chunk=int(os.environ.get("DELTA_ATTN_KDA_FWD_CHUNK", "16") or 16),
               prep64_bk=32, prep64_bkd=4, prep64_warps=8, scan64_warps=8, scan64_stages=2,
-              scan64_min_programs=256)
+              scan64_min_programs=256,
+              train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "16") or 16),
+              bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=8)
 FWD_CHUNKS = (16, 64)
 
 
-def _fwd_chunk() -> int:
-    """The forward's chunk length from CONFIG["fwd_chunk"] (16 or 64)."""
-    c = int(CONFIG["fwd_chunk"])
+def _fwd_chunk(key: str = "fwd_chunk") -> int:
+    """A chunk length from CONFIG (16 or 64): "fwd_chunk" for forwards without gradient, "train_chunk"
+    for the forward that keeps the backward's intermediates and that backward."""
+    c = int(CONFIG[key])
     if c not in FWD_CHUNKS:
-        raise ValueError(f"CONFIG['fwd_chunk'] / DELTA_ATTN_KDA_FWD_CHUNK must be one of {FWD_CHUNKS}, got {c}")
+        env = "DELTA_ATTN_KDA_" + key.upper()
+        raise ValueError(f"CONFIG['{key}'] / {env} must be one of {FWD_CHUNKS}, got {c}")
     return c
 
 
@@ -123,24 +127,26 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
     return W, U, QG, KD, AQK, TM, GC
 
 
-def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t):
-    """Per 64-token chunk operands of the forward-only path (chunk64.py): W, U, qg, kd, Aqk, exp(G_last)."""
+def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, store_t: bool = False):
+    """Per 64-token chunk operands (chunk64.py): W, U, qg, kd, Aqk, exp(G_last), and with ``store_t`` the
+    UT-transform matrices T (fp32, for the backward; else None)."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     NC = chunk_t.shape[0]
     # Aqk in the working dtype: the scan casts it to that anyway, half the bytes
     W, QG, KD, U, AQK, GC = _chunk_operands(q, v, chunk_t, BT64, _work_dtype(q.dtype))
+    TM = torch.empty(AQK.shape, dtype=torch.float32, device=q.device) if store_t else None
     if NC > 0:
         BK = max(16, min(CONFIG["prep64_bk"], _pow2(K)))
         _kda_fwd_prep64_kernel[(NC, HV)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
-            chunk_t, W, U, QG, KD, AQK, GC,
+            chunk_t, W, U, QG, KD, AQK, GC, TM if store_t else q,
             float(scale), float(lower_bound or 0.0), H, HV,
             K=K, V=V, BT=BT64, BC=16, BK=BK, BKD=min(CONFIG["prep64_bkd"], BK), BV=min(64, _pow2(V)),
             L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
             FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
-            num_warps=CONFIG["prep64_warps"])
-    return W, U, QG, KD, AQK, GC
+            STORE_T=store_t, num_warps=CONFIG["prep64_warps"])
+    return W, U, QG, KD, AQK, GC, TM
 
 
 def _work_dtype(dtype):
@@ -163,13 +169,13 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool, store_states: bool = False,
             chunk: Optional[int] = None):
     """Chunked forward. Returns (o, final_state or None, saved) where ``saved`` holds the
-    intermediates the backward needs when ``store_states``. ``chunk`` (default ``CONFIG["fwd_chunk"]``)
-    picks 16-token chunks or the forward-only 64-token path; ``store_states`` always uses 16."""
+    intermediates the backward needs when ``store_states``. ``chunk`` picks 16- or 64-token chunks
+    (default ``CONFIG["train_chunk"]`` with ``store_states``, else ``CONFIG["fwd_chunk"]``)."""
     q, k, v, g, beta, initial_state = _contig(q, k, v, g, beta, initial_state)
-    chunk = 16 if store_states else (chunk or _fwd_chunk())
+    chunk = chunk or _fwd_chunk("train_chunk" if store_states else "fwd_chunk")
     if chunk == BT64:
         return _kda_fwd64(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                          use_qk_l2norm, output_final_state)
+                          use_qk_l2norm, output_final_state, store_states)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device)
@@ -188,29 +194,34 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             STORE_FINAL=final is not None, STORE_H=store_states,
             num_warps=CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
             num_stages=CONFIG["scan_stages"])
-    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax) if store_states else None
+    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, BT) if store_states else None
     return o, final, saved
 
 
 def _kda_fwd64(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-               output_final_state):
-    """Forward-only 64-token path: prep64 then the same sequential scan at BT = 64 (no saved states)."""
+               output_final_state, store_states=False):
+    """64-token path: prep64 then the same sequential scan at BT = 64; with ``store_states`` it keeps
+    the backward's intermediates (T, chunk-start states, u) as the 16-token path does."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, BT64)
-    N = seq_t.shape[0]
-    W, U, QG, KD, AQK, GC = _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
+    N, NC = seq_t.shape[0], chunk_t.shape[0]
+    W, U, QG, KD, AQK, GC, TM = _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                                        chunk_t, store_states)
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
+    HS = torch.empty(NC, HV, K, V, dtype=W.dtype, device=q.device) if store_states else None
+    VNEW = torch.empty(B * T, HV, V, dtype=W.dtype, device=q.device) if store_states else None
     KP, BV = _blocks(K, V, N * HV, "scan64_min_programs")
     if N > 0:
         _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
             W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
-            q, q, final if final is not None else q, HV, ncmax,
+            VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
             K=K, V=V, BT=BT64, KP=KP, BV=BV, USE_H0=initial_state is not None,
-            STORE_FINAL=final is not None, STORE_H=False,
+            STORE_FINAL=final is not None, STORE_H=store_states,
             num_warps=CONFIG["scan64_warps"], num_stages=CONFIG["scan64_stages"])
-    return o, final, None
+    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, BT64) if store_states else None
+    return o, final, saved
 
 
 def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
@@ -224,31 +235,42 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     if saved is None:
         saved = kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                         use_qk_l2norm, False, store_states=True)[2]
-    W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax = saved
+    W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, bt = saved
     N, NC = seq_t.shape[0], chunk_t.shape[0]
-    KP, BV = _blocks(K, V, N * HV, "bwd_min_programs")
+    KP, BV = _blocks(K, V, N * HV, "bwd_min_programs" if bt == BT else "bwd64_min_programs")
     NV = triton.cdiv(V, BV)
     dev = q.device
     f32 = torch.float32
     DU = torch.empty(R, HV, V, dtype=f32, device=dev)
     DQG = torch.empty(NV, R, HV, K, dtype=f32, device=dev)
     DKD, DW = torch.empty_like(DQG), torch.empty_like(DQG)
-    DAQK = torch.empty(NV, R, HV, BT, dtype=f32, device=dev)
+    DAQK = torch.empty(NV, R, HV, bt, dtype=f32, device=dev)
     DGC = torch.empty(NV, NC, HV, K, dtype=f32, device=dev)
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
     if N > 0:
         _kda_bwd_scan_kernel[(NV, N, HV)](
             W, QG, KD, AQK, GC, HS, VNEW, do, dht if dht is not None else q, seq_t,
             DU, DQG, DKD, DW, DAQK, DGC, dh0 if dh0 is not None else q, R, NC, HV, ncmax,
-            K=K, V=V, BT=BT, KP=KP, BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-            num_warps=CONFIG["bwd_scan_warps"], num_stages=CONFIG["scan_stages"])
+            K=K, V=V, BT=bt, KP=KP, BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+            num_warps=CONFIG["bwd_scan_warps" if bt == BT else "bwd_scan64_warps"],
+            num_stages=CONFIG["scan_stages" if bt == BT else "scan64_stages"])
     dq_h = empty((B, T, HV, K), f32, dev)
     dk_h = empty((B, T, HV, K), f32, dev)
     dv = empty((B, T, HV, V), v.dtype, dev)
     db = empty((B, T, HV), f32, dev)
     dg = empty((B, T, HV, K), f32, dev)
     dal = torch.zeros(NC, HV, dtype=f32, device=dev)
-    if NC > 0:
+    if NC > 0 and bt == BT64:
+        BK = max(16, min(CONFIG["intra64_bk"], _pow2(K)))
+        _kda_bwd_intra64_kernel[(NC, HV)](
+            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+            chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal,
+            float(scale), float(lower_bound or 0.0), R, NC, H, HV, NV,
+            K=K, V=V, BT=BT64, BC=16, BK=BK, BV=min(64, _pow2(V)),
+            L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
+            FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
+            num_warps=CONFIG["intra64_warps"])
+    elif NC > 0:
         _kda_bwd_intra_kernel[(NC, HV)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
             chunk_t, TM, GC, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal,
@@ -361,10 +383,10 @@ class KDAFunction(torch.autograd.Function):
                 use_qk_l2norm, output_final_state):
         needs_grad = any(ctx.needs_input_grad)
         keep = CONFIG["save_intermediates"] and needs_grad
-        # the 64-token path is forward-only: with gradients the forward stays on 16-token chunks
+        # with gradients the forward runs on the training chunk length (CONFIG["train_chunk"])
         o, final, saved = kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                                   use_qk_l2norm, output_final_state, store_states=keep,
-                                  chunk=16 if needs_grad else None)
+                                  chunk=_fwd_chunk("train_chunk") if needs_grad else None)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
         ctx.saved_chunks = saved
         ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state)
