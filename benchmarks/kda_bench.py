@@ -7,12 +7,15 @@ fresh process, compile included); optionally the crossover with cuDNN causal att
 per batch. Correctness is checked before timing (a failing row prints FAILED, no speed).
 
     PYTHONPATH=src python benchmarks/kda_bench.py [--crossover] [--cold] [--tune] [--out DIR]
-        [--fwd-chunk 16 64] [--fwd-only] [--tune64]
+        [--fwd-chunk 16 64] [--fwd-only] [--tune64] [--train-chunk 16 64] [--tune-train64]
 
 ``--fwd-chunk 16 64`` times our forward (no gradient) with each chunk length of
 ``CONFIG["fwd_chunk"]`` side by side (keys ``ours_fwd16_ms`` / ``ours_fwd64_ms``; ``ours_fwd_ms`` is the
 first listed), each checked against the float64 reference first. ``--fwd-only`` skips every
 forward+backward and the decode rows (FLA's first forward+backward autotunes for minutes).
+``--train-chunk 16 64`` times forward+backward with each ``CONFIG["train_chunk"]`` (keys
+``ours_fwdbwd16_ms`` / ``ours_fwdbwd64_ms``; gradients finite and compared with the first listed) and
+adds per-chunk-length backward pieces to the breakdown (forward keeping states, backward scan, intra).
 """
 from __future__ import annotations
 
@@ -124,9 +127,14 @@ def main():
     ap.add_argument("--fwd-chunk", type=int, nargs="+", default=[16], help="forward chunk lengths to time (16, 64)")
     ap.add_argument("--fwd-only", action="store_true", help="forward rows only (no fwd+bwd, no decode)")
     ap.add_argument("--tune64", action="store_true", help="forward-only variants of the 64-token path's settings")
+    ap.add_argument("--train-chunk", type=int, nargs="+", default=None,
+                    help="training chunk lengths to time forward+backward with (16, 64; default: CONFIG's)")
+    ap.add_argument("--tune-train64", action="store_true", help="forward+backward variants of the 64-token training path")
     args = ap.parse_args()
     from delta_attn.ops.kda import triton_impl as ti
     base_chunk = ti.CONFIG["fwd_chunk"]
+    base_train = ti.CONFIG["train_chunk"]
+    train_chunks = args.train_chunk or [base_train]
     info = env()
     print(json.dumps(info))
     rows = []
@@ -182,14 +190,30 @@ def main():
                     row[f"ours_fwd{c}_ms"] = bench(lambda: ours(*xs))
         ti.CONFIG["fwd_chunk"] = base_chunk
         o = outs[args.fwd_chunk[0]]
-        g1 = [] if args.fwd_only else grads(ours, xs, do)
-        row["ok"] = all(torch.isfinite(t).all().item() for t in g1) and row[f"fwd{args.fwd_chunk[0]}_ok"]
-        keep[(B, T)] = (o, g1)
+        g1 = []
+        row["ok"] = row[f"fwd{args.fwd_chunk[0]}_ok"]
         if row["ok"]:
             row["ours_fwd_ms"] = row[f"ours_fwd{args.fwd_chunk[0]}_ms"]
-            if not args.fwd_only:
+        for c in ([] if args.fwd_only else train_chunks):     # forward+backward with each training chunk
+            ti.CONFIG["train_chunk"] = c
+            gc_ = grads(ours, xs, do)
+            okc = all(torch.isfinite(t).all().item() for t in gc_)
+            row[f"train{c}_grads_finite"] = okc
+            if g1:
+                row[f"train{c}_grad_rel_err_vs_train{train_chunks[0]}"] = {
+                    n: rel_err(a, b) for n, a, b in zip("q k v g beta".split(), gc_, g1)}
+            else:
+                g1 = gc_
+            if okc and row["ok"]:
                 step, _ = fwd_bwd(ours, xs, do)
-                row["ours_fwdbwd_ms"] = bench(step)
+                row[f"ours_fwdbwd{c}_ms"] = bench(step)
+            del gc_
+        ti.CONFIG["train_chunk"] = base_train
+        if not args.fwd_only:
+            row["ok"] = row["ok"] and row.get(f"train{train_chunks[0]}_grads_finite", False)
+            if f"ours_fwdbwd{train_chunks[0]}_ms" in row:
+                row["ours_fwdbwd_ms"] = row[f"ours_fwdbwd{train_chunks[0]}_ms"]
+        keep[(B, T)] = (o, g1)
         del outs
         print(json.dumps(row))
         rows.append(row)
@@ -231,10 +255,27 @@ def main():
             brk["prep64"] = bench(lambda: ti._prep64(q, k, v, g, beta, None, None, sc, None, True, chunk64_t))[0]
             brk["fwd64_total"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True,
                                                           False, chunk=64))[0]
-        brk["fwd_store_states"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False, True))[0]
         do8 = torch.randn_like(v)
-        if not args.fwd_only:
-            brk["bwd_total"] = bench(lambda: ti.kda_bwd(q, k, v, g, beta, None, None, None, None, sc, None, True, do8, None))[0]
+
+        class _Skip:                    # a launcher stand-in: times the backward without its intra kernel
+            def __getitem__(self, grid):
+                return lambda *a, **kw: None
+        for c in ([] if args.fwd_only else train_chunks):
+            saved = ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None, True, False, True, chunk=c)[2]
+            brk[f"fwd_store_states{c}"] = bench(lambda: ti.kda_fwd(q, k, v, g, beta, None, None, None, None, sc, None,
+                                                                   True, False, True, chunk=c))[0]
+            brk[f"bwd_total{c}"] = bench(lambda: ti.kda_bwd(q, k, v, g, beta, None, None, None, None, sc, None, True,
+                                                            do8, None, saved))[0]
+            name = "_kda_bwd_intra64_kernel" if c == 64 else "_kda_bwd_intra_kernel"
+            real = getattr(ti, name)
+            setattr(ti, name, _Skip())
+            try:
+                brk[f"bwd_scan_only{c}"] = bench(lambda: ti.kda_bwd(q, k, v, g, beta, None, None, None, None, sc, None,
+                                                                    True, do8, None, saved))[0]
+            finally:
+                setattr(ti, name, real)
+            brk[f"bwd_intra{c}"] = brk[f"bwd_total{c}"] - brk[f"bwd_scan_only{c}"]
+            del saved
         print(json.dumps(dict(breakdown_8x4096_ms=brk)))
         rows.append(dict(breakdown_8x4096_ms=brk))
         del xs8, q, k, v, g, beta, do8
@@ -382,6 +423,28 @@ def main():
         ti.CONFIG.clear()
         ti.CONFIG.update(base)
 
+    # ---------------------------------------------------------------------------------- 64-token training variants
+    if args.tune_train64:
+        base = dict(ti.CONFIG)
+        variants = [dict(), dict(intra64_warps=4), dict(intra64_bk=32), dict(bwd64_min_programs=128),
+                    dict(bwd64_min_programs=32), dict(bwd_scan64_warps=4), dict(scan64_stages=1)]
+        for var in variants:
+            ti.CONFIG.clear()
+            ti.CONFIG.update(base, train_chunk=64, **var)
+            res = dict(train64_variant=var)
+            try:
+                for B, T in ((8, 4096), (1, 32768)):
+                    xs = inputs(B, T)
+                    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+                    step, _ = fwd_bwd(ours, xs, do)
+                    res[f"fwdbwd64_{B}x{T}"] = bench(step)[0]
+            except Exception as e:  # noqa: BLE001
+                res["error"] = repr(e)[:300]
+            print(json.dumps(res))
+            rows.append(res)
+        ti.CONFIG.clear()
+        ti.CONFIG.update(base)
+
     with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
         json.dump(dict(env=info, rows=rows), f, indent=1)
     # short table
@@ -396,6 +459,9 @@ def main():
             print(f"| B={r['B']} T={r['T']} forward by chunk: " + ", ".join(
                 f"{c}: {r[f'ours_fwd{c}_ms'][0]:.3f} ms ({r.get(f'fwd{c}_speedup', float('nan')):.2f}x FLA)"
                 for c in args.fwd_chunk if f"ours_fwd{c}_ms" in r) + " |")
+        if "ours_fwd_ms" in r and len(train_chunks) > 1:
+            print(f"| B={r['B']} T={r['T']} fwd+bwd by training chunk: " + ", ".join(
+                f"{c}: {r[f'ours_fwdbwd{c}_ms'][0]:.3f} ms" for c in train_chunks if f"ours_fwdbwd{c}_ms" in r) + " |")
         if "decode_B" in r and "ours_us" in r:
             print(f"decode B=64: ours {r['ours_us'][0]:.1f} us {r['ours_TBps']:.2f} TB/s; FLA "
                   f"{r.get('fla_us', [float('nan')])[0]:.1f} us {r.get('fla_TBps', float('nan')):.2f} TB/s")

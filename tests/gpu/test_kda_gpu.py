@@ -120,3 +120,20 @@ def test_forward64_bf16(monkeypatch, T, gate, decay, cu):
     xs, kw = make(B, T, HV // 2 if cu is None else 2, HV, 128, 128, gate=gate, decay=decay, h0=True, cu=cu)
     out = check(xs, kw, use_qk_l2norm=True, output_final_state=True)
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("gate,decay,cu", [
+    (None, None, None),
+    ("lower_bound", None, None),
+    ("softplus", -1e4, None),
+    (None, float("-inf"), None),
+    (None, -50.0, [0, 100, 100, 1133, 1134, 2000]),
+])
+def test_gradients64_bf16(monkeypatch, gate, decay, cu):
+    """The opt-in 64-token training path (CONFIG["train_chunk"] = 64) in bf16: every gradient."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "train_chunk", 64)
+    B, T, H, HV = (1, 2000, 2, 2) if cu is not None else (2, 777, 2, 4)
+    xs, kw = make(B, T, H, HV, 128, 128, gate=gate, decay=decay, h0=True, cu=cu)
+    out = check(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
+    assert all(torch.isfinite(t).all() for t in [out[0], out[1]] + out[2])
