@@ -56,17 +56,19 @@ def _pow2(x: int) -> int:
 # kda_h200.md): prep_warps 4 -> 8 made the forward 1.6x slower; step_warps 2 beat 4 for decode.
 # factor_max: per chunk, the factored exp(G_i) exp(-G_j) when every |G| <= it (fp32-safe), else the
 # exact pairwise form. save_intermediates: the eager forward keeps what the backward needs.
-# fwd_chunk: 16 (default, measured) or 64 (opt-in, unmeasured: the forward-only 64-token path of
-# chunk64.py, taken when no gradient is needed; env DELTA_ATTN_KDA_FWD_CHUNK); prep64_*: its prep
-# kernel (K slice, K slice of the exact pairwise diagonal blocks, warps), scan64_*: its scan. The 64
-# settings come from ptxas -v on sm_90a (no GPU run yet): at 4 warps both kernels spill (prep64
-# ~2.3 KB, scan ~0.5-1.8 KB per thread), at 8 warps prep64 ~0.3 KB (in the strong-decay branch) and
-# the scan none (BV 16/32, <= 2 stages) to 0.1 KB (BV 64, 2 stages).
+# fwd_chunk: 16 (default, measured faster at 8x4096) or 64 (opt-in: the 64-token path of chunk64.py
+# for forwards without gradient; env DELTA_ATTN_KDA_FWD_CHUNK); prep64_*: its prep kernel (K slice,
+# K slice of the exact pairwise diagonal blocks, warps), scan64_*: its scan. The 64-token
+# warps: measured on the H200 (kda_h200.md, 02:48 UTC run): 4 warps beat 8 for prep64 (fwd64 3.45 -> 2.40 ms
+# at 8x4096, 4.26 -> 3.27 at 1x32768) and for the scan (-0.17 / -0.33 ms), although ptxas -v reports
+# spills at 4 warps (prep64 ~2.3 KB, scan ~0.5-1.8 KB per thread) and few at 8.
+# train_chunk: 16 (default) or 64 (the forward keeping the backward's intermediates and the backward on
+# 64-token chunks; env DELTA_ATTN_KDA_TRAIN_CHUNK); bwd_scan64_* / bwd64_* / intra64_*: its kernels.
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
               factor_max=60.0, save_intermediates=True,
               fwd_chunk=int(os.environ.get("DELTA_ATTN_KDA_FWD_CHUNK", "16") or 16),
-              prep64_bk=32, prep64_bkd=4, prep64_warps=8, scan64_warps=8, scan64_stages=2,
+              prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=4, scan64_stages=2,
               scan64_min_programs=256,
               train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "16") or 16),
               bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=8)
