@@ -159,16 +159,26 @@ def fla_rows(b, t, q, k, v, g, do, fused=True):
 
 
 C = ti.DiagConfig
-# (bt, bd, w, warps, ticket, early); register counts from an sm_90 compile are in the results file
-FWD_SWEEP = [C(64, 128, 8, 4), C(32, 128, 8, 4), C(32, 128, 8, 4, early=False), C(32, 128, 4, 8),
-             C(32, 128, 4, 8, early=False), C(16, 128, 4, 4), C(16, 128, 4, 4, early=False),
-             C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False), C(16, 64, 4, 2, early=False),
-             C(32, 128, 4, 8, ticket=True, early=False), C(64, 128, 8, 8), C(16, 128, 2, 4, early=False),
-             C(32, 128, 2, 8, early=False)]
-BWD_SWEEP = [C(64, 64, 8, 4), C(32, 128, 8, 4, early=False), C(32, 128, 4, 8), C(32, 128, 4, 8, early=False),
-             C(32, 64, 8, 4, early=False), C(16, 128, 4, 4), C(16, 128, 4, 4, early=False),
-             C(16, 64, 4, 2, early=False), C(64, 128, 8, 8, early=False), C(32, 64, 4, 2, early=False),
-             C(16, 128, 2, 4, early=False)]
+# (bt, bd, w, warps, early, persist); ptxas register counts (sm_90a) in the results file. The
+# backward's tile must be a multiple of the forward's; the sweep runs the backward on 16-row carries.
+FWD_SWEEP = [C(32, 64, 4, 2, False), C(32, 64, 8, 2, False), C(32, 64, 16, 2, False), C(32, 64, 32, 2, False),
+             C(32, 64, 8, 2, True), C(64, 32, 8, 2, False), C(64, 32, 16, 2, False), C(64, 32, 16, 4, False),
+             C(64, 32, 16, 4, True), C(32, 64, 16, 4, False), C(32, 32, 8, 1, False), C(64, 64, 16, 4, False),
+             C(32, 64, 4, 2, False, 4), C(32, 64, 8, 2, False, 4), C(64, 32, 16, 4, False, 3),
+             C(64, 32, 16, 4, True, 2), C(32, 32, 8, 1, False, 8)]
+BWD_SWEEP = [C(32, 64, 4, 2, False), C(32, 64, 8, 2, False), C(32, 64, 16, 2, False), C(32, 64, 8, 2, True),
+             C(64, 32, 16, 4, False), C(64, 32, 16, 4, True), C(32, 64, 16, 4, False), C(32, 64, 16, 4, True),
+             C(32, 32, 8, 1, False), C(64, 32, 8, 2, False), C(64, 32, 16, 4, False, 2), C(32, 64, 8, 4, False, 2)]
+
+
+def _short(r):
+    c = r.get("cfg")
+    name = (f"{r['kind']} {c.bt}x{c.bd} w{c.w} {c.warps}wp {'early' if c.early else 'late'}"
+            f"{f' persist{c.persist}' if c.persist else ''}") if c else r["kind"]
+    if "error" in r:
+        return f"{name}: ERROR {r['error']}"
+    frac = r.get("frac", r.get("frac_of_9"))
+    return f"{name}: {r['ms']:.3f} ms {100 * frac:.1f}% copy ok={r['ok']}"
 
 
 def sweep_configs(bw, rec):
@@ -191,7 +201,7 @@ def sweep_configs(bw, rec):
         except Exception as e:  # noqa: BLE001
             r = {"kind": "fwd", "cfg": cfg, "error": f"{type(e).__name__}: {e}"[:200]}
         rec.append(r)
-        print("sweep", r)
+        print("sweep", _short(r))
     f16 = C(16, 128, 4, 4)
     _, _, ws16 = ti.diag_fwd(q, k, v, g, config=f16)
     for cfg in BWD_SWEEP:
@@ -206,7 +216,7 @@ def sweep_configs(bw, rec):
         except Exception as e:  # noqa: BLE001
             r = {"kind": "bwd", "cfg": cfg, "error": f"{type(e).__name__}: {e}"[:200]}
         rec.append(r)
-        print("sweep", r)
+        print("sweep", _short(r))
     best_f = min(fwd, key=lambda x: x[0])[1] if fwd else ti.FWD_CONFIG
     pairs = [(tf + tb, cf, cb) for tf, cf in fwd for tb, cb in bwd if cb.bt % cf.bt == 0]
     pair = min(pairs, key=lambda x: x[0])[1:] if pairs else (ti.FWD_CONFIG, ti.BWD_CONFIG)
@@ -258,7 +268,7 @@ def main():
         bad = correct(q, k, v, g, do, pf, pb)
         if fcfg != pf:
             bad += correct(q, k, v, g, do, fcfg, pb if pb.bt % fcfg.bt == 0 else
-                           ti.DiagConfig(max(fcfg.bt, pb.bt), pb.bd, pb.w, pb.warps, pb.ticket, pb.early))
+                           ti.DiagConfig(max(fcfg.bt, pb.bt), pb.bd, pb.w, pb.warps, pb.early, pb.persist))
         row["correct"] = bad or "ok"
         if bad:
             print(f"B={b} T={t}: FAILED {bad}")

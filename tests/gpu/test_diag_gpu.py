@@ -148,3 +148,34 @@ def test_compile_fullgraph():
     y2.backward()
     torch.testing.assert_close(y, y2, rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(gq, q.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("persist", [0, 3])
+def test_kernel_variants_many_tiles(persist):
+    # the persistent kernels (tickets, next tile loaded before the look-back) and the loads before /
+    # after the look-back, with thousands of tiles in flight: fixed length with an initial state,
+    # and varlen with empty sequences and full decays (masked path)
+    from delta_attn.ops.diag import triton_impl as ti
+    C = ti.DiagConfig
+    pairs = [(C(32, 64, 8, 2, False, persist), C(32, 64, 8, 2, False, persist)),
+             (C(64, 32, 16, 4, True, persist), C(64, 32, 16, 4, True, persist))]
+    lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
+             (_inputs(1, int(cu[-1]), 4, 96, torch.bfloat16, torch.float32, lo=-0.1),
+              torch.randn(len(lens), 4, 96, device=DEV), cu)]
+    cases[1][0][3][:, 4000:4100] = -1e4
+    for (q, k, v, g), h0, c in cases:
+        n = h0.shape[0]
+        do, dht = torch.randn_like(q), torch.randn(n, q.shape[2], q.shape[3], device=DEV)
+        o64, ht64, g64 = gated_diag_scan(q, k, v, g, h0, c, do, dht)
+        o32, ht32, g32 = gated_diag_scan(q, k, v, g, h0, c, do, dht, dtype=torch.float32)
+        for fc, bc in pairs:
+            with poison_outputs():
+                o, ht, ws = ti.diag_fwd(q, k, v, g, h0, c, True, config=fc)
+                grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, c, config=bc, fwd_bt=fc.bt)
+            assert_close(o, o64, o32.to(q.dtype), name=f"o {fc}")
+            assert_close(ht, ht64, ht32, name=f"final_state {fc}")
+            dts = [q.dtype, q.dtype, q.dtype, g.dtype, torch.float32]
+            for name, x, r64, r32, dt in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, g32, dts):
+                assert_close(x, r64, r32.to(dt), kind="grad", name=f"{name} {bc}")
