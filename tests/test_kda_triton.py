@@ -231,11 +231,13 @@ def train64(monkeypatch):
     (130, torch.float32, dict(gate="softplus", H=1, HV=2)),         # GVA, 3 chunks, the last of 2 tokens
     (65, torch.float16, dict(gate="lower_bound", H=2, HV=2, K=48)),  # K = 48: a partial K slice
     (70, torch.float32, dict(factor_max=-1.0)),                      # every K slice on the exact path
+    (33, torch.float32, dict(bwd64_split=False, H=1, HV=2)),         # partial gradients inside the scan
 ])
 def test_gradients64(T, dtype, opts, train64, monkeypatch):
     from delta_attn.ops.kda import triton_impl
-    if "factor_max" in opts:
-        monkeypatch.setitem(triton_impl.CONFIG, "factor_max", opts["factor_max"])
+    for key in ("factor_max", "bwd64_split"):
+        if key in opts:
+            monkeypatch.setitem(triton_impl.CONFIG, key, opts[key])
     xs, kw = make(1, T, opts.get("H", 1), opts.get("HV", 1), opts.get("K", 16), 32, dtype, gate=opts.get("gate"),
                   h0=True)
     check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)

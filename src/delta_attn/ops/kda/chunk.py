@@ -232,9 +232,13 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
 
 @triton.jit
 def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, HS, VNEW, DO, dht, seq_info,
-                         DU, DQG, DKD, DW, DAQK, DGC, DH0, R, NC, HV, NCMAX,
+                         DU, DQG, DKD, DW, DAQK, DGC, DH0, DH, R, NC, HV, NCMAX,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
-                         BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+                         BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                         PARTIALS: tl.constexpr = True):
+    """PARTIALS: the per-V-block partial gradients of qg, kd, W, Aqk, exp(G_last) are formed here;
+    else only du and the chunk-end state gradients DH are stored (the partials come from
+    ``chunk64._kda_bwd_chunk_grads_kernel``, parallel over chunks, over the full V)."""
     iv = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     hv = tl.program_id(2).to(tl.int64)
@@ -272,19 +276,22 @@ def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, HS, VNEW, DO, dht, seq_info,
         kd = tl.load(KD + k_off, mask=mrk, other=0.0)
         A = tl.load(AQK + a_off, mask=mr[:, None], other=0.0).to(dt)
         gc = tl.load(GC + ((cbase + c) * HV + hv) * K + kk, mask=mk & live, other=1.0)
-        hs = tl.load(HS + ((cbase + c) * HV + hv) * K * V + s_off, mask=ms & live, other=0.0)
-        u = tl.load(VNEW + v_off, mask=mrv, other=0.0)
         do = tl.load(DO + v_off, mask=mrv, other=0.0).to(dt)
         dSd = dS.to(dt)
         # du = Aqk^T dO + kd dS_end
         du = tl.dot(tl.trans(A), do) + tl.dot(kd, dSd)
         dud = du.to(dt)
         tl.store(DU + v_off, du, mask=mrv)
-        tl.store(DQG + pk + k_off, tl.dot(do, tl.trans(hs)), mask=mrk)
-        tl.store(DKD + pk + k_off, tl.dot(u, tl.trans(dSd)), mask=mrk)
-        tl.store(DW + pk + k_off, -tl.dot(dud, tl.trans(hs)), mask=mrk)
-        tl.store(DAQK + pa + a_off, tl.dot(do, tl.trans(u)), mask=mr[:, None])
-        tl.store(DGC + pg + ((cbase + c) * HV + hv) * K + kk, tl.sum(hs.to(tl.float32) * dS, 1), mask=mk & live)
+        if PARTIALS:
+            hs = tl.load(HS + ((cbase + c) * HV + hv) * K * V + s_off, mask=ms & live, other=0.0)
+            u = tl.load(VNEW + v_off, mask=mrv, other=0.0)
+            tl.store(DQG + pk + k_off, tl.dot(do, tl.trans(hs)), mask=mrk)
+            tl.store(DKD + pk + k_off, tl.dot(u, tl.trans(dSd)), mask=mrk)
+            tl.store(DW + pk + k_off, -tl.dot(dud, tl.trans(hs)), mask=mrk)
+            tl.store(DAQK + pa + a_off, tl.dot(do, tl.trans(u)), mask=mr[:, None])
+            tl.store(DGC + pg + ((cbase + c) * HV + hv) * K + kk, tl.sum(hs.to(tl.float32) * dS, 1), mask=mk & live)
+        else:
+            tl.store(DH + ((cbase + c) * HV + hv) * K * V + s_off, dSd, mask=ms & live)
         # dS_start = exp(G_last) dS_end + qg^T dO - W^T du
         dS = dS * gc[:, None] + tl.dot(tl.trans(qg), do) - tl.dot(tl.trans(w), dud)
     if STORE_DH0:

@@ -408,3 +408,54 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
             gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
             tl.store(DQ + g_off + cols[None, :], gq - qq * (nq * nq * dotq)[:, None], mask=m)
             tl.store(DK + g_off + cols[None, :], gk - kraw * (rk * rk * dotk)[:, None], mask=m)
+
+
+@triton.jit
+def _kda_bwd_chunk_grads_kernel(HS, DH, VNEW, DO, DU, chunk_info, DQG, DKD, DW, DAQK, DGC, HV,
+                                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr,
+                                BV: tl.constexpr):
+    """Per chunk, value head and K block (parallel), over the full V: the gradients of the scan's
+    operands from the chunk-start state S and the chunk-end state gradient dS (stored by the reverse
+    scan): dqg = dO S^T, dkd = u dS^T, dW = -du S^T, dAqk = dO u^T (K block 0), d exp(G_last) = sum_v S dS."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    kb = tl.program_id(2)
+    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
+    L = tl.load(chunk_info + c * 3 + 2)
+    i = tl.arange(0, BT)
+    mr = i < L
+    rows = row0 + i
+    kk = kb * BKB + tl.arange(0, BKB)
+    mk = kk < K
+    dt = HS.dtype.element_ty
+    s_base = (c * HV + hv) * K * V
+    dqg = tl.zeros([BT, BKB], tl.float32)
+    dkd = tl.zeros([BT, BKB], tl.float32)
+    dw = tl.zeros([BT, BKB], tl.float32)
+    dgc = tl.zeros([BKB], tl.float32)
+    daqk = tl.zeros([BT, BT], tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        mv = vv < V
+        v_off = (rows * HV + hv)[:, None] * V + vv[None, :]
+        m = mr[:, None] & mv[None, :]
+        ms = mk[:, None] & mv[None, :]
+        do = tl.load(DO + v_off, mask=m, other=0.0).to(dt)
+        u = tl.load(VNEW + v_off, mask=m, other=0.0)
+        du = tl.load(DU + v_off, mask=m, other=0.0).to(dt)
+        hs = tl.load(HS + s_base + kk[:, None] * V + vv[None, :], mask=ms, other=0.0)
+        dh = tl.load(DH + s_base + kk[:, None] * V + vv[None, :], mask=ms, other=0.0)
+        dqg += tl.dot(do, tl.trans(hs))
+        dkd += tl.dot(u, tl.trans(dh))
+        dw -= tl.dot(du, tl.trans(hs))
+        dgc += tl.sum(hs.to(tl.float32) * dh.to(tl.float32), 1)
+        if kb == 0:
+            daqk += tl.dot(do, tl.trans(u))
+    k_off = (rows * HV + hv)[:, None] * K + kk[None, :]
+    mrk = mr[:, None] & mk[None, :]
+    tl.store(DQG + k_off, dqg, mask=mrk)
+    tl.store(DKD + k_off, dkd, mask=mrk)
+    tl.store(DW + k_off, dw, mask=mrk)
+    tl.store(DGC + (c * HV + hv) * K + kk, dgc, mask=mk)
+    if kb == 0:
+        tl.store(DAQK + (rows * HV + hv)[:, None] * BT + i[None, :], daqk, mask=mr[:, None])

@@ -15,7 +15,7 @@ from ..._outputs import empty
 from .api import KDAArgs
 from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _kda_fwd_prep_kernel,
                     _kda_fwd_scan_kernel)
-from .chunk64 import _kda_bwd_intra64_kernel, _kda_fwd_prep64_kernel
+from .chunk64 import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra64_kernel, _kda_fwd_prep64_kernel
 from .recurrent import _kda_step_kernel
 
 BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
@@ -63,7 +63,11 @@ def _pow2(x: int) -> int:
 # at 8x4096, 4.26 -> 3.27 at 1x32768) and for the scan (-0.17 / -0.33 ms), although ptxas -v reports
 # spills at 4 warps (prep64 ~2.3 KB, scan ~0.5-1.8 KB per thread) and few at 8.
 # train_chunk: 16 (default) or 64 (the forward keeping the backward's intermediates and the backward on
-# 64-token chunks; env DELTA_ATTN_KDA_TRAIN_CHUNK); bwd_scan64_* / bwd64_* / intra64_*: its kernels.
+# 64-token chunks; env DELTA_ATTN_KDA_TRAIN_CHUNK); bwd_scan64_* / bwd64_* / intra64_*: its kernels;
+# bwd64_split: its reverse scan stores only du and the chunk-end state gradients, and the partial
+# gradients of the scan's operands come from a parallel kernel over the full V (grads64_*), instead of
+# per-V-block fp32 partials formed inside the sequential loop (ptxas -v, sm_90a, 8 warps: the scan without
+# partials spills 0 / 32 B at BV 32 / 64; the grads kernel 80 B at BK 128, BV 32, 8 warps, 0.5-3 KB at BK 64).
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
               factor_max=60.0, save_intermediates=True,
@@ -71,7 +75,8 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan
               prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=4, scan64_stages=2,
               scan64_min_programs=256,
               train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "16") or 16),
-              bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=8)
+              bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=8,
+              bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8)
 FWD_CHUNKS = (16, 64)
 
 
@@ -240,22 +245,30 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, bt = saved
     N, NC = seq_t.shape[0], chunk_t.shape[0]
     KP, BV = _blocks(K, V, N * HV, "bwd_min_programs" if bt == BT else "bwd64_min_programs")
-    NV = triton.cdiv(V, BV)
+    split = bt == BT64 and CONFIG["bwd64_split"]
+    NV = 1 if split else triton.cdiv(V, BV)       # slices of the partial gradients
     dev = q.device
     f32 = torch.float32
     DU = torch.empty(R, HV, V, dtype=f32, device=dev)
+    DH = torch.empty(NC, HV, K, V, dtype=W.dtype, device=dev) if split else None
     DQG = torch.empty(NV, R, HV, K, dtype=f32, device=dev)
     DKD, DW = torch.empty_like(DQG), torch.empty_like(DQG)
     DAQK = torch.empty(NV, R, HV, bt, dtype=f32, device=dev)
     DGC = torch.empty(NV, NC, HV, K, dtype=f32, device=dev)
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
     if N > 0:
-        _kda_bwd_scan_kernel[(NV, N, HV)](
+        _kda_bwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
             W, QG, KD, AQK, GC, HS, VNEW, do, dht if dht is not None else q, seq_t,
-            DU, DQG, DKD, DW, DAQK, DGC, dh0 if dh0 is not None else q, R, NC, HV, ncmax,
+            DU, DQG, DKD, DW, DAQK, DGC, dh0 if dh0 is not None else q, DH if split else q, R, NC, HV, ncmax,
             K=K, V=V, BT=bt, KP=KP, BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+            PARTIALS=not split,
             num_warps=CONFIG["bwd_scan_warps" if bt == BT else "bwd_scan64_warps"],
             num_stages=CONFIG["scan_stages" if bt == BT else "scan64_stages"])
+    if split and NC > 0:
+        BKB = min(CONFIG["grads64_bk"], _pow2(K))
+        _kda_bwd_chunk_grads_kernel[(NC, HV, triton.cdiv(K, BKB))](
+            HS, DH, VNEW, do, DU, chunk_t, DQG, DKD, DW, DAQK, DGC, HV,
+            K=K, V=V, BT=bt, BKB=BKB, BV=min(CONFIG["grads64_bv"], _pow2(V)), num_warps=CONFIG["grads64_warps"])
     dq_h = empty((B, T, HV, K), f32, dev)
     dk_h = empty((B, T, HV, K), f32, dev)
     dv = empty((B, T, HV, V), v.dtype, dev)
