@@ -169,6 +169,9 @@ def mem_check(log, s=131072, h=16, d=128):
 
 
 _T, _W, _TW = {"USE_TMA": True}, {"WS": True}, {"USE_TMA": True, "WS": True}
+# "PIPE": the forward loop software-pipelined by one key block (P.V of block j-1 runs during the
+# softmax of block j)
+_P, _PT, _PW = {"PIPE": True}, {"PIPE": True, "USE_TMA": True}, {"PIPE": True, "WS": True}
 VARLEN_LENGTHS = [256, 512, 1024, 1536, 2048, 2560, 3072, 4096, 4096, 4608, 5120, 6144, 7168, 8192, 8192, 8192]
 
 
@@ -216,13 +219,10 @@ def bench_varlen(log, h=16, d=128, rep=100):
     return dict(max_err=err, ms=rows)
 
 
-SWEEP = {  # (BLOCK_M, BLOCK_N, warps, stages[, forward meta: TMA descriptors, warp specialisation])
-    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 3, _T), (128, 128, 8, 3, _W), (128, 128, 8, 3, _TW),
-                  (128, 64, 8, 3, _TW), (128, 64, 4, 3, _TW), (128, 128, 4, 3, _T),
-                  (128, 128, 8, 2), (128, 128, 8, 4), (128, 128, 8, 2, _TW), (128, 128, 8, 4, _T),
-                  (128, 64, 8, 4), (64, 128, 4, 2), (64, 128, 4, 2, _T), (64, 64, 4, 3, _T), (64, 64, 4, 2)],
-            64: [(128, 128, 4, 3, _T), (128, 128, 4, 3, _TW), (128, 64, 4, 3, _TW), (128, 128, 8, 3, _TW),
-                 (128, 64, 8, 4)]},
+SWEEP = {  # (BLOCK_M, BLOCK_N, warps, stages[, forward meta: TMA descriptors, warp specialisation, pipelining])
+    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 3, _W), (64, 64, 4, 3, _T), (128, 128, 8, 3, _P),
+                  (128, 128, 8, 3, _PT), (64, 64, 4, 3, _PT)],
+            64: [(128, 128, 4, 3, _T), (128, 64, 4, 3, _PT), (128, 128, 8, 3, _P)]},
     "dkdv": {128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3), (128, 128, 8, 2)],
              64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3)]},
     "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2)],
@@ -239,10 +239,12 @@ def sweep(b, s, h, d, causal, log, kinds=("fwd", "dkdv", "dq")):
     fl = flops(b, s, h, d, causal, "fwd")
     qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     c_ms = do_bench(lambda: METHODS["cudnn"][0](qh, kh, vh, causal), warmup=10, rep=60, return_mode="median")
+    ref = METHODS["cudnn"][0](qh, kh, vh, causal).transpose(1, 2).float()
     log(f"  cudnn fwd {c_ms:7.3f} ms  {fl / c_ms * 1e-9:5.0f} TFLOP/s")
     scale = d ** -0.5
     wr = 0 if causal else -1
-    out, lse = triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)
+    if any(kind != "fwd" for kind in kinds):   # the backward sweeps need a forward's out / lse
+        out, lse = triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)
     res = {}
     for kind, cfg in [(kind, cfg) for kind in kinds for cfg in SWEEP[kind][dc]]:
         triton_impl.FORCED_CONFIGS.clear()
@@ -253,10 +255,13 @@ def sweep(b, s, h, d, causal, log, kinds=("fwd", "dkdv", "dq")):
                 fn = lambda: triton_impl.flash_fwd(q, k, v, scale=scale, wl=-1, wr=wr)  # noqa: E731
             else:
                 fn = lambda: triton_impl.flash_bwd(do, q, k, v, out, lse, scale=scale, wl=-1, wr=wr)  # noqa: E731
+            err = ""
+            if kind == "fwd":   # max |ours - cuDNN| of this configuration's output
+                err = f"  max|d| {float((fn()[0].float() - ref).abs().max()):.1e}"
             ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
             tf = fl * (1.0 if kind == "fwd" else 2.5) / ms * 1e-9
             log(f"  sweep {kind:4s} {str(cfg):50s} {ms:7.3f} ms  {tf:5.0f} TFLOP/s"
-                + ("" if kind == "fwd" else " (whole bwd)"))
+                + (f"  {c_ms / ms:.2f}x cuDNN{err}" if kind == "fwd" else " (whole bwd)"))
             res[f"{kind}{cfg}"] = ms
         except Exception as e:
             log(f"  sweep {kind:4s} {str(cfg):50s} failed: {type(e).__name__} {str(e)[:120]}")

@@ -85,6 +85,21 @@ def test_fully_masked_rows_zero_output_inf_lse_zero_grad(poisoned):
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
+@pytest.mark.parametrize("pipe", [False, True], ids=["loop", "pipelined-loop"])
+def test_forward_loop_variants(pipe, monkeypatch, poisoned):
+    # the two forward loops (plain FA2 order / software-pipelined by one key block) the GPU
+    # autotuner chooses between; every key-block range non-empty: window left edge, unmasked
+    # middle, diagonal; Sq != Sk, GQA, odd lengths, dropout
+    from delta_attn.ops.flash import triton_impl
+    monkeypatch.setitem(triton_impl._INTERP_FWD, "PIPE", pipe)
+    q, k, v = _inputs([(1, 45, 2, 16), (1, 71, 1, 16), (1, 71, 1, 16)])
+    _compare_dense(q, k, v, causal=True, window_size=(37, -1))
+    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    mask = dropout_keep_mask(_seed_of_next_call(7), 1, 2, 45, 71, 0.25)
+    torch.manual_seed(7)
+    _compare_dense(q, k, v, dropout_p=0.25, softcap=4.0, dropout_mask=mask)
+
+
 def _varlen_ref(q, k, v, cu_q, cu_k, layout, do, masks=None, **kw):
     res = {}
     for name, dt, up in (("64", torch.float64, True), ("low", q.dtype, False)):

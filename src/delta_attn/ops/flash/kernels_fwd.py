@@ -111,60 +111,105 @@ def _seq_bounds(cu_q, cu_k, pid_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(src, n0, offs_nb, offs_d, seqlen_k, stride_t, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
+             EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One (BLOCK_N, BLOCK_D) block of K or V starting at key n0 (blocks of the unmasked range lie
+    inside [0, Sk): no load mask; TMA descriptors zero-fill past the sequence and the head dim)."""
+    if USE_TMA:
+        x = src.load([n0, 0])
+    else:
+        offs_n = n0 + offs_nb
+        ptrs = src + offs_n[:, None].to(tl.int64) * stride_t + offs_d[None, :]
+        if MASKED or not EVEN_D:
+            x = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _online_softmax(qk, m_i, l_i, offs_m, offs_n, seqlen_k, diag_off, slope2, wl, wr, qk_mult, cap_in,
+                    seed_bh, rng_stride, dropout_p, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """One key block of the online softmax: raw scores qk -> (P for the P.V product (dropout
+    applied), new running max, new normaliser, the accumulator's rescale factor alpha)."""
+    # new running max (0 for rows that saw nothing yet, to avoid inf - inf)
+    if PLAIN:
+        # no softcap / ALiBi and scale > 0: max on the raw scores, scale folded into one FMA
+        if MASKED:
+            qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], diag_off, wl, wr, seqlen_k,
+                                   HAS_WL, HAS_WR, True), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_mult)
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(qk * qk_mult - m_use[:, None])
+    else:
+        s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], diag_off, slope2, wl, wr, seqlen_k, qk_mult,
+                        cap_in, SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # dropout acts on the probabilities after the normaliser has counted them
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_keep(seed_bh, offs_m[:, None], offs_n[None, :], rng_stride, dropout_p), p, 0.0)
+    return p, m_new, l_i, alpha
+
+
+@triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, start, end,
                seqlen_k, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
                USE_TMA: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr,               MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+    """Key blocks [start, end): scores, online softmax, P.V, one block after the other."""
     offs_nb = tl.arange(0, BLOCK_N)
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         offs_n = n0 + offs_nb
-        # 1. scores of this key block (unmasked blocks lie inside [0, Sk): no load mask; the TMA
-        #    descriptors zero-fill past the sequence and the head dim by themselves)
-        if USE_TMA:
-            k = k_src.load([n0, 0])
-        elif MASKED or not EVEN_D:
-            kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_src + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_src + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :])
+        k = _load_kv(k_src, n0, offs_nb, offs_d, seqlen_k, stride_kt, USE_TMA, MASKED, EVEN_D, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k))
-        # 2. online softmax: new running max (0 for rows that saw nothing yet, to avoid inf - inf)
-        if PLAIN:
-            # no softcap / ALiBi and scale > 0: max on the raw scores, scale folded into one FMA
-            if MASKED:
-                qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], diag_off, wl, wr, seqlen_k,
-                                       HAS_WL, HAS_WR, True), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_mult)
-            if MASKED:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_use = m_new
-            p = tl.exp2(qk * qk_mult - m_use[:, None])
-        else:
-            s, _t = _scores(qk, offs_m[:, None], offs_n[None, :], diag_off, slope2, wl, wr, seqlen_k, qk_mult,
-                            cap_in, SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if MASKED:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_use = m_new
-            p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # 3. dropout acts on the probabilities after the normaliser has counted them
-        if HAS_DROPOUT:
-            p = tl.where(_dropout_keep(seed_bh, offs_m[:, None], offs_n[None, :], rng_stride, dropout_p), p, 0.0)
-        if USE_TMA:
-            v = v_src.load([n0, 0])
-        elif MASKED or not EVEN_D:
-            v = tl.load(v_src + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        else:
-            v = tl.load(v_src + offs_n[:, None].to(tl.int64) * stride_vt + offs_d[None, :])
-        # 4. rescale the accumulator and add P V (accumulated in the MMA)
+        p, m_i, l_i, alpha = _online_softmax(qk, m_i, l_i, offs_m, offs_n, seqlen_k, diag_off, slope2, wl, wr,
+                                             qk_mult, cap_in, seed_bh, rng_stride, dropout_p, PLAIN, SOFTCAP,
+                                             HAS_ALIBI, HAS_DROPOUT, MASKED, HAS_WL, HAS_WR)
+        v = _load_kv(v_src, n0, offs_nb, offs_d, seqlen_k, stride_vt, USE_TMA, MASKED, EVEN_D, HEAD_DIM)
+        # rescale the accumulator and add P V (accumulated in the MMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_inner_pipe(acc, m_i, l_i, p_bits, alpha, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, start,
+                    end, seqlen_k, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
+                    USE_TMA: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, HAS_WL: tl.constexpr,
+                    HAS_WR: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WS: tl.constexpr):
+    """Key blocks [start, end), software-pipelined by one block (FA3's intra-warpgroup overlap):
+    iteration j computes S_j = Q K_j^T, then issues acc = acc * alpha_{j-1} + P_{j-1} V_{j-1}
+    asynchronously and computes the softmax of S_j while that product runs on the tensor cores
+    (the compiler waits for it only at the next iteration's S). ``p_bits`` / ``alpha`` carry P_{j-1}
+    (of key block start - BLOCK_N, as raw 16-bit patterns so that it stays in registers as the
+    MMA's A operand) and its rescale factor in, and those of the last block out."""
+    offs_nb = tl.arange(0, BLOCK_N)
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+        offs_n = n0 + offs_nb
+        k = _load_kv(k_src, n0, offs_nb, offs_d, seqlen_k, stride_kt, USE_TMA, MASKED, EVEN_D, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k))
+        v = _load_kv(v_src, n0 - BLOCK_N, offs_nb, offs_d, seqlen_k, stride_vt, USE_TMA, MASKED, EVEN_D,
+                     HEAD_DIM)
+        acc = tl.dot(p_bits.to(v.dtype, bitcast=True), v, acc * alpha[:, None])
+        p, m_i, l_i, alpha = _online_softmax(qk, m_i, l_i, offs_m, offs_n, seqlen_k, diag_off, slope2, wl,
+                                             wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p, PLAIN,
+                                             SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASKED, HAS_WL, HAS_WR)
+        p_bits = p.to(v.dtype).to(p_bits.dtype, bitcast=True)
+    return acc, m_i, l_i, p_bits, alpha
 
 
 @triton.jit
@@ -178,7 +223,7 @@ def _flash_fwd_kernel(
         IS_VARLEN: tl.constexpr, PLAIN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         HAS_DROPOUT: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, REVERSE_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TMA_OK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr):
+        TMA_OK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, PIPE: tl.constexpr):
     """One program: BLOCK_M query rows of one (sequence, query head). Grid (m blocks, B * Hq)."""
     pid_bh = tl.program_id(1)
     pid_b = pid_bh // n_heads
@@ -229,19 +274,49 @@ def _flash_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, fs, fe, hi = _key_blocks(m0, sq, sk, wl, wr, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
-    # masked blocks left of the window, unmasked middle, masked diagonal / right edge
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, lo, fs,
-                               sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
-                               HEAD_DIM, BLOCK_N, False)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
-                               sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D,
-                               HEAD_DIM, BLOCK_N, WS)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
-                               sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
-                               TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
-                               HEAD_DIM, BLOCK_N, False)
+    if PIPE:
+        # software-pipelined loop (see _fwd_inner_pipe): the first block's scores and softmax
+        # are peeled off, the last block's P.V closes the pipeline
+        p_bits = tl.zeros((BLOCK_M, BLOCK_N), tl.int16)
+        alpha = tl.zeros((BLOCK_M,), tl.float32)
+        offs_nb = tl.arange(0, BLOCK_N)
+        if hi > lo:
+            k = _load_kv(k_src, lo, offs_nb, offs_d, sk, stride_kt, TMA, True, EVEN_D, HEAD_DIM)
+            p, m_i, l_i, alpha = _online_softmax(tl.dot(q, tl.trans(k)), m_i, l_i, offs_m, lo + offs_nb, sk,
+                                                 diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride,
+                                                 dropout_p, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL,
+                                                 HAS_WR)
+            p_bits = p.to(Q.dtype.element_ty).to(tl.int16, bitcast=True)
+        n1 = lo + BLOCK_N
+        acc, m_i, l_i, p_bits, alpha = _fwd_inner_pipe(
+            acc, m_i, l_i, p_bits, alpha, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, n1, fs, sk, diag_off,
+            slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p, TMA, PLAIN, SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N, False)
+        acc, m_i, l_i, p_bits, alpha = _fwd_inner_pipe(
+            acc, m_i, l_i, p_bits, alpha, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, tl.maximum(fs, n1),
+            fe, sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p, TMA, PLAIN, SOFTCAP,
+            HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N, WS)
+        acc, m_i, l_i, p_bits, alpha = _fwd_inner_pipe(
+            acc, m_i, l_i, p_bits, alpha, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, tl.maximum(fe, n1),
+            hi, sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p, TMA, PLAIN, SOFTCAP,
+            HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D, HEAD_DIM, BLOCK_N, False)
+        if hi > lo:
+            v = _load_kv(v_src, hi - BLOCK_N, offs_nb, offs_d, sk, stride_vt, TMA, True, EVEN_D, HEAD_DIM)
+            acc = tl.dot(p_bits.to(v.dtype, bitcast=True), v, acc * alpha[:, None])
+    else:
+        # masked blocks left of the window, unmasked middle, masked diagonal / right edge
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, lo, fs,
+                                   sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
+                                   TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
+                                   HEAD_DIM, BLOCK_N, False)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fs, fe,
+                                   sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
+                                   TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, False, HAS_WL, HAS_WR, EVEN_D,
+                                   HEAD_DIM, BLOCK_N, WS)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, offs_m, offs_d, fe, hi,
+                                   sk, diag_off, slope2, wl, wr, qk_mult, cap_in, seed_bh, rng_stride, dropout_p,
+                                   TMA, PLAIN, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, HAS_WL, HAS_WR, EVEN_D,
+                                   HEAD_DIM, BLOCK_N, False)
 
     # 4. normalise; a row that saw no key: zero output, lse = +inf
     empty_row = l_i == 0.0

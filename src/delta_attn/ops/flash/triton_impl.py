@@ -51,14 +51,15 @@ def _cfg(bm, bn, warps, stages, extra=None):
 
 
 _TMA = {"USE_TMA": True}
+_PIPE, _PIPE_TMA = {"PIPE": True}, {"PIPE": True, "USE_TMA": True}
 # (BLOCK_M, BLOCK_N, warps, stages[, extra meta]) per head-dim class, from the H200 sweeps in
 # benchmarks/results/flash_h200.md; the first entry is what DELTA_ATTN_AUTOTUNE=0 runs.
 # The forward tries K/V loads through TMA descriptors ("USE_TMA") and warp specialisation of the
 # unmasked loop ("WS") as tuning choices (TMA with 2 stages crashed ptxas; WS with 4 warps failed
 # to compile on sm_90 with Triton 3.6: avoided).
 _FWD_CONFIGS = {
-    64: [(128, 128, 4, 3, _TMA), (128, 64, 4, 3, _TMA), (128, 64, 8, 4), (128, 64, 4, 3)],
-    128: [(128, 128, 8, 3), (128, 128, 8, 3, {"WS": True}), (64, 64, 4, 3, _TMA)],
+    64: [(128, 64, 4, 3, _PIPE_TMA), (128, 128, 4, 3, _TMA), (128, 64, 4, 3, _TMA), (128, 64, 8, 4)],
+    128: [(128, 128, 8, 3, _PIPE), (128, 128, 8, 3, {"WS": True}), (64, 64, 4, 3, _PIPE_TMA)],
     256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3, _TMA)],
 }
 # dK/dV: BLOCK_N keys per program, BLOCK_M queries per inner step
@@ -73,8 +74,8 @@ _DQ_CONFIGS = {
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     256: [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
 }
-_FWD_META = {"USE_TMA": False, "WS": False}      # defaults of the forward's tuning meta-parameters
-_INTERP_FWD = dict(BLOCK_M=16, BLOCK_N=16, **_FWD_META)
+_FWD_META = {"USE_TMA": False, "WS": False, "PIPE": False}      # defaults of the forward's tuning meta-parameters
+_INTERP_FWD = dict(BLOCK_M=16, BLOCK_N=16, **{**_FWD_META, "PIPE": True})
 _INTERP_BWD = dict(BLOCK_M=16, BLOCK_N=16)
 
 # TMA descriptors allowed at all (the sweep turns this off to compare)
