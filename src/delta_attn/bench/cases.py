@@ -117,7 +117,11 @@ def probe_case(case: Dict, tiny: bool = False, cap: Optional[int] = None) -> Dic
         lens = [min(x, n or 96) for x in case["seqlens"][:2]] + [min(17, max(case["seqlens"]))]
         c["seqlens"], c["max_seqlen"], c["H"] = lens, max(lens), min(case["H"], 2)
     elif op in ("kda", "diag"):
-        c["B"], c["H"] = 1, min(case["H"], 2)
+        # the case's own head count: peers autotune per head count (FLA's keys hold H), so a probe
+        # with fewer heads would make them tune twice (measured: ~200 s more for FLA chunk_kda)
+        c["B"] = 1
+        if tiny:
+            c["H"] = min(case["H"], 2)
         c["S"] = min(case["S"], n or (128 if op == "kda" else 256))
     else:
         c["B"], c["H"] = min(case["B"], 2), min(case["H"], 2)

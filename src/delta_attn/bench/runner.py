@@ -75,7 +75,7 @@ class Progress:
             self.bar.update(1)
             return
         speed = f"{row['ms']:.4g} ms" if row.get("ms") is not None else row["status"]
-        print(f"[{self.n}/{self.total}] {row['suite']} {row['op']} {row['impl']} | {row['label']} | "
+        print(f"[{self.n}/{self.total}] {row['elapsed_s']:.0f}s {row['suite']} {row['op']} {row['impl']} | {row['label']} | "
               f"{row['direction']} | {speed}" + (f" | {row['note'][:120]}" if row.get("note") and row["status"] != "ok" else ""),
               file=sys.stderr, flush=True)
 
@@ -107,6 +107,7 @@ class Runner:
         self._gates: Dict[Tuple, GateResult] = {}
         self._last: Dict[Tuple, Tuple[float, float]] = {}     # series key -> (work, ms)
         self.deadline: Optional[float] = None                 # perf_counter() time after which rows are skipped
+        self.t0 = time.perf_counter()                         # rows record when they ended (elapsed_s)
 
     # ---------------------------------------------------------------- rows
     def _row(self, task: Task, direction: str, status: str, note: str = "", **extra) -> Dict:
@@ -115,7 +116,7 @@ class Runner:
                "provider": task.impl.provider, "family": task.impl.family, "direction": direction,
                "dtype": DTYPE_NAMES.get(task.dtype, str(task.dtype)), "label": cases.label(c),
                "case": {k: v for k, v in c.items() if k not in ("op", "over_budget")}, "tokens": cases.tokens(c),
-               "status": status, "note": note,
+               "status": status, "note": note, "elapsed_s": round(time.perf_counter() - self.t0, 2),
                "ms": None, "ms_mean": None, "ms_std": None, "ms_p20": None, "ms_p80": None, "ms_min": None,
                "reps": None, "first_call_ms": None, "flops": None, "tflops": None, "frac_gemm": None,
                "bytes": None, "gbps": None, "frac_copy": None, "tokens_per_s": None, "peak_mem_mb": None,
