@@ -70,16 +70,6 @@ def _unpack(word):
 
 
 @triton.jit
-def _last_row(x, rows_local, BT: tl.constexpr):
-    return tl.sum(tl.where(rows_local[:, None] == BT - 1, x, 0.0), axis=0)
-
-
-@triton.jit
-def _first_row(x, rows_local):
-    return tl.sum(tl.where(rows_local[:, None] == 0, x, 0.0), axis=0)
-
-
-@triton.jit
 def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
     """Carry entering tile j: compose the published maps of tiles j-1, j-2, ... (j+1, ... when
     REVERSE) until, per channel, a map with A == 0 (an inclusive prefix) or the chain's end."""
@@ -253,11 +243,11 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
         a = tl.where(start[:, None], 0.0, decay)
         ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
 
-        # 3. publish the aggregate; (persistent) load the next tile; look back for the entering state
-        a_tile = _last_row(ca, r, BT)
-        b_tile = _last_row(cb, r, BT)
+        # 3. publish the aggregate (the scan's last row: stored by the threads that hold it, no
+        #    reduction); (persistent) load the next tile; look back for the entering state
+        last = (r == BT - 1)[:, None] & cmask[None, :]
         wptr = ws + j.to(tl.int64) * HD + chan
-        tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
+        tl.store(wptr[None, :] + off * 0, _pack(ca, cb), mask=last)
         if PERSIST:
             # past the last tile: reload the current one (unused)
             jn, hn, dbn = _tile_of(tl.where(t_next < n_work, t_next, t), n_tiles, H, D, BD, False)
@@ -273,13 +263,13 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
         if LOOKBACK:
             s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
         else:   # (timing diagnostic only: wrong results)
-            s_in = tl.zeros_like(a_tile)
+            s_in = tl.zeros([BD], tl.float32)
         if not Q_EARLY:
             qr = _ld(q + base + off, m, EVEN)
 
-        # 4. publish the inclusive state, write o and the final states
-        tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * s_in + b_tile), mask=cmask)
+        # 4. publish the inclusive state (the last row of s), write o and the final states
         s = ca * s_in[None, :] + cb
+        tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(s), s), mask=last)
         _st(o + base + off, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
         if STORE_FINAL:
             tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
@@ -353,10 +343,10 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
         ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
 
         # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds
-        a_tile = _first_row(ra, r)
-        b_tile = _first_row(rb, r)
+        #    (the reverse scan's first row, stored by the threads that hold it)
+        first = (r == 0)[:, None] & cmask[None, :]
         wptr = ws_b + j.to(tl.int64) * HD + chan
-        tl.store(wptr, _pack(a_tile, b_tile), mask=cmask)
+        tl.store(wptr[None, :] + off * 0, _pack(ra, rb), mask=first)
 
         # 4. (KV_EARLY / persistent) load g, k, v and the forward's tile carry before the look-back;
         #    (persistent) and the next tile's g, do, q
@@ -379,8 +369,9 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
         if LOOKBACK:
             x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
         else:   # (timing diagnostic only: wrong results)
-            x_in = tl.zeros_like(a_tile)
-        tl.store(wptr, _pack(tl.zeros_like(a_tile), a_tile * x_in + b_tile), mask=cmask)
+            x_in = tl.zeros([BD], tl.float32)
+        ds = ra * x_in[None, :] + rb
+        tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(ds), ds), mask=first)
         if not (KV_EARLY or PERSIST):
             gr = _ld(g + base + off, m, EVEN)
             kr = _ld(k + base + off, m, EVEN)
@@ -400,7 +391,6 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
         s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
         s = ca * s_in[None, :] + cb
         _st(dq + base + off, (dor.to(tl.float32) * s).to(dq.dtype.element_ty), m, EVEN)
-        ds = ra * x_in[None, :] + rb
         _st(dk + base + off, (ds * vr.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
         _st(dv + base + off, (ds * kr.to(tl.float32)).to(dv.dtype.element_ty), m, EVEN)
         _st(dg + base + off, (ds * (s - kv)).to(dg.dtype.element_ty), m, EVEN)
