@@ -224,8 +224,7 @@ def test_scan_reference_matches_spec():
 
 @pytest.mark.parametrize("t", [32, 29])
 def test_kernel_variants(poisoned, t):
-    # every compiled variant the benchmark may pick: one tile per program or persistent programs
-    # (tickets, next tile loaded before the look-back), loads before or after the look-back, the
+    # every compiled variant the benchmark may pick: loads before or after the look-back, the
     # mask-free EVEN path (T, D multiples of the tiles) and the masked one
     from delta_attn.ops.diag import triton_impl as ti
     from delta_attn.ops.diag.scan_ref import gated_diag_scan
@@ -233,9 +232,8 @@ def test_kernel_variants(poisoned, t):
     h0 = torch.randn(2, 1, 16, device=DEV)
     do, dht = torch.randn_like(q), torch.randn(2, 1, 16, device=DEV)
     o64, ht64, g64 = gated_diag_scan(q, k, v, g, h0, None, do, dht)
-    for fc, bc in ((ti.DiagConfig(8, 16, 2, 1, early=False, persist=1), ti.DiagConfig(16, 16, 2, 1, early=False)),
-                   (ti.DiagConfig(8, 16, 2, 1, persist=1), ti.DiagConfig(16, 16, 2, 1, early=False, persist=1)),
-                   (ti.DiagConfig(16, 16, 4, 1), ti.DiagConfig(16, 16, 2, 1, persist=1))):
+    for fc, bc in ((ti.DiagConfig(8, 16, 2, 1, early=False), ti.DiagConfig(16, 16, 2, 1, early=False)),
+                   (ti.DiagConfig(16, 16, 4, 1, early=True), ti.DiagConfig(16, 16, 2, 1, early=True))):
         o, ht, ws = ti.diag_fwd(q, k, v, g, h0, None, True, config=fc)
         grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, None, config=bc, fwd_bt=fc.bt)
         for x, r in zip((o, ht) + tuple(grads), (o64, ht64) + tuple(g64)):

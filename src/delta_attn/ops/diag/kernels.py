@@ -7,8 +7,8 @@ decay is replaced by 0 and the initial state is folded into the input (``b = exp
 so the state never leaks from one sequence into the next and a chain starts from state 0.
 
 Forward (``_diag_fwd_kernel``), one program per (time tile of BT rows, chain), single pass:
-  1. take a ticket from a global counter (tiles are processed in ticket order, so every earlier tile of
-     the chain has already started: the look-back below cannot dead-lock);
+  1. the program id gives the tile; ids walk the chains first, so the tiles of one chain start in
+     time order (blocks are dispatched in index order: the look-back below cannot dead-lock);
   2. load the tile, scan the affine maps ``s -> a_t s + b_t`` along time in registers;
   3. publish the tile's aggregate map (A, B) per channel, then *decoupled look-back*: compose the
      predecessors' published maps until one with A == 0 (an inclusive prefix, a sequence start or a
@@ -172,14 +172,15 @@ def _st(ptr, x, m, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _tile_of(t, n_tiles, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
-    """Work item t -> (time tile, head, channel block); consecutive items walk the chains first, so
-    the tiles of one chain are taken in time order (from the end when REVERSE)."""
+def _tile_of(pid, n_tiles, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
+    """Program id -> (time tile, head, channel block); consecutive ids walk the chains first, so the
+    tiles of one chain start in time order (from the end when REVERSE): blocks are dispatched in
+    index order, so every earlier tile of a chain has started and the look-back cannot dead-lock."""
     N_DB: tl.constexpr = (D + BD - 1) // BD
-    j = t // (H * N_DB)
+    j = pid // (H * N_DB)
     if REVERSE:
         j = n_tiles - 1 - j
-    c = t % (H * N_DB)
+    c = pid % (H * N_DB)
     return j, c // N_DB, c % N_DB
 
 
@@ -195,225 +196,148 @@ def _tile_ptrs(j, h, db, cu, T_seq, total, N, H: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
-def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, counter, cu,
+def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
                      T_seq, total, N, n_tiles,
                      H: tl.constexpr, D: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                      LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                     EVEN: tl.constexpr, PERSIST: tl.constexpr, Q_EARLY: tl.constexpr,
-                     LOOKBACK: tl.constexpr):
-    N_DB: tl.constexpr = (D + BD - 1) // BD
+                     EVEN: tl.constexpr, Q_EARLY: tl.constexpr, LOOKBACK: tl.constexpr):
     HD: tl.constexpr = H * D
-    n_work = n_tiles * (H * N_DB)
+    # 1. the tile of this program (time order within a chain = program id order)
+    j, h, db = _tile_of(tl.program_id(0), n_tiles, H, D, BD, False)
+    base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
+                                                       LOG_N, BT, BD, EVEN)
     r = tl.arange(0, BT)
-    off = r[:, None] * HD + tl.arange(0, BD)[None, :]   # constant offsets inside a tile
-    # 1. tile order: one tile per program (program id), or persistent programs taking tiles by
-    #    ticket from a global counter; every earlier tile has then started: the look-back cannot
-    #    dead-lock. A persistent program loads its next tile before the current one's look-back.
-    if PERSIST:
-        t = tl.atomic_add(counter, 1)
-        jn, hn, dbn = _tile_of(tl.minimum(t, n_work - 1), n_tiles, H, D, BD, False)
-        bn, _, _, mn, _, _, _ = _tile_ptrs(jn, hn, dbn, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N, BT, BD, EVEN)
-        gr = _ld(g + bn + off, mn, EVEN)
-        kr = _ld(k + bn + off, mn, EVEN)
-        vr = _ld(v + bn + off, mn, EVEN)
-        if Q_EARLY:
-            qr = _ld(q + bn + off, mn, EVEN)
-    else:
-        t = tl.program_id(0)
-    while t < n_work:
-        if PERSIST:
-            t_next = tl.atomic_add(counter, 1)
-        else:
-            t_next = n_work
-        j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
-        base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
-                                                           LOG_N, BT, BD, EVEN)
-        if not PERSIST:
-            gr = _ld(g + base + off, m, EVEN)
-            kr = _ld(k + base + off, m, EVEN)
-            vr = _ld(v + base + off, m, EVEN)
+    off = r[:, None] * HD + tl.arange(0, BD)[None, :]   # constant offsets inside the tile
 
-        # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
-        decay = tl.exp(gr.to(tl.float32))
-        b = kr.to(tl.float32) * vr.to(tl.float32)
-        if HAS_H0:
-            s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
-            b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
-        a = tl.where(start[:, None], 0.0, decay)
-        ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
+    # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
+    decay = tl.exp(_ld(g + base + off, m, EVEN).to(tl.float32))
+    b = _ld(k + base + off, m, EVEN).to(tl.float32) * _ld(v + base + off, m, EVEN).to(tl.float32)
+    if HAS_H0:
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
+    a = tl.where(start[:, None], 0.0, decay)
+    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
 
-        # 3. publish the aggregate (the scan's last row: stored by the threads that hold it, no
-        #    reduction); (persistent) load the next tile; look back for the entering state
-        last = (r == BT - 1)[:, None] & cmask[None, :]
-        wptr = ws + j.to(tl.int64) * HD + chan
-        tl.store(wptr[None, :] + off * 0, _pack(ca, cb), mask=last)
-        if PERSIST:
-            # past the last tile: reload the current one (unused)
-            jn, hn, dbn = _tile_of(tl.where(t_next < n_work, t_next, t), n_tiles, H, D, BD, False)
-            bn, _, _, mn, _, _, _ = _tile_ptrs(jn, hn, dbn, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N, BT, BD,
-                                               EVEN)
-            gn = _ld(g + bn + off, mn, EVEN)
-            kn = _ld(k + bn + off, mn, EVEN)
-            vn = _ld(v + bn + off, mn, EVEN)
-            if Q_EARLY:
-                qn = _ld(q + bn + off, mn, EVEN)
-        elif Q_EARLY:
-            qr = _ld(q + base + off, m, EVEN)
-        if LOOKBACK:
-            s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
-        else:   # (timing diagnostic only: wrong results)
-            s_in = tl.zeros([BD], tl.float32)
-        if not Q_EARLY:
-            qr = _ld(q + base + off, m, EVEN)
+    # 3. publish the aggregate (the scan's last row, stored by the threads that hold it: no
+    #    reduction), look back for the state entering the tile
+    last = (r == BT - 1)[:, None] & cmask[None, :]
+    wptr = ws + j.to(tl.int64) * HD + chan[None, :] + r[:, None] * 0
+    tl.store(wptr, _pack(ca, cb), mask=last)
+    if Q_EARLY:
+        qt = _ld(q + base + off, m, EVEN)
+    if LOOKBACK:
+        s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+    else:   # (timing diagnostic only: wrong results)
+        s_in = tl.zeros([BD], tl.float32)
+    if not Q_EARLY:
+        qt = _ld(q + base + off, m, EVEN)
 
-        # 4. publish the inclusive state (the last row of s), write o and the final states
-        s = ca * s_in[None, :] + cb
-        tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(s), s), mask=last)
-        _st(o + base + off, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
-        if STORE_FINAL:
-            tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
-            if IS_VARLEN:
-                # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
-                if j == 0:
-                    n = tl.zeros([1], tl.int64)
-                    while tl.sum(n) < N:
-                        nb = tl.sum(n)
-                        empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
-                        if HAS_H0:
-                            sn = tl.load(h0 + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
-                        else:
-                            sn = tl.zeros([BD], tl.float32)
-                        tl.store(ht + nb * HD + chan, sn, mask=cmask & empty_seq)
-                        n += 1
-        if PERSIST:
-            gr = gn
-            kr = kn
-            vr = vn
-            if Q_EARLY:
-                qr = qn
-        t = t_next
+    # 4. publish the inclusive state (the last row of s), write o and the final states
+    s = ca * s_in[None, :] + cb
+    tl.store(wptr, _pack(tl.zeros_like(s), s), mask=last)
+    _st(o + base + off, (qt.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
+    if STORE_FINAL:
+        tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
+        if IS_VARLEN:
+            # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
+            if j == 0:
+                n = tl.zeros([1], tl.int64)
+                while tl.sum(n) < N:
+                    nb = tl.sum(n)
+                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+                    if HAS_H0:
+                        sn = tl.load(h0 + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+                    else:
+                        sn = tl.zeros([BD], tl.float32)
+                    tl.store(ht + nb * HD + chan, sn, mask=cmask & empty_seq)
+                    n += 1
 
 
 @triton.jit
-def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, counter, cu,
+def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, cu,
                      T_seq, total, N, n_tiles, carry_stride,
                      H: tl.constexpr, D: tl.constexpr,
                      HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                     EVEN: tl.constexpr, PERSIST: tl.constexpr, KV_EARLY: tl.constexpr,
-                     LOOKBACK: tl.constexpr):
-    N_DB: tl.constexpr = (D + BD - 1) // BD
+                     EVEN: tl.constexpr, KV_EARLY: tl.constexpr, LOOKBACK: tl.constexpr):
     HD: tl.constexpr = H * D
-    n_work = n_tiles * (H * N_DB)
+    # 1. the tile of this program, from the end of each chain
+    j, h, db = _tile_of(tl.program_id(0), n_tiles, H, D, BD, True)
+    base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
+                                                       LOG_N, BT, BD, EVEN)
     r = tl.arange(0, BT)
     off = r[:, None] * HD + tl.arange(0, BD)[None, :]
-    # 1. tile order from the end: program id or persistent tickets, as in the forward; a persistent
-    #    program loads the next tile's g (shifted by one row), do and q before the look-back
-    if PERSIST:
-        t = tl.atomic_add(counter, 1)
-        jn, hn, dbn = _tile_of(tl.minimum(t, n_work - 1), n_tiles, H, D, BD, True)
-        bn, _, cmn, mn, _, _, _ = _tile_ptrs(jn, hn, dbn, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N, BT, BD, EVEN)
-        m1n = ((jn.to(tl.int64) * BT + r + 1) < total)[:, None] & cmn[None, :]
-        g1r = tl.load(g + bn + HD + off, mask=m1n, other=0.0)
-        dor = _ld(do + bn + off, mn, EVEN)
-        qr = _ld(q + bn + off, mn, EVEN)
-    else:
-        t = tl.program_id(0)
-    while t < n_work:
-        if PERSIST:
-            t_next = tl.atomic_add(counter, 1)
-        else:
-            t_next = n_work
-        j, h, db = _tile_of(t, n_tiles, H, D, BD, True)
-        base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
-                                                           LOG_N, BT, BD, EVEN)
-        m1 = ((j.to(tl.int64) * BT + r + 1) < total)[:, None] & cmask[None, :]
-        if not PERSIST:
-            g1r = tl.load(g + base + HD + off, mask=m1, other=0.0)
-            dor = _ld(do + base + off, m, EVEN)
-            qr = _ld(q + base + off, m, EVEN)
 
-        # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end); the row
-        #    after a sequence's end starts the next sequence, so a_{t+1} = 0 there
-        a_next = tl.where(m1 & (end == 0)[:, None], tl.exp(g1r.to(tl.float32)), 0.0)
-        beta = dor.to(tl.float32) * qr.to(tl.float32)
-        if HAS_DHT:
-            beta += tl.load(dht + seq[:, None] * HD + chan[None, :], mask=m & end[:, None], other=0.0).to(tl.float32)
-        ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
+    # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end); the row after
+    #    a sequence's end starts the next sequence, so a_{t+1} = 0 there (g is read shifted by a row)
+    m1 = ((j.to(tl.int64) * BT + r + 1) < total)[:, None] & cmask[None, :]
+    g1 = tl.load(g + base + HD + off, mask=m1, other=0.0).to(tl.float32)
+    a_next = tl.where(m1 & (end == 0)[:, None], tl.exp(g1), 0.0)
+    dor = _ld(do + base + off, m, EVEN)
+    beta = dor.to(tl.float32) * _ld(q + base + off, m, EVEN).to(tl.float32)
+    if HAS_DHT:
+        beta += tl.load(dht + seq[:, None] * HD + chan[None, :], mask=m & end[:, None], other=0.0).to(tl.float32)
+    ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
 
-        # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds
-        #    (the reverse scan's first row, stored by the threads that hold it)
-        first = (r == 0)[:, None] & cmask[None, :]
-        wptr = ws_b + j.to(tl.int64) * HD + chan
-        tl.store(wptr[None, :] + off * 0, _pack(ra, rb), mask=first)
+    # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds (the
+    #    reverse scan's first row, stored by the threads that hold it)
+    first = (r == 0)[:, None] & cmask[None, :]
+    wptr = ws_b + j.to(tl.int64) * HD + chan[None, :] + r[:, None] * 0
+    tl.store(wptr, _pack(ra, rb), mask=first)
 
-        # 4. (KV_EARLY / persistent) load g, k, v and the forward's tile carry before the look-back;
-        #    (persistent) and the next tile's g, do, q
-        jc = j.to(tl.int64) * carry_stride - 1
-        if KV_EARLY or PERSIST:
-            gr = _ld(g + base + off, m, EVEN)
-            kr = _ld(k + base + off, m, EVEN)
-            vr = _ld(v + base + off, m, EVEN)
-            carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
-        if PERSIST:
-            jn, hn, dbn = _tile_of(tl.where(t_next < n_work, t_next, t), n_tiles, H, D, BD, True)
-            bn, _, cmn, mn, _, _, _ = _tile_ptrs(jn, hn, dbn, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N, BT,
-                                                 BD, EVEN)
-            m1n = ((jn.to(tl.int64) * BT + r + 1) < total)[:, None] & cmn[None, :]
-            g1n = tl.load(g + bn + HD + off, mask=m1n, other=0.0)
-            don = _ld(do + bn + off, mn, EVEN)
-            qn = _ld(q + bn + off, mn, EVEN)
+    # 4. g, k, v and the forward's carry of the tile: loaded before the look-back (KV_EARLY) or after
+    jc = j.to(tl.int64) * carry_stride - 1
+    if KV_EARLY:
+        gr = _ld(g + base + off, m, EVEN)
+        kr = _ld(k + base + off, m, EVEN)
+        vr = _ld(v + base + off, m, EVEN)
+        carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
 
-        # 5. look back to the right for the carry, publish the inclusive value
-        if LOOKBACK:
-            x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-        else:   # (timing diagnostic only: wrong results)
-            x_in = tl.zeros([BD], tl.float32)
-        ds = ra * x_in[None, :] + rb
-        tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(ds), ds), mask=first)
-        if not (KV_EARLY or PERSIST):
-            gr = _ld(g + base + off, m, EVEN)
-            kr = _ld(k + base + off, m, EVEN)
-            vr = _ld(v + base + off, m, EVEN)
-            carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
+    # 5. look back to the right for the carry, publish the inclusive value (ds at the first row)
+    if LOOKBACK:
+        x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+    else:   # (timing diagnostic only: wrong results)
+        x_in = tl.zeros([BD], tl.float32)
+    ds = ra * x_in[None, :] + rb
+    tl.store(wptr, _pack(tl.zeros_like(ds), ds), mask=first)
+    if not KV_EARLY:
+        gr = _ld(g + base + off, m, EVEN)
+        kr = _ld(k + base + off, m, EVEN)
+        vr = _ld(v + base + off, m, EVEN)
+        carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
 
-        # 6. the states from the forward's tile carry, then dq = do s, dk = ds v, dv = ds k,
-        #    dg = ds exp(g_t) s_{t-1} (= ds (s_t - k_t v_t)), d s0 = exp(g_first) ds_first
-        decay = tl.exp(gr.to(tl.float32))
-        kv = kr.to(tl.float32) * vr.to(tl.float32)
-        bf = kv
-        if HAS_H0:
-            s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
-            bf += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
-        af = tl.where(start[:, None], 0.0, decay)
-        ca, cb = tl.associative_scan((af, bf), 0, _scan_combine)
-        s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        s = ca * s_in[None, :] + cb
-        _st(dq + base + off, (dor.to(tl.float32) * s).to(dq.dtype.element_ty), m, EVEN)
-        _st(dk + base + off, (ds * vr.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
-        _st(dv + base + off, (ds * kr.to(tl.float32)).to(dv.dtype.element_ty), m, EVEN)
-        _st(dg + base + off, (ds * (s - kv)).to(dg.dtype.element_ty), m, EVEN)
-        if HAS_H0:
-            tl.store(dh0 + seq[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
-            if IS_VARLEN:
-                # zero-length sequences pass the final state's gradient straight through
-                if j == 0:
-                    n = tl.zeros([1], tl.int64)
-                    while tl.sum(n) < N:
-                        nb = tl.sum(n)
-                        empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
-                        if HAS_DHT:
-                            dn = tl.load(dht + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
-                        else:
-                            dn = tl.zeros([BD], tl.float32)
-                        tl.store(dh0 + nb * HD + chan, dn, mask=cmask & empty_seq)
-                        n += 1
-        if PERSIST:
-            g1r = g1n
-            dor = don
-            qr = qn
-        t = t_next
+    # 6. the states from the forward's tile carry, then dq = do s, dk = ds v, dv = ds k,
+    #    dg = ds exp(g_t) s_{t-1} (= ds (s_t - k_t v_t)), d s0 = exp(g_first) ds_first
+    decay = tl.exp(gr.to(tl.float32))
+    kv = kr.to(tl.float32) * vr.to(tl.float32)
+    bf = kv
+    if HAS_H0:
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        bf += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
+    af = tl.where(start[:, None], 0.0, decay)
+    ca, cb = tl.associative_scan((af, bf), 0, _scan_combine)
+    s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    s = ca * s_in[None, :] + cb
+    _st(dq + base + off, (dor.to(tl.float32) * s).to(dq.dtype.element_ty), m, EVEN)
+    _st(dk + base + off, (ds * vr.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
+    _st(dv + base + off, (ds * kr.to(tl.float32)).to(dv.dtype.element_ty), m, EVEN)
+    _st(dg + base + off, (ds * (s - kv)).to(dg.dtype.element_ty), m, EVEN)
+    if HAS_H0:
+        tl.store(dh0 + seq[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
+        if IS_VARLEN:
+            # zero-length sequences pass the final state's gradient straight through
+            if j == 0:
+                n = tl.zeros([1], tl.int64)
+                while tl.sum(n) < N:
+                    nb = tl.sum(n)
+                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+                    if HAS_DHT:
+                        dn = tl.load(dht + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+                    else:
+                        dn = tl.zeros([BD], tl.float32)
+                    tl.store(dh0 + nb * HD + chan, dn, mask=cmask & empty_seq)
+                    n += 1
 
 
 @triton.jit

@@ -5,8 +5,7 @@
 ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
 :class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
 the final states, its workspace: the state at the end of every time tile, which the backward uses
-as carries (``(n_tiles + 1, H, D)`` int64 words, about ``8 / BT`` bytes per token and channel; the last row
-holds the ticket counter of the persistent kernels).
+as carries (``(n_tiles, H, D)`` int64 words, about ``8 / BT`` bytes per token and channel).
 """
 from __future__ import annotations
 
@@ -31,20 +30,17 @@ class DiagConfig:
     bd: int                  # channels per tile (a power of two); shrunk for small problems
     w: int                   # look-back window (tiles read per probe)
     warps: int
-    early: bool = True       # fwd: load q before the look-back (persistent: with the next tile);
-                             # bwd: load g, k, v and the carry before it
-    persist: int = 0         # > 0: persistent programs (this many per SM) taking tiles by ticket and
-                             # loading the next tile before the current one's look-back
+    early: bool = False      # fwd: load q before the look-back; bwd: load g, k, v and the carry before it
 
 
-# Defaults: the fastest correct candidates of the sweep measured on the H200, bf16, H=16, D=128
-# (benchmarks/results/diag_h200.md): 32x64 tiles, 2 warps, ~110 registers, ~9 programs per SM.
-# The interpreter uses tiny tiles. The backward's tile must be a multiple of the forward's (it reads
-# the forward's tile carries).
-FWD_CONFIG = DiagConfig(bt=32, bd=64, w=4, warps=2, early=False)
-BWD_CONFIG = DiagConfig(bt=32, bd=64, w=4, warps=2, early=False)
-INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1)
-INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1)
+# Defaults: the fastest correct training pair of the sweep measured on the H200, bf16, H=16, D=128
+# (benchmarks/results/diag_h200.md): 32x32 tiles, one warp (the time scan stays inside the warp: no
+# shared memory, no barriers), look-back window 8. The interpreter uses tiny tiles. The backward's
+# tile must be a multiple of the forward's (it reads the forward's tile carries).
+FWD_CONFIG = DiagConfig(bt=32, bd=32, w=8, warps=1)
+BWD_CONFIG = DiagConfig(bt=32, bd=32, w=8, warps=1)
+INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1, early=True)
+INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, early=True)
 
 
 def _configs() -> Tuple[DiagConfig, DiagConfig]:
@@ -62,19 +58,6 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _grid(cfg: DiagConfig, n_work: int, device: torch.device) -> int:
-    if cfg.persist <= 0:
-        return n_work
-    if triton_interpreter_on():
-        return min(n_work, 2)   # programs run one after the other: the first takes every ticket
-    return min(n_work, cfg.persist * _sm_count(device))
-
-
-def _workspace(n_tiles: int, h: int, d: int, device: torch.device) -> torch.Tensor:
-    """Tile words (n_tiles, H, D) plus one zeroed row whose first word is the ticket counter."""
-    return torch.zeros((n_tiles + 1, h, d), dtype=torch.int64, device=device)
 
 
 def _block_d(cfg: DiagConfig, n_tiles: int, H: int, D: int, device: torch.device) -> int:
@@ -113,7 +96,7 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
     cfg = config or _configs()[0]
     n_tiles = triton.cdiv(total, cfg.bt)
     o = empty(q.shape, q.dtype, q.device)
-    ws = _workspace(n_tiles, h, d, q.device)
+    ws = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
     final = empty((n, h, d) if output_final_state else (0,), torch.float32, q.device)
     if total == 0:
         if output_final_state:
@@ -121,16 +104,16 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
         return o, final, ws
     bd = _block_d(cfg, n_tiles, h, d, q.device)
     dummy = ws
-    _diag_fwd_kernel[(_grid(cfg, n_tiles * h * triton.cdiv(d, bd), q.device),)](
+    _diag_fwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
         q, k, v, g, o,
         initial_state if initial_state is not None else dummy,
         final if output_final_state else dummy,
-        ws, ws[n_tiles], cu_seqlens if cu_seqlens is not None else dummy,
+        ws, cu_seqlens if cu_seqlens is not None else dummy,
         max(t_seq, 1), total, n, n_tiles, H=h, D=d,
         HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
         IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
         BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, d, cfg.bt, bd),
-        PERSIST=cfg.persist > 0, Q_EARLY=cfg.early, LOOKBACK=_lookback, num_warps=cfg.warps)
+        Q_EARLY=cfg.early, LOOKBACK=_lookback, num_warps=cfg.warps)
     return o, final, ws
 
 
@@ -154,19 +137,19 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
         return dq, dk, dv, dg, dh0
     n_tiles = triton.cdiv(total, cfg.bt)
     bd = _block_d(cfg, n_tiles, h, d, q.device)
-    ws_b = _workspace(n_tiles, h, d, q.device)
+    ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
     dummy = ws
-    _diag_bwd_kernel[(_grid(cfg, n_tiles * h * triton.cdiv(d, bd), q.device),)](
+    _diag_bwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
         q, k, v, g, do, dq, dk, dv, dg,
         initial_state if initial_state is not None else dummy,
         dfinal if dfinal is not None else dummy,
         dh0 if initial_state is not None else dummy,
-        ws, ws_b, ws_b[n_tiles], cu_seqlens if cu_seqlens is not None else dummy,
+        ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
         max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt, H=h, D=d,
         HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None,
         IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
         BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, d, cfg.bt, bd),
-        PERSIST=cfg.persist > 0, KV_EARLY=cfg.early, LOOKBACK=_lookback, num_warps=cfg.warps)
+        KV_EARLY=cfg.early, LOOKBACK=_lookback, num_warps=cfg.warps)
     return dq, dk, dv, dg, dh0
 
 
@@ -199,7 +182,7 @@ def _(q, k, v, g, initial_state, cu_seqlens, output_final_state):
     total, _, n, h, d = _shape(q, cu_seqlens)
     n_tiles = (total + _configs()[0].bt - 1) // _configs()[0].bt
     final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), final, q.new_empty((n_tiles + 1, h, d), dtype=torch.int64)
+    return q.new_empty(q.shape), final, q.new_empty((n_tiles, h, d), dtype=torch.int64)
 
 
 @torch.library.custom_op("delta_attn::diag_bwd", mutates_args=())
