@@ -426,9 +426,8 @@ def main():
     # ---------------------------------------------------------------------------------- 64-token training variants
     if args.tune_train64:
         base = dict(ti.CONFIG)
-        variants = [dict(), dict(bwd64_split=False), dict(intra64_warps=4), dict(bwd64_min_programs=128),
-                    dict(bwd_scan64_warps=4), dict(prep64_warps=8, scan64_warps=8),
-                    dict(grads64_bk=64, grads64_bv=64), dict(intra64_bk=32)]
+        variants = [dict(), dict(intra64_warps=8), dict(bwd_scan64_warps=4, bwd64_min_programs=128),
+                    dict(intra64_bk=32)]
         for var in variants:
             ti.CONFIG.clear()
             ti.CONFIG.update(base, train_chunk=64, **var)

@@ -164,20 +164,26 @@ def test_forward64_is_taken_without_grad_only(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# gradients (error rule, factor 3) for every differentiable input
+# gradients (error rule, factor 3) for every differentiable input, on 16-token chunks (the default
+# training chunk is 64: its tests follow)
 # ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def train16(monkeypatch):
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "train_chunk", 16)
 
 @pytest.mark.parametrize("T,dtype,gate", [
     (17, torch.float32, None),
     (33, torch.float32, "softplus"),
     (20, torch.float16, "lower_bound"),
 ])
-def test_gradients(T, dtype, gate):
+def test_gradients(T, dtype, gate, train16):
     xs, kw = make(1, T, 1, 2, 16, 32, dtype, gate=gate, h0=True)
     check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
 
 
-def test_varlen_with_empty_sequences_and_grads():
+def test_varlen_with_empty_sequences_and_grads(train16):
     cu = [0, 5, 5, 22, 23, 40, 40]
     xs, kw = make(1, 40, 1, 2, 16, 16, torch.float32, h0=True, cu=cu)
     out = check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
@@ -187,14 +193,14 @@ def test_varlen_with_empty_sequences_and_grads():
 
 
 @pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float32), (-1e4, torch.float16), (-1e4, torch.float32)])
-def test_strong_decays(decay, dtype):
+def test_strong_decays(decay, dtype, train16):
     xs, kw = make(1, 37, 1, 1, 16, 16, dtype, decay=decay, h0=True)
     out = check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
     for t in [out[0], out[1]] + out[2]:
         assert torch.isfinite(t).all()
 
 
-def test_minus_inf_is_a_reset():
+def test_minus_inf_is_a_reset(train16):
     xs, kw = make(1, 40, 1, 1, 16, 16, torch.float32, h0=True)
     xs[3][0, 20] = float("-inf")                   # every channel forgets at token 20
     o, s, grads = run("triton", xs, kw, grad=True, output_final_state=True, use_qk_l2norm=True)
@@ -219,10 +225,12 @@ def train64(monkeypatch):
     calls = []
     real = triton_impl._kda_bwd_intra64_kernel
 
-    class Counted:                      # the 64-token backward must really run
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
+    class Counted:                      # the 64-token backward must really run (two launches per backward:
+        def __getitem__(self, grid):    # factored everywhere, then the flagged chunks exactly)
+            def launch(*args, **kw):
+                calls.append(kw["EXACT"])
+                return real[grid](*args, **kw)
+            return launch
     monkeypatch.setattr(triton_impl, "_kda_bwd_intra64_kernel", Counted())
     return calls
 
@@ -232,16 +240,17 @@ def train64(monkeypatch):
     (65, torch.float16, dict(gate="lower_bound", H=2, HV=2, K=48)),  # K = 48: a partial K slice
     (70, torch.float32, dict(factor_max=-1.0)),                      # every K slice on the exact path
     (33, torch.float32, dict(bwd64_split=False, H=1, HV=2)),         # partial gradients inside the scan
+    (100, torch.float16, dict(gate="softplus", intra64_round_tf32=True)),  # the GPU's tf32-rounded factors
 ])
 def test_gradients64(T, dtype, opts, train64, monkeypatch):
     from delta_attn.ops.kda import triton_impl
-    for key in ("factor_max", "bwd64_split"):
+    for key in ("factor_max", "bwd64_split", "intra64_round_tf32"):
         if key in opts:
             monkeypatch.setitem(triton_impl.CONFIG, key, opts[key])
     xs, kw = make(1, T, opts.get("H", 1), opts.get("HV", 1), opts.get("K", 16), 32, dtype, gate=opts.get("gate"),
                   h0=True)
     check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
-    assert len(train64) == 1
+    assert train64 == [False, True]
 
 
 def test_varlen_gradients64_with_empty_sequences(train64):
@@ -249,7 +258,7 @@ def test_varlen_gradients64_with_empty_sequences(train64):
     xs, kw = make(1, 140, 1, 2, 16, 16, torch.float32, h0=True, cu=cu)
     out = check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
     assert torch.equal(out[1][1], kw["initial_state"][1])
-    assert len(train64) == 1
+    assert train64 == [False, True]
 
 
 @pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float16), (float("-inf"), torch.float16)])
@@ -284,7 +293,7 @@ def test_custom_op_path64_matches_eager(train64, monkeypatch):
     traced = run("triton", xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
     for a, b in zip([eager[0], eager[1]] + eager[2], [traced[0], traced[1]] + traced[2]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    assert len(train64) == 2
+    assert train64 == [False, True] * 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +374,7 @@ def test_fake_implementation_shapes():
 
 
 @pytest.mark.parametrize("factor_max", [-1.0, 1e9])
-def test_pairwise_and_factored_paths(monkeypatch, factor_max):
+def test_pairwise_and_factored_paths(monkeypatch, factor_max, train16):
     """Each chunk takes the factored path (every |G| <= factor_max) or the exact pairwise one:
     force each in turn (1e9 would overflow on strong decays; the default 60 never does)."""
     from delta_attn.ops.kda import triton_impl
@@ -374,7 +383,7 @@ def test_pairwise_and_factored_paths(monkeypatch, factor_max):
     check_all(xs, kw, grad=True, use_qk_l2norm=True, output_final_state=True)
 
 
-def test_custom_op_path_matches_eager(monkeypatch):
+def test_custom_op_path_matches_eager(monkeypatch, train16):
     """The torch.compile path (custom op, backward recomputes) == the eager autograd Function
     (backward from the saved intermediates)."""
     from delta_attn.ops.kda import triton_impl

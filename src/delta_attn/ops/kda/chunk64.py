@@ -203,6 +203,37 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
 
 
 @triton.jit
+def _kda_round_tf32(x):
+    """x rounded to the nearest tf32 value (10-bit mantissa), kept in fp32: exact tf32 MMA operands."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kda_bwd64_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr):
+    """The decayed products of the backward factored relative to the middle token (every |Gm| of the
+    slice <= FACTOR_MAX): P1, P3, P2 + P4 (see ``_kda_bwd64_pairwise``) and their pair terms of dG,
+    qs P1 - ks (P2 + P4) + Xa P3. dAqk / dA are zero above the diagonal, so no product of two large
+    factors is ever formed for i < j. The row sums (P1, P3) and column sums (P2, P4) of the same pair
+    terms cancel in the reverse cumulative sum of dG: with tf32 products (ROUND_TF32) the factors are
+    rounded to tf32 once and the same rounded values scale both sides, which keeps them consistent."""
+    eP = tl.exp(Gm)
+    eN = tl.exp(-Gm)
+    fa = qs * eP
+    fb = ks * eN
+    fc = Xa * eP
+    if ROUND_TF32:
+        fa = _kda_round_tf32(fa)
+        fb = _kda_round_tf32(fb)
+        fc = _kda_round_tf32(fc)
+    d1 = tl.dot(dAqk, fb, input_precision=DOT_PREC)
+    d2 = tl.dot(tl.trans(dAqk), fa, input_precision=DOT_PREC)
+    d3 = tl.dot(dA, fb, input_precision=DOT_PREC)
+    d4 = tl.dot(tl.trans(dA), fc, input_precision=DOT_PREC)
+    return eP * d1, eP * d3, eN * (d2 + d4), fa * d1 - fb * (d2 + d4) + fc * d3
+
+
+@triton.jit
 def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                         DOT_PREC: tl.constexpr):
     """The four decayed products of the backward with exact per-channel decays (strong decays, -inf
@@ -270,17 +301,25 @@ def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.con
 @triton.jit
 def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                             DU, DQG, DKD, DW, DAQK, DGC,
-                            DQ, DK, DV, DB, DG, DALOG,
+                            DQ, DK, DV, DB, DG, DALOG, FLAGS,
                             scale, lower_bound, R, NC, H, HV, NV,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                             HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
-                            DOT_PREC: tl.constexpr):
+                            DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, EXACT: tl.constexpr):
     """Backward through one 64-token chunk (parallel over chunks x value heads), from the partial
     gradients of the backward scan (summed over its NV value blocks): the UT transform, the decayed
-    intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm."""
+    intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm.
+
+    Two launches: EXACT=False (every chunk, factored products only: the strong-decay code is compiled
+    out, which keeps registers for the common case) flags the (chunk, head) pairs with a K slice that
+    decays by more than FACTOR_MAX from the middle token; EXACT=True returns at once for unflagged
+    pairs and redoes the flagged ones with the exact per-block products where needed."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
+    if EXACT:
+        if tl.load(FLAGS + c * HV + hv) == 0:
+            return
     h = hv // (HV // H)
     row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
     L = tl.load(chunk_info + c * 3 + 2)
@@ -359,25 +398,26 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
             dgc += tl.load(DGC + p * NC * HV * K + (c * HV + hv) * K + cols, mask=mc, other=0.0)
         dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
         Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]
-        if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
-            # factored relative to the middle token: dAqk / dA are zero above the diagonal, so no
-            # product of the two (possibly large) factors is ever formed for i < j
-            eP = tl.exp(Gm)
-            eN = tl.exp(-Gm)
-            P1 = eP * tl.dot(dAqk, ks * eN, input_precision=DOT_PREC)
-            P2 = eN * tl.dot(tl.trans(dAqk), qs * eP, input_precision=DOT_PREC)
-            P3 = eP * tl.dot(dA, ks * eN, input_precision=DOT_PREC)
-            P4 = eN * tl.dot(tl.trans(dA), Xa * eP, input_precision=DOT_PREC)
+        fast = tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX
+        if EXACT:
+            if fast:
+                P1, P3, P24, dGp = _kda_bwd64_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
+            else:
+                P1, P2, P3, P4 = _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC)
+                P24 = P2 + P4
+                dGp = qs * P1 - ks * P24 + Xa * P3
         else:
-            P1, P2, P3, P4 = _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC)
+            if not fast:        # this chunk is redone by the EXACT launch (whatever is written here)
+                tl.store(FLAGS + c * HV + hv, 1)
+            P1, P3, P24, dGp = _kda_bwd64_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
         dqs = eG * dqg + P1
-        dks = P2 + P4 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
+        dks = P24 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
         db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
         # d/dG of qs e^G, (k_i E_ij k_j), (q_i E_ij k_j), beta k e^G; then to the per-token log decays d_t
         # (G_i = sum_{s<=i} d_s): a reverse cumulative sum. kd = k e^(G_last - G) and e^(G_last) depend on
         # d_t through G_last - G_i = sum_{i<s<=L-1} d_s: an exclusive forward sum plus a constant, formed
         # directly (total minus reverse partial sums would cancel catastrophically near the chunk's end)
-        dG = qs * dqs - ks * (P2 + P4) + Xa * P3 + Xa * eG * dKb
+        dG = qs * eG * dqg + dGp + Xa * eG * dKb
         dG = tl.where(m, dG, 0.0)
         kdd = ks * eL * dkd
         dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + (tl.exp(G_last) * dgc)[None, :]

@@ -62,8 +62,10 @@ def _pow2(x: int) -> int:
 # warps: measured on the H200 (kda_h200.md, 02:48 UTC run): 4 warps beat 8 for prep64 (fwd64 3.45 -> 2.40 ms
 # at 8x4096, 4.26 -> 3.27 at 1x32768) and for the scan (-0.17 / -0.33 ms), although ptxas -v reports
 # spills at 4 warps (prep64 ~2.3 KB, scan ~0.5-1.8 KB per thread) and few at 8.
-# train_chunk: 16 (default) or 64 (the forward keeping the backward's intermediates and the backward on
-# 64-token chunks; env DELTA_ATTN_KDA_TRAIN_CHUNK); bwd_scan64_* / bwd64_* / intra64_*: its kernels;
+# train_chunk: 64 (default: measured faster on the H200 at 8x4096 and 1x32768, kda_h200.md) or 16: the
+# chunk length of the forward that keeps the backward's intermediates and of that backward (env
+# DELTA_ATTN_KDA_TRAIN_CHUNK); bwd_scan64_* / bwd64_* / intra64_*: its kernels (intra64_warps 4 measured
+# faster than 8 with the strong-decay code compiled in: 10.0 vs 12.6 ms fwd+bwd at 8x4096);
 # bwd64_split: its reverse scan stores only du and the chunk-end state gradients, and the partial
 # gradients of the scan's operands come from a parallel kernel over the full V (grads64_*), instead of
 # per-V-block fp32 partials formed inside the sequential loop (ptxas -v, sm_90a, 8 warps: the scan without
@@ -74,8 +76,8 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan
               fwd_chunk=int(os.environ.get("DELTA_ATTN_KDA_FWD_CHUNK", "16") or 16),
               prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=4, scan64_stages=2,
               scan64_min_programs=256,
-              train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "16") or 16),
-              bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=8,
+              train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "64") or 64),
+              bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=4, intra64_round_tf32=False,
               bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8)
 FWD_CHUNKS = (16, 64)
 
@@ -277,14 +279,17 @@ def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     dal = torch.zeros(NC, HV, dtype=f32, device=dev)
     if NC > 0 and bt == BT64:
         BK = max(16, min(CONFIG["intra64_bk"], _pow2(K)))
-        _kda_bwd_intra64_kernel[(NC, HV)](
-            q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
-            chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal,
-            float(scale), float(lower_bound or 0.0), R, NC, H, HV, NV,
-            K=K, V=V, BT=BT64, BC=16, BK=BK, BV=min(64, _pow2(V)),
-            L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
-            FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
-            num_warps=CONFIG["intra64_warps"])
+        flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
+        for exact in (False, True):     # factored everywhere, then the flagged chunks redone exactly
+            _kda_bwd_intra64_kernel[(NC, HV)](
+                q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+                chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg, dal, flags,
+                float(scale), float(lower_bound or 0.0), R, NC, H, HV, NV,
+                K=K, V=V, BT=BT64, BC=16, BK=BK, BV=min(64, _pow2(V)),
+                L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound), HAS_DT_BIAS=dt_bias is not None,
+                FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"], DOT_PREC=_dot_prec(q.dtype),
+                ROUND_TF32=_dot_prec(q.dtype) == "tf32" or CONFIG["intra64_round_tf32"], EXACT=exact,
+                num_warps=CONFIG["intra64_warps"])
     elif NC > 0:
         _kda_bwd_intra_kernel[(NC, HV)](
             q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
