@@ -5,6 +5,7 @@ import torch
 
 import delta_attn as da
 from delta_attn import reference
+from delta_attn.ops.flash import triton_impl
 from delta_attn.testing import assert_close
 
 DEV = "cuda"
@@ -130,3 +131,33 @@ def test_strided_unaligned_views_take_the_pointer_path(poisoned):
     do = torch.randn_like(out)
     grads = _grads(out, (q, k, v), do)
     _check((out, lse, *grads), _ref(reference.attention, (q, k, v), do, causal=True))
+
+
+def _fwd_ids(cfg):
+    return "-".join(str(x) for x in cfg[:4]) + "".join(f"-{k}" for k, on in (cfg[4] if len(cfg) > 4 else {}).items()
+                                                      if on)
+
+
+@pytest.mark.parametrize("cfg", triton_impl._FWD_CONFIGS[128], ids=_fwd_ids)
+def test_every_d128_forward_config_varlen_window(cfg, monkeypatch, poisoned):
+    # each forward configuration the D=128 autotuner may pick (pipelined loop, TMA descriptors per
+    # sequence) on a packed batch with empty / length-1 / long sequences, GQA, a sliding window
+    monkeypatch.setitem(triton_impl.FORCED_CONFIGS, "fwd", cfg)
+    lq, lk = [0, 1, 1500, 777, 3000], [4, 0, 1500, 1200, 2999]
+    hq, hk, d = 4, 2, 128
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v = _inputs([(sum(lq), hq, d), (sum(lk), hk, d), (sum(lk), hk, d)], torch.bfloat16)
+    kw = dict(window_size=(700, 300))
+    with torch.no_grad():
+        out, lse, _ = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True,
+                                                backend="triton", **kw)
+        for name, dt, up in (("64", torch.float64, True), ("low", torch.bfloat16, False)):
+            ys = [t.detach().to(dt) for t in (q, k, v)]
+            o, l = reference.attention_varlen(*ys, cu_q, cu_k, upcast=up, **kw)
+            if name == "64":
+                ref64 = (o, l)
+            else:
+                reflow = (o, l)
+    for g, r, lo, n in zip((out, lse), ref64, reflow, ("out", "lse")):
+        assert_close(g, r, lo, kind="fwd", name=n)
