@@ -203,12 +203,12 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
                      LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                      EVEN: tl.constexpr, Q_EARLY: tl.constexpr, LOOKBACK: tl.constexpr):
     HD: tl.constexpr = H * D
+    r = tl.arange(0, BT)
+    off = r[:, None] * HD + tl.arange(0, BD)[None, :]   # constant offsets inside the tile
     # 1. the tile of this program (time order within a chain = program id order)
     j, h, db = _tile_of(tl.program_id(0), n_tiles, H, D, BD, False)
     base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
                                                        LOG_N, BT, BD, EVEN)
-    r = tl.arange(0, BT)
-    off = r[:, None] * HD + tl.arange(0, BD)[None, :]   # constant offsets inside the tile
 
     # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
     decay = tl.exp(_ld(g + base + off, m, EVEN).to(tl.float32))
@@ -222,7 +222,7 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
     # 3. publish the aggregate (the scan's last row, stored by the threads that hold it: no
     #    reduction), look back for the state entering the tile
     last = (r == BT - 1)[:, None] & cmask[None, :]
-    wptr = ws + j.to(tl.int64) * HD + chan[None, :] + r[:, None] * 0
+    wptr = ws + j.to(tl.int64) * HD + chan[None, :] + off * 0   # (the tile's shape: the last row stores)
     tl.store(wptr, _pack(ca, cb), mask=last)
     if Q_EARLY:
         qt = _ld(q + base + off, m, EVEN)
@@ -283,7 +283,7 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds (the
     #    reverse scan's first row, stored by the threads that hold it)
     first = (r == 0)[:, None] & cmask[None, :]
-    wptr = ws_b + j.to(tl.int64) * HD + chan[None, :] + r[:, None] * 0
+    wptr = ws_b + j.to(tl.int64) * HD + chan[None, :] + off * 0   # (the first row stores)
     tl.store(wptr, _pack(ra, rb), mask=first)
 
     # 4. g, k, v and the forward's carry of the tile: loaded before the look-back (KV_EARLY) or after
