@@ -70,9 +70,10 @@ def crossover(s: Settings) -> List[Task]:
         # KDA first: FLA's chunk_kda compiles for minutes, so that happens early and the time budget
         # (--time-budget), if ever reached, cuts the longest attention rows instead
         for op, family in (("kda", "linear"), ("diag", "linear"), ("flash", "quadratic")):
-            # SDPA's memory-efficient kernel is never the best; delta-attn's sdpa backend runs the same FA2
-            # kernel as the "FA2 (SDPA flash)" row: both are left to the kernels suite to save time
-            for impl in _impls(op, s, exclude=("mem-efficient", "delta-attn sdpa")):
+            # SDPA's memory-efficient kernel and FLA's token-by-token fused_recurrent_hgrn (4-15x slower than
+            # chunk_hgrn) are never the best; delta-attn's sdpa backend runs the same FA2 kernel as the
+            # "FA2 (SDPA flash)" row: all three are left to the kernels suite to save time
+            for impl in _impls(op, s, exclude=("mem-efficient", "delta-attn sdpa", "fused_recurrent")):
                 for S in lengths[family]:
                     case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
                     if op != "flash":
