@@ -241,6 +241,7 @@ def train64(monkeypatch):
     (70, torch.float32, dict(factor_max=-1.0)),                      # every K slice on the exact path
     (33, torch.float32, dict(bwd64_split=False, H=1, HV=2)),         # partial gradients inside the scan
     (100, torch.float16, dict(gate="softplus", intra64_round_tf32=True)),  # the GPU's tf32-rounded factors
+    (70, torch.float16, dict(factor_max=-1.0, intra64_round_tf32=True)),   # the same on the exact path
 ])
 def test_gradients64(T, dtype, opts, train64, monkeypatch):
     from delta_attn.ops.kda import triton_impl

@@ -235,37 +235,48 @@ def _kda_bwd64_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC: tl.constexpr, ROUND_
 
 @triton.jit
 def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
-    """The four decayed products of the backward with exact per-channel decays (strong decays, -inf
-    included; no exponent > 0), for one K slice:
+                        DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr):
+    """The decayed products of the backward with exact per-channel decays (strong decays, -inf
+    included; no exponent > 0), for one K slice: P1, P3, P2 + P4 and the pair terms of dG
+    (qs P1 - ks (P2 + P4) + Xa P3) with
     P1_i = sum_j dAqk_ij ks_j E_ij, P2_j = sum_i dAqk_ij qs_i E_ij, P3_i = sum_j dA_ij ks_j E_ij,
-    P4_j = sum_i dA_ij Xa_i E_ij with E_ij = exp(G_i - G_j), i >= j.
-    Off-diagonal 16x16 blocks are factored at the row block's boundary token (as in the prep),
-    diagonal blocks are pairwise."""
+    P4_j = sum_i dA_ij Xa_i E_ij, E_ij = exp(G_i - G_j), i >= j.
+    Off-diagonal 16x16 blocks are factored at the row block's boundary token (as in the prep; the
+    tf32 factors rounded once for both sides, as in ``_kda_bwd64_factored``), diagonal blocks are
+    pairwise in fp32."""
     NB: tl.constexpr = BT // BC
     blk = i // BC
     Gref = tl.zeros([BT, BK], tl.float32)
     for sa in tl.static_range(1, NB):
         Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
     eR = tl.exp(G - Gref)                                              # row factor, exponent <= 0
-    qR = qs * eR
-    xR = Xa * eR
-    P1 = tl.zeros([BT, BK], tl.float32)
-    P2 = tl.zeros([BT, BK], tl.float32)
-    P3 = tl.zeros([BT, BK], tl.float32)
-    P4 = tl.zeros([BT, BK], tl.float32)
+    fq = qs * eR
+    fx = Xa * eR
+    if ROUND_TF32:
+        fq = _kda_round_tf32(fq)
+        fx = _kda_round_tf32(fx)
+    d1 = tl.zeros([BT, BK], tl.float32)
+    d3 = tl.zeros([BT, BK], tl.float32)
+    P24 = tl.zeros([BT, BK], tl.float32)
+    dGp = tl.zeros([BT, BK], tl.float32)
     for sa in tl.static_range(1, NB):
         ga = _kda_row_at(G, i, sa * BC - 1)
         # column factor exp(G_ref(a) - G_j) for the columns before row block a (exponent <= 0), else 0
         cf = tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
         sel = (blk == sa)[:, None]
-        kc = ks * cf
-        P1 += tl.where(sel, tl.dot(dAqk, kc, input_precision=DOT_PREC), 0.0)
-        P3 += tl.where(sel, tl.dot(dA, kc, input_precision=DOT_PREC), 0.0)
-        P2 += cf * tl.dot(tl.trans(tl.where(sel, dAqk, 0.0)), qR, input_precision=DOT_PREC)
-        P4 += cf * tl.dot(tl.trans(tl.where(sel, dA, 0.0)), xR, input_precision=DOT_PREC)
-    P1 = P1 * eR
-    P3 = P3 * eR
+        fb = ks * cf
+        if ROUND_TF32:
+            fb = _kda_round_tf32(fb)
+        r1 = tl.where(sel, tl.dot(dAqk, fb, input_precision=DOT_PREC), 0.0)
+        r3 = tl.where(sel, tl.dot(dA, fb, input_precision=DOT_PREC), 0.0)
+        c24 = (tl.dot(tl.trans(dAqk), tl.where(sel, fq, 0.0), input_precision=DOT_PREC)
+               + tl.dot(tl.trans(dA), tl.where(sel, fx, 0.0), input_precision=DOT_PREC))
+        d1 += r1
+        d3 += r3
+        P24 += cf * c24
+        dGp += fq * r1 + fx * r3 - fb * c24
+    P1 = eR * d1
+    P3 = eR * d3
     # diagonal blocks: pairwise exp(G_i - G_j), i >= j inside each 16-token block, one block at a time
     s4 = tl.arange(0, NB)
     r4 = tl.arange(0, BC)
@@ -291,11 +302,14 @@ def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.con
         p2 = tl.sum(dqs_ * qE, 0)
         p4 = tl.sum(das_ * xE, 0)
         # place the (BC, BK) results at rows sb*BC ... sb*BC + BC - 1
-        P1 += tl.reshape(tl.where(on, p1[None, :, :], 0.0), (BT, BK))
-        P3 += tl.reshape(tl.where(on, p3[None, :, :], 0.0), (BT, BK))
-        P2 += tl.reshape(tl.where(on, p2[None, :, :], 0.0), (BT, BK))
-        P4 += tl.reshape(tl.where(on, p4[None, :, :], 0.0), (BT, BK))
-    return P1, P2, P3, P4
+        p1 = tl.reshape(tl.where(on, p1[None, :, :], 0.0), (BT, BK))
+        p3 = tl.reshape(tl.where(on, p3[None, :, :], 0.0), (BT, BK))
+        p24 = tl.reshape(tl.where(on, (p2 + p4)[None, :, :], 0.0), (BT, BK))
+        P1 += p1
+        P3 += p3
+        P24 += p24
+        dGp += qs * p1 - ks * p24 + Xa * p3
+    return P1, P3, P24, dGp
 
 
 @triton.jit
@@ -403,9 +417,8 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
             if fast:
                 P1, P3, P24, dGp = _kda_bwd64_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
             else:
-                P1, P2, P3, P4 = _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC)
-                P24 = P2 + P4
-                dGp = qs * P1 - ks * P24 + Xa * P3
+                P1, P3, P24, dGp = _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC,
+                                                       ROUND_TF32)
         else:
             if not fast:        # this chunk is redone by the EXACT launch (whatever is written here)
                 tl.store(FLAGS + c * HV + hv, 1)
