@@ -134,11 +134,13 @@ def _seq_info(rows, cu, T_seq, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
 
 @triton.jit
 def _tile_rows(j, cu, T_seq, total, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, BT: tl.constexpr,
-               EVEN: tl.constexpr):
-    """Rows of tile j: (valid, sequence index, sequence start, sequence end) per row.
-    EVEN (fixed length, T % BT == 0, total % BT == 0): the tile lies in one sequence, which can
-    only start at its first row and end at its last, so the flags are two scalar tests."""
+               EVEN: tl.constexpr, REV: tl.constexpr = False):
+    """Rows of tile j: (valid, sequence index, sequence start, sequence end) per row, the rows in
+    time order or (REV) reversed. EVEN (fixed length, T % BT == 0, total % BT == 0): the tile lies in
+    one sequence, which can only start at its first row and end at its last: two scalar tests."""
     r = tl.arange(0, BT)
+    if REV:
+        r = BT - 1 - r
     row0 = j.to(tl.int64) * BT
     if EVEN:
         seq0 = row0 // T_seq
@@ -270,20 +272,26 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     off = r[:, None] * HD + tl.arange(0, BD)[None, :]
 
     # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end); the row after
-    #    a sequence's end starts the next sequence, so a_{t+1} = 0 there (g is read shifted by a row)
-    m1 = ((j.to(tl.int64) * BT + r + 1) < total)[:, None] & cmask[None, :]
-    g1 = tl.load(g + base + HD + off, mask=m1, other=0.0).to(tl.float32)
-    a_next = tl.where(m1 & (end == 0)[:, None], tl.exp(g1), 0.0)
-    dor = _ld(do + base + off, m, EVEN)
-    beta = dor.to(tl.float32) * _ld(q + base + off, m, EVEN).to(tl.float32)
+    #    a sequence's end starts the next sequence, so a_{t+1} = 0 there (g is read shifted by a row).
+    #    The tile is loaded with its rows reversed (row i = time BT-1-i), so the reverse-time scan is
+    #    a forward scan over the rows (Triton's reverse scan costs ~4x the shuffles)
+    rr = BT - 1 - r
+    off_r = rr[:, None] * HD + tl.arange(0, BD)[None, :]
+    rmask_r, seq_r, _, end_r = _tile_rows(j, cu, T_seq, total, N, IS_VARLEN, LOG_N, BT, EVEN, True)
+    m_r = rmask_r[:, None] & cmask[None, :]
+    m1 = ((j.to(tl.int64) * BT + rr + 1) < total)[:, None] & cmask[None, :]
+    g1 = tl.load(g + base + HD + off_r, mask=m1, other=0.0).to(tl.float32)
+    a_next = tl.where(m1 & (end_r == 0)[:, None], tl.exp(g1), 0.0)
+    beta = _ld(do + base + off_r, m_r, EVEN).to(tl.float32) * _ld(q + base + off_r, m_r, EVEN).to(tl.float32)
     if HAS_DHT:
-        beta += tl.load(dht + seq[:, None] * HD + chan[None, :], mask=m & end[:, None], other=0.0).to(tl.float32)
-    ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine, reverse=True)
+        beta += tl.load(dht + seq_r[:, None] * HD + chan[None, :], mask=m_r & end_r[:, None],
+                        other=0.0).to(tl.float32)
+    ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine)
 
     # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds (the
-    #    reverse scan's first row, stored by the threads that hold it)
-    first = (r == 0)[:, None] & cmask[None, :]
-    wptr = ws_b + j.to(tl.int64) * HD + chan[None, :] + off * 0   # (the first row stores)
+    #    scan's last row = time row 0, stored by the threads that hold it)
+    first = (r == BT - 1)[:, None] & cmask[None, :]
+    wptr = ws_b + j.to(tl.int64) * HD + chan[None, :] + off * 0   # (time row 0 stores)
     tl.store(wptr, _pack(ra, rb), mask=first)
 
     # 4. g, k, v and the forward's carry of the tile: loaded before the look-back (KV_EARLY) or after
@@ -299,8 +307,9 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
         x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
     else:   # (timing diagnostic only: wrong results)
         x_in = tl.zeros([BD], tl.float32)
-    ds = ra * x_in[None, :] + rb
-    tl.store(wptr, _pack(tl.zeros_like(ds), ds), mask=first)
+    ds_r = ra * x_in[None, :] + rb
+    tl.store(wptr, _pack(tl.zeros_like(ds_r), ds_r), mask=first)
+    ds = tl.flip(ds_r, 0)   # back to time order
     if not KV_EARLY:
         gr = _ld(g + base + off, m, EVEN)
         kr = _ld(k + base + off, m, EVEN)
@@ -319,7 +328,8 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     ca, cb = tl.associative_scan((af, bf), 0, _scan_combine)
     s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
     s = ca * s_in[None, :] + cb
-    _st(dq + base + off, (dor.to(tl.float32) * s).to(dq.dtype.element_ty), m, EVEN)
+    dot = _ld(do + base + off, m, EVEN).to(tl.float32)   # (time order: a cache hit)
+    _st(dq + base + off, (dot * s).to(dq.dtype.element_ty), m, EVEN)
     _st(dk + base + off, (ds * vr.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
     _st(dv + base + off, (ds * kr.to(tl.float32)).to(dv.dtype.element_ty), m, EVEN)
     _st(dg + base + off, (ds * (s - kv)).to(dg.dtype.element_ty), m, EVEN)
