@@ -20,8 +20,8 @@ no memory fence: a word is either zero (not yet written) or a complete, consiste
 The forward's workspace ends holding the state at the end of every tile: the backward's carries.
 
 Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the first:
-  ``ds_t = exp(g_{t+1}) ds_{t+1} + do_t q_t (+ dfinal at a sequence end)``, a reverse scan with
-  look-back to the right; the states ``s_t`` are recomputed from the forward's tile carries; then
+  ``ds_t = exp(g_{t+1}) ds_{t+1} + do_t q_t (+ dfinal at a sequence end)``, a reverse scan (its operands
+  loaded with the rows reversed, so it runs as a forward scan) with look-back to the right; the states ``s_t`` are recomputed from the forward's tile carries; then
   ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
   ``d s0 = exp(g_first) ds_first``. Inputs are read once and gradients written once.
 
