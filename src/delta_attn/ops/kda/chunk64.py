@@ -141,13 +141,14 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
         else:
             # safe, off-diagonal blocks: reference G_ref(a) = G at row a*BC - 1 for the rows of sub-chunk a
+            # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
             Gref = tl.zeros([BT, BK], tl.float32)
-            for sa in tl.static_range(1, NB):
+            for sa in range(1, NB):
                 Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
             eR = tl.exp(G - Gref)                                      # row factor, exponent <= 0
             kr_ = ks * eR
             qr_ = qs * eR
-            for sa in tl.static_range(1, NB):
+            for sa in range(1, NB):
                 ga = _kda_row_at(G, i, sa * BC - 1)
                 # column factor exp(G_ref(a) - G_j) for the columns before sub-chunk a (exponent <= 0)
                 kc = ks * tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
@@ -159,7 +160,7 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             r4 = tl.arange(0, BC)
             tri = (r4[:, None] >= r4[None, :])[None, :, :, None]
             eye = (s4[:, None] == s4[None, :])[:, None, :, None]
-            for kd0 in tl.static_range(0, BK, BKD):
+            for kd0 in range(0, BK, BKD):
                 cd = k0 + kd0 + tl.arange(0, BKD)
                 md = mr[:, None] & (cd[None, :] < K)
                 qd = tl.load(q + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rq[:, None]
@@ -246,8 +247,9 @@ def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.con
     pairwise in fp32."""
     NB: tl.constexpr = BT // BC
     blk = i // BC
+    # (runtime loops, not unrolled: this rare path would otherwise add seconds of compile time)
     Gref = tl.zeros([BT, BK], tl.float32)
-    for sa in tl.static_range(1, NB):
+    for sa in range(1, NB):
         Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
     eR = tl.exp(G - Gref)                                              # row factor, exponent <= 0
     fq = qs * eR
@@ -259,7 +261,7 @@ def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.con
     d3 = tl.zeros([BT, BK], tl.float32)
     P24 = tl.zeros([BT, BK], tl.float32)
     dGp = tl.zeros([BT, BK], tl.float32)
-    for sa in tl.static_range(1, NB):
+    for sa in range(1, NB):
         ga = _kda_row_at(G, i, sa * BC - 1)
         # column factor exp(G_ref(a) - G_j) for the columns before row block a (exponent <= 0), else 0
         cf = tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
@@ -288,7 +290,7 @@ def _kda_bwd64_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.con
     q4 = tl.reshape(qs, (NB, BC, BK))
     k4 = tl.reshape(ks, (NB, BC, BK))
     x4 = tl.reshape(Xa, (NB, BC, BK))
-    for sb in tl.static_range(0, NB):
+    for sb in range(0, NB):
         on = (s4 == sb)[:, None, None]
         Gs = tl.sum(tl.where(on, G4, 0.0), 0)                                          # (BC, BK)
         E = tl.exp(tl.where(tri, Gs[:, None, :] - Gs[None, :, :], float("-inf")))        # (BC_i, BC_j, BK)
