@@ -1,8 +1,14 @@
-"""KDA forward on 64-token chunks (4 sub-chunks of 16): the per-chunk preparation kernel.
+"""KDA on 64-token chunks (4 sub-chunks of 16): the per-chunk preparation kernel of the forward and
+the per-chunk kernels of the backward.
 
-Opt-in (``CONFIG["fwd_chunk"] = 64`` / ``DELTA_ATTN_KDA_FWD_CHUNK=64``), forward only. It produces the
-same per-chunk operands as ``chunk._kda_fwd_prep_kernel`` (W, U, qg, kd, Aqk, exp(G_last)) at BT = 64,
-so the sequential ``_kda_fwd_scan_kernel`` (generic in BT) walks 4x fewer chunks on 64-row tiles.
+Training (default, ``CONFIG["train_chunk"] = 64``): the forward that keeps the backward's
+intermediates runs ``_kda_fwd_prep64_kernel`` (also storing T) and ``chunk._kda_fwd_scan_kernel`` at
+BT = 64 (storing chunk-start states and u); the backward runs ``chunk._kda_bwd_scan_kernel`` at
+BT = 64 (du and chunk-end state gradients only), ``_kda_bwd_chunk_grads_kernel`` and
+``_kda_bwd_intra64_kernel``. Forward without gradient: opt-in (``CONFIG["fwd_chunk"] = 64`` /
+``DELTA_ATTN_KDA_FWD_CHUNK=64``); prep64 produces the same per-chunk operands as
+``chunk._kda_fwd_prep_kernel`` (W, U, qg, kd, Aqk, exp(G_last)) at BT = 64, so the sequential
+``_kda_fwd_scan_kernel`` (generic in BT) walks 4x fewer chunks on 64-row tiles.
 
 ``_kda_fwd_prep64_kernel``, one program per (64-token chunk, value head):
 
