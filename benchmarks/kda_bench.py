@@ -8,6 +8,7 @@ per batch. Correctness is checked before timing (a failing row prints FAILED, no
 
     PYTHONPATH=src python benchmarks/kda_bench.py [--crossover] [--cold] [--tune] [--out DIR]
         [--fwd-chunk 16 64] [--fwd-only] [--tune64] [--train-chunk 16 64] [--tune-train64]
+        [--fwd-variant default lean lean_dots] [--tune-lean] [--variants-only]
 
 ``--fwd-chunk 16 64`` times our forward (no gradient) with each chunk length of
 ``CONFIG["fwd_chunk"]`` side by side (keys ``ours_fwd16_ms`` / ``ours_fwd64_ms``; ``ours_fwd_ms`` is the
@@ -16,6 +17,10 @@ forward+backward and the decode rows (FLA's first forward+backward autotunes for
 ``--train-chunk 16 64`` times forward+backward with each ``CONFIG["train_chunk"]`` (keys
 ``ours_fwdbwd16_ms`` / ``ours_fwdbwd64_ms``; gradients finite and compared with the first listed) and
 adds per-chunk-length backward pieces to the breakdown (forward keeping states, backward scan, intra).
+``--fwd-variant default lean lean_dots`` first times the 16-token forward (no gradient) with each
+``CONFIG["fwd_variant"]`` (the prep kernel; checked against float64 first) next to FLA's forward, and
+each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings;
+``--variants-only`` stops there.
 """
 from __future__ import annotations
 
@@ -115,6 +120,61 @@ def check_forward(B, T):
     return check(o, r64, low, name=f"o T={T}")
 
 
+def fwd_variants(ti, args, have_fla):
+    """Forward (no gradient, 16-token chunks) with each CONFIG["fwd_variant"]: checked against the
+    float64 reference, then timed at 8x4096 and 1x32768 with FLA's forward in the same process; the
+    prep alone at 8x4096; with --tune-lean the lean settings. One JSON line per row, as measured."""
+    base = dict(ti.CONFIG)
+    sc = K ** -0.5
+    ti.CONFIG["fwd_chunk"] = 16
+    ok = {}
+    for var in args.fwd_variant:
+        ti.CONFIG["fwd_variant"] = var
+        v = check_forward(1, 4096)
+        ok[var] = bool(v.ok)
+        print(f"check fwd_variant={var}", v.message, "OK" if v.ok else "FAILED", flush=True)
+    ti.CONFIG["fwd_variant"] = "default"
+
+    def prep_fn(var, q, k, v, g, beta, chunk_t):
+        if var == "default":
+            return lambda: ti._prep(q, k, v, g, beta, None, None, sc, None, True, chunk_t)
+        return lambda: ti._prep_lean(q, k, v, g, beta, None, None, sc, None, True, chunk_t,
+                                     inv=int(var == "lean_dots"))
+
+    def rows_for(label, settings, variants):
+        for B, T in ((8, 4096), (1, 32768)):
+            xs = inputs(B, T)
+            row = dict(fwd_variant_row=label, B=B, T=T)
+            with torch.no_grad():
+                ti.CONFIG.update(base, fwd_chunk=16, fwd_variant="default")
+                ref16 = ours(*xs)
+                for var in variants:
+                    ti.CONFIG.update(base, fwd_chunk=16, fwd_variant=var, **settings)
+                    o = ours(*xs)
+                    row[f"{var}_rel_err_vs_default"] = rel_err(o, ref16)
+                    if ok.get(var) and torch.isfinite(o).all().item():
+                        row[f"{var}_fwd_ms"] = bench(lambda: ours(*xs))
+                        if B == 8:
+                            chunk_t = ti._index_tables(xs[0].shape[0], xs[0].shape[1], None, DEV)[1]
+                            row[f"{var}_prep_ms"] = bench(prep_fn(var, *xs, chunk_t))
+                if have_fla and not args.no_fla and not settings:
+                    fla_chunk(*xs)
+                    row["fla_fwd_ms"] = bench(lambda: fla_chunk(*xs))
+            ti.CONFIG.update(base)
+            print(json.dumps(row), flush=True)
+            del xs, ref16
+            torch.cuda.empty_cache()
+
+    rows_for("variants", {}, args.fwd_variant)
+    if args.tune_lean:
+        lean = [x for x in args.fwd_variant if x != "default"] or ["lean_dots"]
+        for settings in (dict(lean_ks=64), dict(lean_ks=128), dict(lean_warps=8, lean_stages=2),
+                         dict(lean_warps=8, lean_stages=1), dict(lean_stages=2), dict(lean_inv_prec="tf32"),
+                         dict(lean_ks=64, lean_warps=8, lean_stages=2)):
+            rows_for(json.dumps(settings), settings, lean)
+    ti.CONFIG.update(base)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--crossover", action="store_true")
@@ -130,6 +190,10 @@ def main():
     ap.add_argument("--train-chunk", type=int, nargs="+", default=None,
                     help="training chunk lengths to time forward+backward with (16, 64; default: CONFIG's)")
     ap.add_argument("--tune-train64", action="store_true", help="forward+backward variants of the 64-token training path")
+    ap.add_argument("--fwd-variant", nargs="+", default=None,
+                    help="16-token forward prep variants to time first (CONFIG['fwd_variant']: default lean lean_dots)")
+    ap.add_argument("--tune-lean", action="store_true", help="lean prep settings (lean_ks / lean_warps / lean_stages)")
+    ap.add_argument("--variants-only", action="store_true", help="stop after the --fwd-variant rows")
     args = ap.parse_args()
     from delta_attn.ops.kda import triton_impl as ti
     base_chunk = ti.CONFIG["fwd_chunk"]
@@ -169,6 +233,12 @@ def main():
             chunk_ok[c] = chunk_ok.get(c, True) and bool(v.ok)
             print(f"check fwd_chunk={c}", v.message, "OK" if v.ok else "FAILED")
     ti.CONFIG["fwd_chunk"] = base_chunk
+
+    # ---------------------------------------------------------------------------------- forward variants
+    if args.fwd_variant:
+        fwd_variants(ti, args, have_fla)
+        if args.variants_only:
+            return
 
     # ---------------------------------------------------------------------------------- ours first
     keep = {}

@@ -7,11 +7,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import delta_attn as da
 from delta_attn import reference as ref
 from delta_attn.backends import UnsupportedError
 from delta_attn.testing import assert_close
+from delta_attn.ops.kda.prep_lean import _kda_tri_inverse_dots
 
 pytestmark = pytest.mark.usefixtures("poisoned")
 
@@ -160,6 +163,114 @@ def test_forward64_is_taken_without_grad_only(monkeypatch):
     torch.testing.assert_close(s64, s16.detach(), atol=2e-5, rtol=1e-4)
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 32)
     with pytest.raises(ValueError, match="fwd_chunk"):
+        run("triton", xs, kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# opt-in forward variants of the 16-token prep (CONFIG["fwd_variant"]): factored launch + exact
+# launch for flagged chunks, q/k/g in K slices, no T, Aqk in the working dtype; "lean_dots" inverts
+# the UT matrix with dots
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["lean", "lean_dots"])
+def fwd_variant(request, monkeypatch):
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", request.param)
+    monkeypatch.setitem(triton_impl.CONFIG, "lean_ks", 32)
+    return request.param
+
+
+@pytest.mark.parametrize("T,dtype,opts", [
+    (17, torch.float16, dict(h0=True, H=1, HV=2, K=48)),                 # K = 48: a partial K slice
+    (63, torch.float32, dict(gate="softplus", final=True, K=64)),
+    (130, torch.float16, dict(gate="lower_bound", l2=True, final=True, h0=True, K=32)),
+])
+def test_forward_variant_odd_lengths(T, dtype, opts, fwd_variant):
+    H, HV, K = opts.get("H", 1), opts.get("HV", 1), opts.get("K", 16)
+    xs, kw = make(1, T, H, HV, K, 16, dtype, gate=opts.get("gate"), h0=opts.get("h0", False))
+    check_all(xs, kw, use_qk_l2norm=opts.get("l2", True), output_final_state=opts.get("final", False),
+              scale=0.3 if T == 63 else None)
+
+
+def test_forward_variant_varlen_with_empty_sequences(fwd_variant):
+    cu = [0, 5, 5, 21, 22, 57, 57]
+    xs, kw = make(1, 57, 1, 2, 32, 16, torch.float16, gate="softplus", h0=True, cu=cu)
+    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert torch.equal(out[1][1], kw["initial_state"][1])
+    assert torch.equal(out[1][5], kw["initial_state"][5])
+
+
+@pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float32), (-1e4, torch.float16),
+                                         (float("-inf"), torch.float32)])
+def test_forward_variant_strong_decays(decay, dtype, fwd_variant):
+    """Strong decays in the first 48 tokens only: those chunks are flagged and redone by the exact
+    launch, the later ones stay on the factored launch (both launches' outputs in one result)."""
+    xs, kw = make(1, 97, 1, 1, 48, 16, dtype, decay=decay, h0=True)
+    xs[3][:, 48:] = torch.nn.functional.logsigmoid(torch.randn(1, 49, 1, 48) + 2.0).to(dtype)
+    from delta_attn.ops.kda import triton_impl
+    seen = []
+    real = triton_impl._kda_fwd_prep_lean_kernel
+
+    class Spy:          # records the flags after the exact launch
+        def __getitem__(self, grid):
+            def launch(*a, **kw_):
+                real[grid](*a, **kw_)
+                if kw_["EXACT"]:
+                    seen.append(a[14].clone())
+            return launch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_impl, "_kda_fwd_prep_lean_kernel", Spy())
+        out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+    flags = seen[0].flatten().tolist()
+    assert flags[0] == 1 and flags[-1] == 0, flags
+
+
+@pytest.mark.parametrize("factor_max", [-1.0, 1e9])
+def test_forward_variant_exact_and_factored_launches(monkeypatch, factor_max, fwd_variant):
+    """Every chunk on the exact launch (factor_max < 0) or on the factored one (1e9)."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "factor_max", factor_max)
+    xs, kw = make(2, 37, 1, 2, 32, 16, torch.float32, gate="lower_bound", h0=True)
+    check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+
+
+@triton.jit
+def _kda_test_inverse_kernel(A, T, BT: tl.constexpr):
+    """One program around prep_lean._kda_tri_inverse_dots (ieee dots)."""
+    i = tl.arange(0, BT)
+    a = tl.load(A + i[:, None] * BT + i[None, :])
+    tl.store(T + i[:, None] * BT + i[None, :], _kda_tri_inverse_dots(a, BT, "ieee"))
+
+
+def test_tri_inverse_dots_matches_inverse():
+    """(I + A)^-1 as (I - A)(I + A^2)(I + A^4)(I + A^8) for a strictly lower 16 x 16 A with O(1)
+    entries (every power up to A^15 matters), against float64 inversion."""
+    A = torch.tril(torch.rand(16, 16) * 2 - 1, -1)
+    T = torch.full_like(A, float("nan"))
+    _kda_test_inverse_kernel[(1,)](A, T, BT=16)
+    want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + A.double())
+    torch.testing.assert_close(T.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_forward_variant_is_taken_without_grad_only(monkeypatch):
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
+    monkeypatch.setitem(triton_impl.CONFIG, "train_chunk", 16)
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", "lean")
+    calls = []
+    real = triton_impl._prep_lean
+    monkeypatch.setattr(triton_impl, "_prep_lean", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    xs, kw = make(1, 40, 1, 1, 16, 16, torch.float32, h0=True)
+    o1, s1, _ = run("triton", xs, kw, output_final_state=True)
+    assert len(calls) == 1
+    o2, s2, _ = run("triton", xs, kw, grad=True, output_final_state=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(o1, o2.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s1, s2.detach(), atol=2e-5, rtol=1e-4)
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", "fast")
+    with pytest.raises(ValueError, match="fwd_variant"):
         run("triton", xs, kw)
 
 

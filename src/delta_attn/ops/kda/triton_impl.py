@@ -5,6 +5,7 @@ Kernels: ``chunk.py`` (chunked forward / backward), ``recurrent.py`` (decode).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import List, Optional, Tuple
 
@@ -16,6 +17,7 @@ from .api import KDAArgs
 from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _kda_fwd_prep_kernel,
                     _kda_fwd_scan_kernel)
 from .chunk64 import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra64_kernel, _kda_fwd_prep64_kernel
+from .prep_lean import _kda_fwd_prep_lean_kernel
 from .recurrent import _kda_step_kernel
 
 BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
@@ -78,8 +80,18 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan
               scan64_min_programs=256,
               train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "64") or 64),
               bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=4, intra64_round_tf32=False,
-              bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8)
+              bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8,
+              fwd_variant=os.environ.get("DELTA_ATTN_KDA_FWD_VARIANT", "default") or "default",
+              lean_ks=32, lean_warps=4, lean_stages=1, lean_inv_prec=None)
 FWD_CHUNKS = (16, 64)
+# fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT), OPT-IN, not measured on a GPU yet: the prep of the
+# 16-token forward without gradient. "default": chunk._kda_fwd_prep_kernel. "lean" / "lean_dots":
+# prep_lean._kda_fwd_prep_lean_kernel (factored launch with the strong-decay code compiled out plus an
+# exact launch for flagged chunks, q/k/g in K slices of lean_ks, no T stored, Aqk in the working dtype;
+# "lean_dots" inverts the 16 x 16 UT matrix with six dots in lean_inv_prec (None: tf32x3 for bf16,
+# ieee otherwise) instead of forward substitution). ptxas -v, sm_90a, bf16, K = V = 128 (kda_h200.md):
+# default prep 255 registers; lean at lean_ks 32, 4 warps, 1 stage: 128 registers, no spill.
+FWD_VARIANTS = ("default", "lean", "lean_dots")
 
 
 def _fwd_chunk(key: str = "fwd_chunk") -> int:
@@ -136,6 +148,36 @@ def _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, c
     return W, U, QG, KD, AQK, TM, GC
 
 
+def _fwd_variant() -> str:
+    var = str(CONFIG["fwd_variant"])
+    if var not in FWD_VARIANTS:
+        raise ValueError(f"CONFIG['fwd_variant'] / DELTA_ATTN_KDA_FWD_VARIANT must be one of {FWD_VARIANTS}, got {var!r}")
+    return var
+
+
+def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv: int = 0):
+    """Forward-only 16-token prep (prep_lean.py): W, U, qg, kd, Aqk (working dtype), exp(G_last); no T."""
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    NC = chunk_t.shape[0]
+    W, QG, KD, U, AQK, GC = _chunk_operands(q, v, chunk_t, BT, _work_dtype(q.dtype))
+    if NC > 0:
+        flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)   # every entry written by launch 1
+        KP = _pow2(K)
+        prec = CONFIG["lean_inv_prec"] or ("tf32x3" if q.dtype == torch.bfloat16 else "ieee")
+        for exact in (False, True):     # factored everywhere, then the flagged chunks redone exactly
+            _kda_fwd_prep_lean_kernel[(NC, HV)](
+                q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
+                chunk_t, W, U, QG, KD, AQK, GC, flags,
+                float(scale), float(lower_bound or 0.0), H, HV,
+                K=K, V=V, BT=BT, BK=min(CONFIG["prep_bk"], KP), BV=min(64, _pow2(V)),
+                KS=max(16, min(CONFIG["lean_ks"], KP)), L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound),
+                HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"],
+                DOT_PREC=_dot_prec(q.dtype), EXACT=exact, INV=inv, INV_PREC=prec,
+                num_warps=CONFIG["lean_warps"], num_stages=CONFIG["lean_stages"])
+    return W, U, QG, KD, AQK, None, GC
+
+
 def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, store_t: bool = False):
     """Per 64-token chunk operands (chunk64.py): W, U, qg, kd, Aqk, exp(G_last), and with ``store_t`` the
     UT-transform matrices T (fp32, for the backward; else None)."""
@@ -189,7 +231,9 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     HV, V = v.shape[2], v.shape[3]
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device)
     N, NC = seq_t.shape[0], chunk_t.shape[0]
-    W, U, QG, KD, AQK, TM, GC = _prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
+    var = "default" if store_states else _fwd_variant()
+    prep = _prep if var == "default" else functools.partial(_prep_lean, inv=int(var == "lean_dots"))
+    W, U, QG, KD, AQK, TM, GC = prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
     HS = torch.empty(NC, HV, K, V, dtype=W.dtype, device=q.device) if store_states else None
