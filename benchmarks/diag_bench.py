@@ -18,7 +18,8 @@ less work than ours (it reads 2 tensors and writes 1; there is no q): its times 
 times, and its own effective bandwidth is given with its own byte model (fwd: x, g read, o written
 = 3 tensors; fwd+bwd: 3 + read g, o, do and write dx, dg = 8 tensors).
 
-Usage: PYTHONPATH=src python benchmarks/diag_bench.py [--sweep] [--crossover] [--out DIR]
+Usage: PYTHONPATH=src python benchmarks/diag_bench.py [--sweep | --rows-ab] [--crossover] [--out DIR]
+(--rows-ab: a short sweep of the default forward against the opt-in rows forwards, default backward.)
 Timing: CUDA events, L2 flushed (256 MB memset) before every repeat, median and [p20, p80].
 """
 from __future__ import annotations
@@ -164,22 +165,30 @@ C = ti.DiagConfig
 # forward carries.
 FWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(64, 32, 8, 2), C(16, 64, 4, 1), C(16, 64, 8, 1),
              C(8, 128, 4, 1), C(16, 32, 4, 1), C(32, 16, 4, 1)]
+# the opt-in "rows" forward (_diag_fwd_rows_kernel: no cross-thread scan; bd spans H * D); sm_90a
+# registers / SASS instructions per 1024 elements in the results file ("Next measurement")
+ROWS_SWEEP = [C(32, 128, 2, 1, kind="rows"), C(32, 256, 2, 1, kind="rows"), C(64, 128, 2, 1, kind="rows"),
+              C(64, 256, 2, 1, kind="rows"), C(16, 256, 2, 1, kind="rows"), C(32, 256, 4, 1, kind="rows"),
+              C(32, 512, 2, 2, kind="rows")]
 BWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(16, 64, 4, 1), C(16, 64, 8, 1), C(8, 128, 4, 1),
              C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 64, 4, 2)]
 
 
 def _short(r):
     c = r.get("cfg")
-    name = f"{r['kind']} {c.bt}x{c.bd} w{c.w} {c.warps}wp {'early' if c.early else 'late'}" if c else r["kind"]
+    name = (f"{r['kind']} {c.kind} {c.bt}x{c.bd} w{c.w} {c.warps}wp {'early' if c.early else 'late'}"
+            if c else r["kind"])
     if "error" in r:
         return f"{name}: ERROR {r['error']}"
     frac = r.get("frac", r.get("frac_of_9"))
     return f"{name}: {r['ms']:.3f} ms {100 * frac:.1f}% copy ok={r['ok']}"
 
 
-def sweep_configs(bw, rec):
+def sweep_configs(bw, rec, fwd_sweep=None, bwd_sweep=None):
     """Time every candidate on (B=1, T=32768) (the packed layout makes (8, 4096) the same work),
     each checked against the float64 scan first; returns the fastest correct fwd / bwd pair."""
+    fwd_sweep = FWD_SWEEP + ROWS_SWEEP if fwd_sweep is None else fwd_sweep
+    bwd_sweep = BWD_SWEEP if bwd_sweep is None else bwd_sweep
     b, t = 1, 32768
     q, k, v, g, do = inputs(b, t, seed=1)
     elems = b * t * H * D
@@ -187,7 +196,7 @@ def sweep_configs(bw, rec):
     o64, _, g64 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do))
     o32, _, g32 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do), dtype=torch.float32)
     fwd, bwd = [], []
-    for cfg in FWD_SWEEP:
+    for cfg in fwd_sweep:
         try:
             v_ = check(sl(ti.diag_fwd(q, k, v, g, config=cfg)[0]), o64, o32.to(DT))
             ms = bench(lambda: ti.diag_fwd(q, k, v, g, config=cfg), budget_ms=120)[0]
@@ -200,7 +209,7 @@ def sweep_configs(bw, rec):
         print("sweep", _short(r))
     f8 = C(8, 64, 4, 1)
     _, _, ws8 = ti.diag_fwd(q, k, v, g, config=f8)
-    for cfg in BWD_SWEEP:
+    for cfg in bwd_sweep:
         try:
             grads = ti.diag_bwd(q, k, v, g, do, ws8, config=cfg, fwd_bt=8)
             oks = [check(sl(x), r64, r32.to(x.dtype), kind="grad").ok for x, r64, r32 in zip(grads[:4], g64, g32)]
@@ -234,6 +243,8 @@ def sweep_configs(bw, rec):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time tile configs first and use the fastest")
+    ap.add_argument("--rows-ab", action="store_true",
+                    help="short sweep: the default forward and the rows forwards (same process), default backward")
     ap.add_argument("--crossover", action="store_true", help="cuDNN causal attention at 64K tokens per batch")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fused-max-t", type=int, default=1 << 30, help="skip fused_recurrent_hgrn above this T")
@@ -248,6 +259,8 @@ def main():
     fcfg, (pf, pb) = ti.FWD_CONFIG, (ti.FWD_CONFIG, ti.BWD_CONFIG)
     if a.sweep:
         fcfg, (pf, pb) = sweep_configs(bw, sweep)
+    elif a.rows_ab:
+        fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG] + ROWS_SWEEP, [ti.BWD_CONFIG])
     info["fwd_config"], info["train_configs"] = str(fcfg), (str(pf), str(pb))
     print(f"forward config: {fcfg}\ntraining pair: fwd {pf} / bwd {pb}")
     if a.out:

@@ -238,3 +238,67 @@ def test_kernel_variants(poisoned, t):
         grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, None, config=bc, fwd_bt=fc.bt)
         for x, r in zip((o, ht) + tuple(grads), (o64, ht64) + tuple(g64)):
             torch.testing.assert_close(x.double(), r, rtol=1e-4, atol=1e-4)
+
+
+# ---- opt-in "rows" forward (DiagConfig(kind="rows")): each thread walks whole channels -------------
+
+
+def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg):
+    """The rows forward (o, final state, carries) and the default backward on its carries."""
+    from delta_attn.ops.diag import triton_impl as ti
+    o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
+    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=ti.DiagConfig(16, 16, 2, 1), fwd_bt=fcfg.bt)
+    return o, ht, grads
+
+
+@pytest.mark.parametrize("t,bd", [(37, 16), (32, 64)])
+def test_rows_fwd_against_float64(poisoned, t, bd):
+    # odd length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN
+    # path (T % BT == 0, H * D % BD == 0 with D = 32); fp16 inputs with fp32 decays; initial and
+    # final states; the backward runs on the rows forward's tile carries
+    from delta_attn.ops.diag import triton_impl as ti
+    d = 20 if t % 8 else 32
+    q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
+    h0 = torch.randn(2, 2, d, device=DEV)
+    do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
+    o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht, ti.DiagConfig(8, bd, 2, 1, kind="rows"))
+    o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
+    olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)
+    assert o.dtype == q.dtype and ht.dtype == torch.float32
+    assert_close(o, o64, olp, name="o")
+    assert_close(ht, ht64, htlp, name="final_state")
+    for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
+        assert_close(x, r64, rlp, kind="grad", name=name)
+
+
+def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
+    # varlen with zero-length sequences (first, middle, last), a length-1 sequence, tiles straddling
+    # sequences; decays down to -1e4 including a fully decayed tile; no initial state in a second call
+    from delta_attn.ops.diag import triton_impl as ti
+    cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
+    q, k, v, g = _inputs(1, 40, 2, 20, torch.float32)
+    g = torch.where(torch.rand_like(g) < 0.3, torch.full_like(g, -1e4), g)
+    g[:, 8:16] = -1e4
+    h0 = torch.randn(7, 2, 20, device=DEV)
+    do, dht = torch.randn_like(q), torch.randn(7, 2, 20, device=DEV)
+    fcfg = ti.DiagConfig(8, 16, 2, 1, kind="rows")
+    o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg)
+    o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
+    olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
+    for x in (o, ht) + tuple(grads):
+        assert torch.isfinite(x).all()
+    assert_close(o, o64, olp, name="o")
+    assert_close(ht, ht64, htlp, name="final_state")
+    torch.testing.assert_close(ht[[0, 2, 6]], h0[[0, 2, 6]], rtol=0, atol=0)
+    for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
+        assert_close(x, r64, rlp, kind="grad", name=name)
+    # no initial state: an empty sequence ends in state 0; the carries equal the default forward's
+    o2, ht2, ws2 = ti.diag_fwd(q, k, v, g, None, cu, True, config=fcfg)
+    o3, ht3, ws3 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.DiagConfig(8, 16, 2, 1))
+    assert torch.count_nonzero(ht2[[0, 2, 6]]) == 0
+    torch.testing.assert_close(o2, o3, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht2, ht3, rtol=1e-5, atol=1e-5)
+    c2 = (ws2 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    c3 = (ws3 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    torch.testing.assert_close(c2, c3, rtol=1e-5, atol=1e-5)
+    assert bool((ws2 < 0).all())   # every tile published its inclusive word

@@ -362,6 +362,142 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
 
 
 @triton.jit
+def _row_flags(i: tl.constexpr, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN: tl.constexpr,
+               LOG_N: tl.constexpr, BT: tl.constexpr, EVEN: tl.constexpr):
+    """Row i of a rows-tile (scalar): (sequence index, starts its sequence, ends it, channel mask)."""
+    if EVEN:
+        # fixed length, T % BT == 0: only row 0 may start a sequence, only row BT-1 may end one
+        seq = seq0
+        start = (p0 == 0) & (i == 0)
+        end = (p0 + BT == T_seq) & (i == BT - 1)
+        m = cmask
+    else:
+        row = row0 + i
+        if IS_VARLEN:
+            # largest n < N with cu[n] <= row (zero-length sequences share cu values: take the last)
+            lo = N * 0
+            hi = N - 1
+            for _ in tl.static_range(LOG_N):
+                mid = (lo + hi + 1) // 2
+                go = tl.load(cu + mid).to(tl.int64) <= row
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid - 1)
+            seq = lo.to(tl.int64)
+            start = row == tl.load(cu + lo).to(tl.int64)
+            end = row == tl.load(cu + lo + 1).to(tl.int64) - 1
+        else:
+            seq = row // T_seq
+            pos = row - seq * T_seq
+            start = pos == 0
+            end = pos == T_seq - 1
+        m = cmask & (row < total)
+    return seq, start, end, m
+
+
+@triton.jit
+def _exp(x, FAST_EXP: tl.constexpr):
+    if FAST_EXP:
+        # 2^(x log2 e) by one MUFU.EX2, subnormal results flushed to 0 (decays down to -1e4 give 0)
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _row_map(k, v, g, h0, x, seq, start, chan, m, i: tl.constexpr, HD: tl.constexpr, HAS_H0: tl.constexpr,
+             EVEN: tl.constexpr, FAST_EXP: tl.constexpr):
+    """The row's map s -> a s + b per channel (a = 0 at a sequence start, s0 folded into b); rows
+    past the end read g = 0, k v = 0: the identity."""
+    a = _exp(_ld(g + x, m, EVEN).to(tl.float32), FAST_EXP)
+    b = _ld(k + x, m, EVEN).to(tl.float32) * _ld(v + x, m, EVEN).to(tl.float32)
+    if (not EVEN) or (i == 0):
+        if HAS_H0:
+            s0 = tl.load(h0 + seq * HD + chan, mask=m & start, other=0.0).to(tl.float32)
+            b += tl.where(start, a * s0, 0.0)
+        a = tl.where(start, 0.0, a)
+    return a, b
+
+
+@triton.jit
+def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
+                          T_seq, total, N, n_tiles,
+                          H: tl.constexpr, D: tl.constexpr,
+                          HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                          EVEN: tl.constexpr, FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
+    """Forward, "rows" variant (opt-in: DiagConfig(kind="rows")). The time scan never crosses threads:
+    a program owns BD channels of the flattened (H * D) channel axis (a block may span heads: every
+    channel is its own chain) and walks the tile's BT rows one [BD] vector at a time, each thread
+    carrying the state of its own channels. Two passes over the tile:
+      1. local scan from state 0 and the cumulative decay (B, A): the tile's aggregate map;
+      2. publish it, look back for the entering state s_in, publish the inclusive state B + A s_in;
+      3. re-read g, k, v (L1 / L2 hits) and q, run s = a s + b from s_in, write o = q s and the final
+         states.
+    No tile is held in registers (the stores and volatile loads between the passes keep the compiler
+    from merging the two passes' loads), so registers do not grow with BT and long tiles amortise
+    the look-back. FAST_EXP (GPU only): exp(g) as one ex2.approx.ftz (results below 2^-126 flush to 0)
+    instead of Triton's denormal-safe sequence (5 instructions)."""
+    HD: tl.constexpr = H * D
+    N_CB: tl.constexpr = (HD + BD - 1) // BD
+    pid = tl.program_id(0)
+    j = pid // N_CB
+    chan = (pid % N_CB) * BD + tl.arange(0, BD)
+    cmask = chan < HD
+    row0 = j.to(tl.int64) * BT
+    seq0 = row0 // T_seq
+    p0 = row0 - seq0 * T_seq
+    p = row0 * HD + chan
+
+    # 1. local scan from zero and the product of the decays, row by row
+    acc_b = tl.zeros([BD], tl.float32)
+    acc_a = tl.full([BD], 1.0, tl.float32)
+    for i in tl.static_range(BT):
+        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
+                                        BT, EVEN)
+        a, b = _row_map(k, v, g, h0, p + i * HD, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
+        acc_b = a * acc_b + b
+        acc_a = acc_a * a
+
+    # 2. publish the aggregate, look back for the entering state, publish the inclusive state
+    wptr = ws + j.to(tl.int64) * HD + chan
+    tl.store(wptr, _pack(acc_a, acc_b), mask=cmask)
+    if LOOKBACK:
+        s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+    else:   # (timing diagnostic only: wrong results)
+        s_in = tl.zeros([BD], tl.float32)
+    tl.store(wptr, _pack(tl.zeros_like(acc_b), acc_a * s_in + acc_b), mask=cmask)
+
+    # 3. the states row by row from s_in: o = q s, final states at sequence ends
+    s = s_in
+    for i in tl.static_range(BT):
+        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
+                                        BT, EVEN)
+        x = p + i * HD
+        a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
+        s = a * s + b
+        _st(o + x, (_ld(q + x, m, EVEN).to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
+        if STORE_FINAL:
+            if (not EVEN) or (i == BT - 1):
+                tl.store(ht + seq * HD + chan, s, mask=m & end)
+    if STORE_FINAL:
+        if IS_VARLEN:
+            # zero-length sequences: the final state is the initial one; tile 0 writes it
+            if j == 0:
+                n = tl.zeros([1], tl.int64)
+                while tl.sum(n) < N:
+                    nb = tl.sum(n)
+                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+                    if HAS_H0:
+                        sn = tl.load(h0 + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+                    else:
+                        sn = tl.zeros([BD], tl.float32)
+                    tl.store(ht + nb * HD + chan, sn, mask=cmask & empty_seq)
+                    n += 1
+
+
+@triton.jit
 def _diag_step_kernel(q, k, v, g, o, state, idx, T, H, D,
                       HAS_IDX: tl.constexpr, BD: tl.constexpr):
     # one program per (sequence, head, channel block): the recurrence over the new tokens

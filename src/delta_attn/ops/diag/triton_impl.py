@@ -21,7 +21,7 @@ import triton
 from ..._outputs import empty
 from ...backends import triton_interpreter_on
 from .api import DiagArgs
-from .kernels import _diag_bwd_kernel, _diag_fwd_kernel, _diag_step_kernel
+from .kernels import _diag_bwd_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel, _diag_step_kernel
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class DiagConfig:
     w: int                   # look-back window (tiles read per probe)
     warps: int
     early: bool = False      # fwd: load q before the look-back; bwd: load g, k, v and the carry before it
+    kind: str = "tile"       # fwd only: "tile" (2-D tile, scan across threads) or "rows" (opt-in:
+                             # _diag_fwd_rows_kernel, each thread walks whole channels; bd spans H * D)
 
 
 # Defaults: the fastest correct training pair of the sweep measured on the H200, bf16, H=16, D=128
@@ -102,8 +104,24 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
         if output_final_state:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final, ws
-    bd = _block_d(cfg, n_tiles, h, d, q.device)
     dummy = ws
+    if cfg.kind == "rows":
+        # channel blocks over the flattened H * D axis; shrunk while the grid would not fill the GPU twice
+        bd = min(cfg.bd, triton.next_power_of_2(h * d))
+        while bd > 16 and n_tiles * triton.cdiv(h * d, bd) < 2 * _sm_count(q.device):
+            bd //= 2
+        _diag_fwd_rows_kernel[(n_tiles * triton.cdiv(h * d, bd),)](
+            q, k, v, g, o,
+            initial_state if initial_state is not None else dummy,
+            final if output_final_state else dummy,
+            ws, cu_seqlens if cu_seqlens is not None else dummy,
+            max(t_seq, 1), total, n, n_tiles, H=h, D=d,
+            HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
+            IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
+            BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
+            FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback, num_warps=cfg.warps)
+        return o, final, ws
+    bd = _block_d(cfg, n_tiles, h, d, q.device)
     _diag_fwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
         q, k, v, g, o,
         initial_state if initial_state is not None else dummy,
