@@ -19,7 +19,9 @@ forward+backward and the decode rows (FLA's first forward+backward autotunes for
 adds per-chunk-length backward pieces to the breakdown (forward keeping states, backward scan, intra).
 ``--fwd-variant default lean lean_dots`` first times the 16-token forward (no gradient) with each
 ``CONFIG["fwd_variant"]`` (the prep kernel; checked against float64 first) next to FLA's forward, and
-each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings;
+each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings and
+``fwd_segments`` (B = 1 only: prep of the next time segment overlapped with the scan; at B = 8 the row
+repeats the unsegmented lean path);
 ``--variants-only`` stops there.
 """
 from __future__ import annotations
@@ -142,6 +144,13 @@ def fwd_variants(ti, args, have_fla):
                                      inv=int(var == "lean_dots"))
 
     def rows_for(label, settings, variants):
+        if "fwd_segments" in settings:      # the segmented path (B = 1) against float64 first
+            for var in variants:
+                ti.CONFIG.update(base, fwd_chunk=16, fwd_variant=var, **settings)
+                v = check_forward(1, 4096)
+                ok[var + label] = bool(v.ok)
+                print(f"check fwd_variant={var} {label}", v.message, "OK" if v.ok else "FAILED", flush=True)
+            ti.CONFIG.update(base)
         for B, T in ((8, 4096), (1, 32768)):
             xs = inputs(B, T)
             row = dict(fwd_variant_row=label, B=B, T=T)
@@ -152,7 +161,7 @@ def fwd_variants(ti, args, have_fla):
                     ti.CONFIG.update(base, fwd_chunk=16, fwd_variant=var, **settings)
                     o = ours(*xs)
                     row[f"{var}_rel_err_vs_default"] = rel_err(o, ref16)
-                    if ok.get(var) and torch.isfinite(o).all().item():
+                    if ok.get(var) and ok.get(var + label, True) and torch.isfinite(o).all().item():
                         row[f"{var}_fwd_ms"] = bench(lambda: ours(*xs))
                         if B == 8:
                             chunk_t = ti._index_tables(xs[0].shape[0], xs[0].shape[1], None, DEV)[1]
@@ -168,9 +177,11 @@ def fwd_variants(ti, args, have_fla):
     rows_for("variants", {}, args.fwd_variant)
     if args.tune_lean:
         lean = [x for x in args.fwd_variant if x != "default"] or ["lean_dots"]
-        for settings in (dict(lean_ks=64), dict(lean_ks=128), dict(lean_warps=8, lean_stages=2),
+        for settings in (dict(fwd_segments=8), dict(fwd_segments=4), dict(fwd_segments=16),
+                         dict(lean_ks=64), dict(lean_ks=128), dict(lean_warps=8, lean_stages=2),
                          dict(lean_warps=8, lean_stages=1), dict(lean_stages=2), dict(lean_inv_prec="tf32"),
-                         dict(lean_ks=64, lean_warps=8, lean_stages=2)):
+                         dict(lean_ks=64, lean_warps=8, lean_stages=2), dict(scan_stages=4), dict(scan_warps=4),
+                         dict(fwd_segments=8, scan_stages=4)):
             rows_for(json.dumps(settings), settings, lean)
     ti.CONFIG.update(base)
 

@@ -254,6 +254,21 @@ def test_tri_inverse_dots_matches_inverse():
     torch.testing.assert_close(T.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("cu", [None, [0, 101]])
+def test_forward_variant_segments(monkeypatch, cu, fwd_variant):
+    """fwd_segments: one sequence cut into segments in time (state carried between scan launches; on
+    the GPU the prep of the next segment overlaps the scan), strong decays in one segment only."""
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", 3)
+    calls = []
+    real = triton_impl._kda_fwd16_segments
+    monkeypatch.setattr(triton_impl, "_kda_fwd16_segments", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    xs, kw = make(1, 101, 1, 2, 32, 16, torch.float32, decay=-1e4, h0=True, cu=cu)
+    xs[3][:, 40:] = torch.nn.functional.logsigmoid(torch.randn(1, 61, 2, 32) + 2.0)
+    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
+    assert calls and torch.isfinite(out[1]).all()
+
+
 def test_forward_variant_is_taken_without_grad_only(monkeypatch):
     from delta_attn.ops.kda import triton_impl
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
