@@ -251,8 +251,8 @@ def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg):
     return o, ht, grads
 
 
-@pytest.mark.parametrize("t,bd", [(37, 16), (32, 64)])
-def test_rows_fwd_against_float64(poisoned, t, bd):
+@pytest.mark.parametrize("t,bd,hold", [(37, 16, False), (32, 64, False), (37, 16, True)])
+def test_rows_fwd_against_float64(poisoned, t, bd, hold):
     # odd length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN
     # path (T % BT == 0, H * D % BD == 0 with D = 32); fp16 inputs with fp32 decays; initial and
     # final states; the backward runs on the rows forward's tile carries
@@ -261,7 +261,8 @@ def test_rows_fwd_against_float64(poisoned, t, bd):
     q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
     h0 = torch.randn(2, 2, d, device=DEV)
     do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
-    o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht, ti.DiagConfig(8, bd, 2, 1, kind="rows"))
+    o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht,
+                                 ti.DiagConfig(8, bd, 2, 1, kind="rows", hold=hold))
     o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
     olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)
     assert o.dtype == q.dtype and ht.dtype == torch.float32
@@ -283,6 +284,9 @@ def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
     do, dht = torch.randn_like(q), torch.randn(7, 2, 20, device=DEV)
     fcfg = ti.DiagConfig(8, 16, 2, 1, kind="rows")
     o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg)
+    oh, hth, _ = ti.diag_fwd(q, k, v, g, h0, cu, True, config=ti.DiagConfig(8, 16, 2, 1, kind="rows", hold=True))
+    torch.testing.assert_close(oh, o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hth, ht, rtol=1e-5, atol=1e-5)
     o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
     olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
     for x in (o, ht) + tuple(grads):

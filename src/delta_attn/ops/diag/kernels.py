@@ -426,18 +426,19 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                           H: tl.constexpr, D: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                          EVEN: tl.constexpr, FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
+                          EVEN: tl.constexpr, HOLD: tl.constexpr, FAST_EXP: tl.constexpr,
+                          LOOKBACK: tl.constexpr):
     """Forward, "rows" variant (opt-in: DiagConfig(kind="rows")). The time scan never crosses threads:
     a program owns BD channels of the flattened (H * D) channel axis (a block may span heads: every
     channel is its own chain) and walks the tile's BT rows one [BD] vector at a time, each thread
     carrying the state of its own channels. Two passes over the tile:
       1. local scan from state 0 and the cumulative decay (B, A): the tile's aggregate map;
       2. publish it, look back for the entering state s_in, publish the inclusive state B + A s_in;
-      3. re-read g, k, v (L1 / L2 hits) and q, run s = a s + b from s_in, write o = q s and the final
-         states.
-    No tile is held in registers (the stores and volatile loads between the passes keep the compiler
-    from merging the two passes' loads), so registers do not grow with BT and long tiles amortise
-    the look-back. FAST_EXP (GPU only): exp(g) as one ex2.approx.ftz (results below 2^-126 flush to 0)
+      3. the states from s_in, writing o = q s and the final states: HOLD keeps every row's prefix
+         (A_i, B_i) from pass 1 in registers (2 per element: short tiles) and s_i = A_i s_in + B_i;
+         otherwise g, k, v are re-read (the stores and volatile loads between the passes keep the
+         compiler from merging the loads; hits only if the tile is still in L1 / L2) and
+         s = a s + b runs from s_in, so registers do not grow with BT. FAST_EXP (GPU only): exp(g) as one ex2.approx.ftz (results below 2^-126 flush to 0)
     instead of Triton's denormal-safe sequence (5 instructions)."""
     HD: tl.constexpr = H * D
     N_CB: tl.constexpr = (HD + BD - 1) // BD
@@ -451,14 +452,18 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     p = row0 * HD + chan
 
     # 1. local scan from zero and the product of the decays, row by row
+    #    (HOLD: every row's prefix (A_i, B_i) kept in registers, a tuple of BT [BD] pairs)
     acc_b = tl.zeros([BD], tl.float32)
     acc_a = tl.full([BD], 1.0, tl.float32)
+    held = ()
     for i in tl.static_range(BT):
         seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
                                         BT, EVEN)
         a, b = _row_map(k, v, g, h0, p + i * HD, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
         acc_b = a * acc_b + b
         acc_a = acc_a * a
+        if HOLD:
+            held = held + ((acc_a, acc_b),)
 
     # 2. publish the aggregate, look back for the entering state, publish the inclusive state
     wptr = ws + j.to(tl.int64) * HD + chan
@@ -475,8 +480,11 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
                                         BT, EVEN)
         x = p + i * HD
-        a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
-        s = a * s + b
+        if HOLD:
+            s = held[i][0] * s_in + held[i][1]
+        else:
+            a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
+            s = a * s + b
         _st(o + x, (_ld(q + x, m, EVEN).to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
         if STORE_FINAL:
             if (not EVEN) or (i == BT - 1):

@@ -33,6 +33,8 @@ class DiagConfig:
     early: bool = False      # fwd: load q before the look-back; bwd: load g, k, v and the carry before it
     kind: str = "tile"       # fwd only: "tile" (2-D tile, scan across threads) or "rows" (opt-in:
                              # _diag_fwd_rows_kernel, each thread walks whole channels; bd spans H * D)
+    hold: bool = False       # rows: keep the tile's prefixes in registers (2 per element) instead of
+                             # re-reading g, k, v after the look-back
 
 
 # Defaults: the fastest correct training pair of the sweep measured on the H200, bf16, H=16, D=128
@@ -119,7 +121,8 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
             HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
             IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
             BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
-            FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback, num_warps=cfg.warps)
+            HOLD=cfg.hold, FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback,
+            num_warps=cfg.warps)
         return o, final, ws
     bd = _block_d(cfg, n_tiles, h, d, q.device)
     _diag_fwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
