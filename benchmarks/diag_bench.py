@@ -19,12 +19,13 @@ times, and its own effective bandwidth is given with its own byte model (fwd: x,
 = 3 tensors; fwd+bwd: 3 + read g, o, do and write dx, dg = 8 tensors).
 
 Usage: PYTHONPATH=src python benchmarks/diag_bench.py [--sweep | --rows-ab] [--crossover] [--out DIR]
-(--rows-ab: a short sweep of the default forward against the opt-in rows forwards, default backward.)
+(--rows-ab: a short sweep of the default kernels against the opt-in rows variants, same process.)
 Timing: CUDA events, L2 flushed (256 MB memset) before every repeat, median and [p20, p80].
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -172,6 +173,8 @@ ROWS_SWEEP = [R(16, 64, 2, 1, True), R(32, 64, 2, 1, True), R(8, 64, 2, 1, True)
               R(32, 128, 2, 1, False), R(32, 256, 2, 1, False), R(64, 64, 2, 1, False)]
 BWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(16, 64, 4, 1), C(16, 64, 8, 1), C(8, 128, 4, 1),
              C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 64, 4, 2)]
+ROWS_BWD_SWEEP = [C(16, 64, 2, 1, kind="rows"), C(32, 64, 2, 1, kind="rows"), C(16, 128, 2, 2, kind="rows"),
+                  C(16, 64, 4, 1, kind="rows")]
 
 
 def _short(r):
@@ -188,7 +191,7 @@ def sweep_configs(bw, rec, fwd_sweep=None, bwd_sweep=None):
     """Time every candidate on (B=1, T=32768) (the packed layout makes (8, 4096) the same work),
     each checked against the float64 scan first; returns the fastest correct fwd / bwd pair."""
     fwd_sweep = FWD_SWEEP + ROWS_SWEEP if fwd_sweep is None else fwd_sweep
-    bwd_sweep = BWD_SWEEP if bwd_sweep is None else bwd_sweep
+    bwd_sweep = BWD_SWEEP + ROWS_BWD_SWEEP if bwd_sweep is None else bwd_sweep
     b, t = 1, 32768
     q, k, v, g, do = inputs(b, t, seed=1)
     elems = b * t * H * D
@@ -244,7 +247,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time tile configs first and use the fastest")
     ap.add_argument("--rows-ab", action="store_true",
-                    help="short sweep: the default forward and the rows forwards (same process), default backward")
+                    help="short sweep: the default kernels and the rows variants (same process)")
     ap.add_argument("--crossover", action="store_true", help="cuDNN causal attention at 64K tokens per batch")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fused-max-t", type=int, default=1 << 30, help="skip fused_recurrent_hgrn above this T")
@@ -260,7 +263,7 @@ def main():
     if a.sweep:
         fcfg, (pf, pb) = sweep_configs(bw, sweep)
     elif a.rows_ab:
-        fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG] + ROWS_SWEEP, [ti.BWD_CONFIG])
+        fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG] + ROWS_SWEEP, [ti.BWD_CONFIG] + ROWS_BWD_SWEEP)
     info["fwd_config"], info["train_configs"] = str(fcfg), (str(pf), str(pb))
     print(f"forward config: {fcfg}\ntraining pair: fwd {pf} / bwd {pb}")
     if a.out:
@@ -277,7 +280,7 @@ def main():
         bad = correct(q, k, v, g, do, pf, pb)
         if fcfg != pf:
             bad += correct(q, k, v, g, do, fcfg, pb if pb.bt % fcfg.bt == 0 else
-                           ti.DiagConfig(max(fcfg.bt, pb.bt), pb.bd, pb.w, pb.warps, pb.early))
+                           dataclasses.replace(pb, bt=max(fcfg.bt, pb.bt)))
         row["correct"] = bad or "ok"
         if bad:
             print(f"B={b} T={t}: FAILED {bad}")

@@ -243,26 +243,28 @@ def test_kernel_variants(poisoned, t):
 # ---- opt-in "rows" forward (DiagConfig(kind="rows")): each thread walks whole channels -------------
 
 
-def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg):
-    """The rows forward (o, final state, carries) and the default backward on its carries."""
+def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg=None):
+    """The rows forward (o, final state, carries) and a backward (default: the tile one) on its carries."""
     from delta_attn.ops.diag import triton_impl as ti
     o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
-    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=ti.DiagConfig(16, 16, 2, 1), fwd_bt=fcfg.bt)
+    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg or ti.DiagConfig(16, 16, 2, 1), fwd_bt=fcfg.bt)
     return o, ht, grads
 
 
-@pytest.mark.parametrize("t,bd,hold", [(37, 16, False), (32, 64, False), (37, 16, True)])
-def test_rows_fwd_against_float64(poisoned, t, bd, hold):
+@pytest.mark.parametrize("t,bd,hold,rows_bwd", [(37, 16, False, False), (32, 64, False, True),
+                                                (37, 16, True, True)])
+def test_rows_fwd_against_float64(poisoned, t, bd, hold, rows_bwd):
     # odd length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN
     # path (T % BT == 0, H * D % BD == 0 with D = 32); fp16 inputs with fp32 decays; initial and
-    # final states; the backward runs on the rows forward's tile carries
+    # final states; the backward (tile, or rows with 16-row tiles) runs on the rows forward's carries
     from delta_attn.ops.diag import triton_impl as ti
     d = 20 if t % 8 else 32
     q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
     h0 = torch.randn(2, 2, d, device=DEV)
     do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
     o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht,
-                                 ti.DiagConfig(8, bd, 2, 1, kind="rows", hold=hold))
+                                 ti.DiagConfig(8, bd, 2, 1, kind="rows", hold=hold),
+                                 ti.DiagConfig(8 if hold else 16, bd, 2, 1, kind="rows") if rows_bwd else None)
     o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
     olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)
     assert o.dtype == q.dtype and ht.dtype == torch.float32
@@ -296,6 +298,17 @@ def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
     torch.testing.assert_close(ht[[0, 2, 6]], h0[[0, 2, 6]], rtol=0, atol=0)
     for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
         assert_close(x, r64, rlp, kind="grad", name=name)
+    # the rows backward (16-row tiles on 8-row carries, straddling sequences)
+    _, _, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
+    for bt in (16,):
+        with da.testing.poison_outputs():
+            grads_r = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=ti.DiagConfig(bt, 16, 2, 1, kind="rows"),
+                                  fwd_bt=8)
+        for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads_r, g64, glp):
+            assert torch.isfinite(x).all(), name
+            assert_close(x, r64, rlp, kind="grad", name=f"rows bwd {bt}: {name}")
+    # an empty sequence's initial-state gradient is its final state's
+    torch.testing.assert_close(grads_r[4][[0, 2, 6]], dht[[0, 2, 6]], rtol=0, atol=0)
     # no initial state: an empty sequence ends in state 0; the carries equal the default forward's
     o2, ht2, ws2 = ti.diag_fwd(q, k, v, g, None, cu, True, config=fcfg)
     o3, ht3, ws3 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.DiagConfig(8, 16, 2, 1))

@@ -506,6 +506,113 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
 
 
 @triton.jit
+def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, cu,
+                          T_seq, total, N, n_tiles, carry_stride,
+                          H: tl.constexpr, D: tl.constexpr,
+                          HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                          EVEN: tl.constexpr, FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
+    """Backward, "rows" variant (opt-in: DiagConfig(kind="rows") for the backward): as the forward's
+    rows variant, a program owns BD channels of the flattened H * D axis and walks rows; no data
+    crosses threads. Tiles from the end of each chain (the look-back runs to the right):
+      1. rows from last to first: ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end) from
+         ds = 0 after the tile, keeping every row's map (RA_t, RB_t) (ds_t = RA_t x_in + RB_t) in
+         registers (2 per element); each g row is read once (a_{t+1} carried to the next row);
+      2. publish the aggregate (RA_0, RB_0), look back to the right for x_in (ds after the tile),
+         publish the inclusive ds_0;
+      3. rows from first to last: the states s_t from the forward's tile carry (g, k, v read, do
+         re-read), ds_t = RA_t x_in + RB_t, dq = do s, dk = ds v, dv = ds k, dg = ds (s - k v),
+         d s0 = exp(g_first) ds_first."""
+    HD: tl.constexpr = H * D
+    N_CB: tl.constexpr = (HD + BD - 1) // BD
+    pid = tl.program_id(0)
+    j = n_tiles - 1 - pid // N_CB
+    chan = (pid % N_CB) * BD + tl.arange(0, BD)
+    cmask = chan < HD
+    row0 = j.to(tl.int64) * BT
+    seq0 = row0 // T_seq
+    p0 = row0 - seq0 * T_seq
+    p = row0 * HD + chan
+
+    # 1. the reverse scan, last row first; a_next = decay of the row after the current one (the next
+    #    tile's first row for the last row: 0 past the end)
+    nxt = (row0 + BT) < total
+    a_next = _exp(tl.load(g + p + BT * HD, mask=cmask & nxt, other=0.0).to(tl.float32), FAST_EXP)
+    a_next = tl.where(nxt, a_next, 0.0)
+    ra = tl.full([BD], 1.0, tl.float32)
+    rb = tl.zeros([BD], tl.float32)
+    held = ()
+    for i in tl.static_range(BT - 1, -1, -1):
+        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
+                                        BT, EVEN)
+        x = p + i * HD
+        beta = _ld(do + x, m, EVEN).to(tl.float32) * _ld(q + x, m, EVEN).to(tl.float32)
+        an = a_next
+        if (not EVEN) or (i == BT - 1):
+            # the row ends its sequence: nothing flows back from the next one; dfinal enters here
+            an = tl.where(end, 0.0, an)
+            if HAS_DHT:
+                beta += tl.load(dht + seq * HD + chan, mask=m & end, other=0.0).to(tl.float32)
+        rb = an * rb + beta
+        ra = ra * an
+        held = ((ra, rb),) + held
+        if i > 0:
+            a_next = _exp(_ld(g + x, m, EVEN).to(tl.float32), FAST_EXP)
+
+    # 2. publish the aggregate, look back to the right, publish the inclusive ds of the first row
+    wptr = ws_b + j.to(tl.int64) * HD + chan
+    tl.store(wptr, _pack(ra, rb), mask=cmask)
+    if LOOKBACK:
+        x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+    else:   # (timing diagnostic only: wrong results)
+        x_in = tl.zeros([BD], tl.float32)
+    tl.store(wptr, _pack(tl.zeros_like(rb), ra * x_in + rb), mask=cmask)
+
+    # 3. states from the forward's carry, then the gradients row by row
+    jc = j.to(tl.int64) * carry_stride - 1
+    carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
+    s = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    for i in tl.static_range(BT):
+        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
+                                        BT, EVEN)
+        x = p + i * HD
+        decay = _exp(_ld(g + x, m, EVEN).to(tl.float32), FAST_EXP)
+        kr = _ld(k + x, m, EVEN).to(tl.float32)
+        vr = _ld(v + x, m, EVEN).to(tl.float32)
+        kv = kr * vr
+        b = kv
+        a = decay
+        if (not EVEN) or (i == 0):
+            if HAS_H0:
+                s0 = tl.load(h0 + seq * HD + chan, mask=m & start, other=0.0).to(tl.float32)
+                b += tl.where(start, decay * s0, 0.0)
+            a = tl.where(start, 0.0, decay)
+        s = a * s + b
+        ds = held[i][0] * x_in + held[i][1]
+        _st(dq + x, (_ld(do + x, m, EVEN).to(tl.float32) * s).to(dq.dtype.element_ty), m, EVEN)
+        _st(dk + x, (ds * vr).to(dk.dtype.element_ty), m, EVEN)
+        _st(dv + x, (ds * kr).to(dv.dtype.element_ty), m, EVEN)
+        _st(dg + x, (ds * (s - kv)).to(dg.dtype.element_ty), m, EVEN)
+        if HAS_H0:
+            if (not EVEN) or (i == 0):
+                tl.store(dh0 + seq * HD + chan, decay * ds, mask=m & start)
+    if HAS_H0:
+        if IS_VARLEN:
+            # zero-length sequences pass the final state's gradient straight through
+            if j == 0:
+                n = tl.zeros([1], tl.int64)
+                while tl.sum(n) < N:
+                    nb = tl.sum(n)
+                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+                    if HAS_DHT:
+                        dn = tl.load(dht + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+                    else:
+                        dn = tl.zeros([BD], tl.float32)
+                    tl.store(dh0 + nb * HD + chan, dn, mask=cmask & empty_seq)
+                    n += 1
+
+
+@triton.jit
 def _diag_step_kernel(q, k, v, g, o, state, idx, T, H, D,
                       HAS_IDX: tl.constexpr, BD: tl.constexpr):
     # one program per (sequence, head, channel block): the recurrence over the new tokens

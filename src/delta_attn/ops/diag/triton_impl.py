@@ -21,7 +21,8 @@ import triton
 from ..._outputs import empty
 from ...backends import triton_interpreter_on
 from .api import DiagArgs
-from .kernels import _diag_bwd_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel, _diag_step_kernel
+from .kernels import (_diag_bwd_kernel, _diag_bwd_rows_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel,
+                      _diag_step_kernel)
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,10 @@ class DiagConfig:
     w: int                   # look-back window (tiles read per probe)
     warps: int
     early: bool = False      # fwd: load q before the look-back; bwd: load g, k, v and the carry before it
-    kind: str = "tile"       # fwd only: "tile" (2-D tile, scan across threads) or "rows" (opt-in:
-                             # _diag_fwd_rows_kernel, each thread walks whole channels; bd spans H * D)
-    hold: bool = False       # rows: keep the tile's prefixes in registers (2 per element) instead of
-                             # re-reading g, k, v after the look-back
+    kind: str = "tile"       # "tile" (2-D tile, scan across threads) or "rows" (opt-in: _diag_fwd_rows_kernel /
+                             # _diag_bwd_rows_kernel, each thread walks whole channels; bd spans H * D)
+    hold: bool = False       # rows forward: keep the tile's prefixes in registers (2 per element) instead
+                             # of re-reading g, k, v after the look-back (the rows backward always holds)
 
 
 # Defaults: the fastest correct training pair of the sweep measured on the H200, bf16, H=16, D=128
@@ -69,6 +70,15 @@ def _block_d(cfg: DiagConfig, n_tiles: int, H: int, D: int, device: torch.device
     bd = min(cfg.bd, triton.next_power_of_2(D))
     target = 2 * _sm_count(device)
     while bd > 16 and n_tiles * H * triton.cdiv(D, bd) < target:
+        bd //= 2
+    return bd
+
+
+def _block_hd(cfg: DiagConfig, n_tiles: int, hd: int, device: torch.device) -> int:
+    """Rows variants: channel blocks over the flattened H * D axis, shrunk while the grid would not
+    fill the GPU twice."""
+    bd = min(cfg.bd, triton.next_power_of_2(hd))
+    while bd > 16 and n_tiles * triton.cdiv(hd, bd) < 2 * _sm_count(device):
         bd //= 2
     return bd
 
@@ -108,10 +118,7 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
         return o, final, ws
     dummy = ws
     if cfg.kind == "rows":
-        # channel blocks over the flattened H * D axis; shrunk while the grid would not fill the GPU twice
-        bd = min(cfg.bd, triton.next_power_of_2(h * d))
-        while bd > 16 and n_tiles * triton.cdiv(h * d, bd) < 2 * _sm_count(q.device):
-            bd //= 2
+        bd = _block_hd(cfg, n_tiles, h * d, q.device)
         _diag_fwd_rows_kernel[(n_tiles * triton.cdiv(h * d, bd),)](
             q, k, v, g, o,
             initial_state if initial_state is not None else dummy,
@@ -157,9 +164,23 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
             dh0.copy_(dfinal if dfinal is not None else torch.zeros_like(dh0))
         return dq, dk, dv, dg, dh0
     n_tiles = triton.cdiv(total, cfg.bt)
-    bd = _block_d(cfg, n_tiles, h, d, q.device)
     ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
     dummy = ws
+    if cfg.kind == "rows":
+        bd = _block_hd(cfg, n_tiles, h * d, q.device)
+        _diag_bwd_rows_kernel[(n_tiles * triton.cdiv(h * d, bd),)](
+            q, k, v, g, do, dq, dk, dv, dg,
+            initial_state if initial_state is not None else dummy,
+            dfinal if dfinal is not None else dummy,
+            dh0 if initial_state is not None else dummy,
+            ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
+            max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt, H=h, D=d,
+            HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None,
+            IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
+            BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
+            FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback, num_warps=cfg.warps)
+        return dq, dk, dv, dg, dh0
+    bd = _block_d(cfg, n_tiles, h, d, q.device)
     _diag_bwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
         q, k, v, g, do, dq, dk, dv, dg,
         initial_state if initial_state is not None else dummy,
