@@ -19,7 +19,7 @@ forward+backward and the decode rows (FLA's first forward+backward autotunes for
 adds per-chunk-length backward pieces to the breakdown (forward keeping states, backward scan, intra).
 ``--fwd-variant default lean lean_dots`` first times the 16-token forward (no gradient) with each
 ``CONFIG["fwd_variant"]`` (the prep kernel; checked against float64 first) next to FLA's forward, and
-each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings and
+each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings (for the last listed variant) and
 ``fwd_segments`` (B = 1 only: prep of the next time segment overlapped with the scan; at B = 8 the row
 repeats the unsegmented lean path);
 ``--variants-only`` stops there.
@@ -137,14 +137,17 @@ def fwd_variants(ti, args, have_fla):
         print(f"check fwd_variant={var}", v.message, "OK" if v.ok else "FAILED", flush=True)
     ti.CONFIG["fwd_variant"] = "default"
 
-    def prep_fn(var, q, k, v, g, beta, chunk_t):
+    def prep_fn(var, q, k, v, g, beta):
+        """The prep alone, with the chunk length of the variant (lean_chunk for the lean ones)."""
+        bt = ti.BT if var == "default" else ti._lean_chunk()
+        chunk_t = ti._index_tables(q.shape[0], q.shape[1], None, DEV, bt)[1]
         if var == "default":
             return lambda: ti._prep(q, k, v, g, beta, None, None, sc, None, True, chunk_t)
         return lambda: ti._prep_lean(q, k, v, g, beta, None, None, sc, None, True, chunk_t,
-                                     inv=int(var == "lean_dots"))
+                                     inv=int(var == "lean_dots"), bt=bt)
 
     def rows_for(label, settings, variants):
-        if "fwd_segments" in settings:      # the segmented path (B = 1) against float64 first
+        if settings:                        # every setting against float64 first (B = 1: segments taken)
             for var in variants:
                 ti.CONFIG.update(base, fwd_chunk=16, fwd_variant=var, **settings)
                 v = check_forward(1, 4096)
@@ -164,8 +167,7 @@ def fwd_variants(ti, args, have_fla):
                     if ok.get(var) and ok.get(var + label, True) and torch.isfinite(o).all().item():
                         row[f"{var}_fwd_ms"] = bench(lambda: ours(*xs))
                         if B == 8:
-                            chunk_t = ti._index_tables(xs[0].shape[0], xs[0].shape[1], None, DEV)[1]
-                            row[f"{var}_prep_ms"] = bench(prep_fn(var, *xs, chunk_t))
+                            row[f"{var}_prep_ms"] = bench(prep_fn(var, *xs))
                 if have_fla and not args.no_fla and not settings:
                     fla_chunk(*xs)
                     row["fla_fwd_ms"] = bench(lambda: fla_chunk(*xs))
@@ -176,8 +178,9 @@ def fwd_variants(ti, args, have_fla):
 
     rows_for("variants", {}, args.fwd_variant)
     if args.tune_lean:
-        lean = [x for x in args.fwd_variant if x != "default"] or ["lean_dots"]
-        for settings in (dict(fwd_segments=8), dict(fwd_segments=4), dict(fwd_segments=16),
+        lean = [args.fwd_variant[-1] if args.fwd_variant[-1] != "default" else "lean_dots"]   # the last listed
+        for settings in (dict(fwd_segments=8), dict(lean_chunk=32), dict(lean_chunk=32, fwd_segments=8),
+                         dict(lean_chunk=32, lean_inv_prec="tf32"), dict(fwd_segments=4), dict(fwd_segments=16),
                          dict(lean_ks=64), dict(lean_ks=128), dict(lean_warps=8, lean_stages=2),
                          dict(lean_warps=8, lean_stages=1), dict(lean_stages=2), dict(lean_inv_prec="tf32"),
                          dict(lean_ks=64, lean_warps=8, lean_stages=2), dict(scan_stages=4), dict(scan_warps=4),

@@ -172,12 +172,16 @@ def test_forward64_is_taken_without_grad_only(monkeypatch):
 # the UT matrix with dots
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["lean", "lean_dots"])
-def fwd_variant(request, monkeypatch):
+def _set_variant(monkeypatch, variant, chunk):
     from delta_attn.ops.kda import triton_impl
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", request.param)
-    monkeypatch.setitem(triton_impl.CONFIG, "lean_ks", 32)
+    for key, val in dict(fwd_chunk=16, fwd_variant=variant, lean_chunk=chunk, lean_ks=32).items():
+        monkeypatch.setitem(triton_impl.CONFIG, key, val)
+
+
+@pytest.fixture(params=[("lean", 16), ("lean_dots", 32)], ids=["lean", "lean_dots32"])
+def fwd_variant(request, monkeypatch):
+    """The variant and its chunk length (lean_chunk: 16 or 32); lean_dots at 16 in the varlen test."""
+    _set_variant(monkeypatch, *request.param)
     return request.param
 
 
@@ -193,7 +197,9 @@ def test_forward_variant_odd_lengths(T, dtype, opts, fwd_variant):
               scale=0.3 if T == 63 else None)
 
 
-def test_forward_variant_varlen_with_empty_sequences(fwd_variant):
+@pytest.mark.parametrize("variant,chunk", [("lean", 16), ("lean_dots", 16), ("lean_dots", 32)])
+def test_forward_variant_varlen_with_empty_sequences(monkeypatch, variant, chunk):
+    _set_variant(monkeypatch, variant, chunk)
     cu = [0, 5, 5, 21, 22, 57, 57]
     xs, kw = make(1, 57, 1, 2, 32, 16, torch.float16, gate="softplus", h0=True, cu=cu)
     out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
@@ -232,7 +238,9 @@ def test_forward_variant_exact_and_factored_launches(monkeypatch, factor_max, fw
     """Every chunk on the exact launch (factor_max < 0) or on the factored one (1e9)."""
     from delta_attn.ops.kda import triton_impl
     monkeypatch.setitem(triton_impl.CONFIG, "factor_max", factor_max)
-    xs, kw = make(2, 37, 1, 2, 32, 16, torch.float32, gate="lower_bound", h0=True)
+    # plain decays (the forced factored form overflows beyond |G| ~ 88 in a chunk: lower_bound -5 would
+    # reach it within 32 tokens)
+    xs, kw = make(2, 37, 1, 2, 32, 16, torch.float32, h0=True)
     check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
 
 
@@ -254,12 +262,13 @@ def test_tri_inverse_dots_matches_inverse():
     torch.testing.assert_close(T.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("cu", [None, [0, 101]])
-def test_forward_variant_segments(monkeypatch, cu, fwd_variant):
+@pytest.mark.parametrize("variant,chunk,cu", [("lean", 16, None), ("lean_dots", 32, [0, 101])])
+def test_forward_variant_segments(monkeypatch, variant, chunk, cu):
     """fwd_segments: one sequence cut into segments in time (state carried between scan launches; on
-    the GPU the prep of the next segment overlaps the scan), strong decays in one segment only."""
+    the GPU the prep of the next segment overlaps the scan), strong decays in the first 40 tokens only."""
     from delta_attn.ops.kda import triton_impl
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", 3)
+    _set_variant(monkeypatch, variant, chunk)
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", 3 if chunk == 16 else 2)
     calls = []
     real = triton_impl._kda_fwd16_segments
     monkeypatch.setattr(triton_impl, "_kda_fwd16_segments", lambda *a, **k_: calls.append(1) or real(*a, **k_))

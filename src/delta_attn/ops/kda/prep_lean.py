@@ -8,10 +8,12 @@ forward without gradient, with less code in the common case and fewer bytes.
   unflagged chunks and redoes the flagged ones with the exact pairwise decays, K slice by K slice.
 * No UT matrix T is stored (only the backward needs it); Aqk is stored in the working dtype (the scan
   casts it to that anyway: bf16 for bf16 inputs, half the bytes of fp32).
-* ``INV=1``: ``(I + A)^-1`` of the strictly lower 16 x 16 ``A`` as the product
-  ``(I - A)(I + A^2)(I + A^4)(I + A^8)`` (A is nilpotent: ``A^16 = 0``), six small dots in
-  ``INV_PREC`` instead of the 15 dependent steps of forward substitution (``INV=0``, as the default
-  kernel).
+* ``INV=1``: ``(I + A)^-1`` of the strictly lower BT x BT ``A`` as the product
+  ``(I - A)(I + A^2)(I + A^4)(I + A^8)`` (BT = 16; A is nilpotent: ``A^16 = 0``; one more factor per
+  doubling of BT), six small dots in ``INV_PREC`` instead of the 15 dependent steps of forward
+  substitution (``INV=0``, as the default kernel).
+* BT = 16 or 32 (``CONFIG["lean_chunk"]``): at 32 the sequential scan walks half as many chunks; the
+  exact launch then uses K slices of BK = 4 for its BT x BT x BK pairwise tiles.
 """
 from __future__ import annotations
 
@@ -23,16 +25,16 @@ from .chunk import _kda_load_decay, _kda_tri_inverse
 
 @triton.jit
 def _kda_tri_inverse_dots(A, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A (BT = 16): (I + M)(I + M^2)(I + M^4)(I + M^8), M = -A."""
+    """(I + A)^-1 for strictly lower-triangular A (BT = 16, 32 or 64; A^BT = 0):
+    (I + M)(I + M^2)(I + M^4) ... (I + M^(BT/2)), M = -A."""
     i = tl.arange(0, BT)
     eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    M = -A
-    M2 = tl.dot(M, M, input_precision=PREC)
-    M4 = tl.dot(M2, M2, input_precision=PREC)
-    M8 = tl.dot(M4, M4, input_precision=PREC)
-    T = tl.dot(eye + M, eye + M2, input_precision=PREC)
-    T = tl.dot(T, eye + M4, input_precision=PREC)
-    T = tl.dot(T, eye + M8, input_precision=PREC)
+    P = -A
+    T = eye + P
+    for s in tl.static_range(5):
+        if BT > (2 << s):
+            P = tl.dot(P, P, input_precision=PREC)
+            T = tl.dot(T, eye + P, input_precision=PREC)
     return T
 
 

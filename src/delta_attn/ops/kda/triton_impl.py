@@ -84,6 +84,7 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan
               bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8,
               fwd_variant=os.environ.get("DELTA_ATTN_KDA_FWD_VARIANT", "default") or "default",
               lean_ks=32, lean_warps=4, lean_stages=1, lean_inv_prec=None,
+              lean_chunk=int(os.environ.get("DELTA_ATTN_KDA_LEAN_CHUNK", "16") or 16),
               fwd_segments=int(os.environ.get("DELTA_ATTN_KDA_FWD_SEGMENTS", "0") or 0))
 FWD_CHUNKS = (16, 64)
 # fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT), OPT-IN, not measured on a GPU yet: the prep of the
@@ -93,6 +94,8 @@ FWD_CHUNKS = (16, 64)
 # "lean_dots" inverts the 16 x 16 UT matrix with six dots in lean_inv_prec (None: tf32x3 for bf16,
 # ieee otherwise) instead of forward substitution). ptxas -v, sm_90a, bf16, K = V = 128 (kda_h200.md):
 # default prep 255 registers; lean at lean_ks 32, 4 warps, 1 stage: 128 registers, no spill.
+# lean_chunk (env DELTA_ATTN_KDA_LEAN_CHUNK): 16 or 32, the chunk length of the lean variants (prep and
+# scan): at 32 the sequential scan walks half as many chunks.
 # fwd_segments (env DELTA_ATTN_KDA_FWD_SEGMENTS), OPT-IN with a lean variant, not measured: for ONE
 # sequence (B = 1 or one varlen sequence) the forward is cut into this many segments in time and the
 # prep of segment s + 1 (side stream) overlaps the scan of segment s (high-priority stream); 0 / 1: off.
@@ -160,14 +163,21 @@ def _fwd_variant() -> str:
     return var
 
 
+def _lean_chunk() -> int:
+    c = int(CONFIG["lean_chunk"])
+    if c not in (16, 32):
+        raise ValueError(f"CONFIG['lean_chunk'] / DELTA_ATTN_KDA_LEAN_CHUNK must be 16 or 32, got {c}")
+    return c
+
+
 def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv: int = 0,
-               bufs=None, c0: int = 0, c1: Optional[int] = None):
+               bufs=None, c0: int = 0, c1: Optional[int] = None, bt: int = BT):
     """Forward-only 16-token prep (prep_lean.py): W, U, qg, kd, Aqk (working dtype), exp(G_last); no T.
     With ``bufs`` (from ``_chunk_operands``) only the chunks c0 .. c1 - 1 of ``chunk_t`` are prepared,
     into those buffers."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    W, QG, KD, U, AQK, GC = bufs if bufs is not None else _chunk_operands(q, v, chunk_t, BT, _work_dtype(q.dtype))
+    W, QG, KD, U, AQK, GC = bufs if bufs is not None else _chunk_operands(q, v, chunk_t, bt, _work_dtype(q.dtype))
     c1 = chunk_t.shape[0] if c1 is None else c1
     NC = c1 - c0
     if NC > 0:
@@ -179,7 +189,7 @@ def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2no
                 q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
                 chunk_t[c0:c1], W, U, QG, KD, AQK, GC[c0:c1], flags,
                 float(scale), float(lower_bound or 0.0), H, HV,
-                K=K, V=V, BT=BT, BK=min(CONFIG["prep_bk"], KP), BV=min(64, _pow2(V)),
+                K=K, V=V, BT=bt, BK=min(CONFIG["prep_bk"] * 16 * 16 // (bt * bt), KP), BV=min(64, _pow2(V)),
                 KS=max(16, min(CONFIG["lean_ks"], KP)), L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound),
                 HAS_DT_BIAS=dt_bias is not None, FLOOR=DECAY_FLOOR, FACTOR_MAX=CONFIG["factor_max"],
                 DOT_PREC=_dot_prec(q.dtype), EXACT=exact, INV=inv, INV_PREC=prec,
@@ -199,8 +209,8 @@ def _overlap_streams(device):
 
 
 def _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                        use_qk_l2norm, output_final_state, seq_t, chunk_t, nseg: int, inv: int):
-    """One sequence (N = 1), forward without gradient, 16-token chunks: the chunks are cut into ``nseg``
+                        use_qk_l2norm, output_final_state, seq_t, chunk_t, nseg: int, inv: int, bt: int = BT):
+    """One sequence (N = 1), forward without gradient, ``bt``-token chunks (lean prep): the chunks are cut into ``nseg``
     segments in time; the lean prep of segment s + 1 runs on a side stream while the scan (one
     high-priority stream, the state carried in fp32 between segments) walks segment s. A long single
     sequence leaves most of the GPU idle during the scan (H * V / BV programs), which the prep fills.
@@ -209,14 +219,14 @@ def _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_b
     HV, V = v.shape[2], v.shape[3]
     NC = chunk_t.shape[0]
     dev = q.device
-    bufs = _chunk_operands(q, v, chunk_t, BT, _work_dtype(q.dtype))
+    bufs = _chunk_operands(q, v, chunk_t, bt, _work_dtype(q.dtype))
     W, QG, KD, U, AQK, GC = bufs
     o = empty((B, T, HV, V), v.dtype, dev)
     final = empty((1, HV, K, V), torch.float32, dev) if output_final_state else None
     row0, Tn = (0, T) if cu_seqlens is None else (int(cu_seqlens[0]), int(cu_seqlens[-1] - cu_seqlens[0]))
     cuts = sorted({round(NC * s / nseg) for s in range(nseg + 1)})
     segs = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-    seg_t = torch.tensor([[row0 + a * BT, min(b * BT, Tn) - a * BT, a] for a, b in segs], dtype=torch.int32,
+    seg_t = torch.tensor([[row0 + a * bt, min(b * bt, Tn) - a * bt, a] for a, b in segs], dtype=torch.int32,
                          device=dev)
     carry = [torch.empty(1, HV, K, V, dtype=torch.float32, device=dev) for _ in range(2)]
     KP, BV = _blocks(K, V, HV)
@@ -230,13 +240,13 @@ def _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_b
         with torch.cuda.stream(side):
             for a, b in segs:
                 _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv,
-                           bufs=bufs, c0=a, c1=b)
+                           bufs=bufs, c0=a, c1=b, bt=bt)
                 events.append(torch.cuda.Event())
                 events[-1].record(side)
     for s, (a, b) in enumerate(segs):
         if not use_streams:
             _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv,
-                       bufs=bufs, c0=a, c1=b)
+                       bufs=bufs, c0=a, c1=b, bt=bt)
         h0 = initial_state if s == 0 else carry[(s - 1) % 2]
         last = s == len(segs) - 1
         out_state = (final if last else carry[s % 2])
@@ -247,7 +257,7 @@ def _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_b
             _kda_fwd_scan_kernel[(triton.cdiv(V, BV), 1, HV)](
                 W, U, QG, KD, AQK, GC, h0 if h0 is not None else q, seg_t[s:s + 1], o,
                 q, q, out_state if out_state is not None else q, HV, b - a,
-                K=K, V=V, BT=BT, KP=KP, BV=BV, USE_H0=h0 is not None, STORE_FINAL=out_state is not None,
+                K=K, V=V, BT=bt, KP=KP, BV=BV, USE_H0=h0 is not None, STORE_FINAL=out_state is not None,
                 STORE_H=False, num_warps=CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
                 num_stages=CONFIG["scan_stages"])
     if use_streams:
@@ -307,15 +317,16 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
                           use_qk_l2norm, output_final_state, store_states)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device)
-    N, NC = seq_t.shape[0], chunk_t.shape[0]
     var = "default" if store_states else _fwd_variant()
+    bt = BT if var == "default" else _lean_chunk()
+    seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, bt)
+    N, NC = seq_t.shape[0], chunk_t.shape[0]
     nseg = int(CONFIG["fwd_segments"])
     if var != "default" and N == 1 and nseg > 1 and NC >= 2 * nseg:
         return _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                                    use_qk_l2norm, output_final_state, seq_t, chunk_t, nseg,
-                                   inv=int(var == "lean_dots"))
-    prep = _prep if var == "default" else functools.partial(_prep_lean, inv=int(var == "lean_dots"))
+                                   inv=int(var == "lean_dots"), bt=bt)
+    prep = _prep if var == "default" else functools.partial(_prep_lean, inv=int(var == "lean_dots"), bt=bt)
     W, U, QG, KD, AQK, TM, GC = prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
@@ -326,7 +337,7 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
         _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
             W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
             VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
-            K=K, V=V, BT=BT, KP=KP, BV=BV, USE_H0=initial_state is not None,
+            K=K, V=V, BT=bt, KP=KP, BV=BV, USE_H0=initial_state is not None,
             STORE_FINAL=final is not None, STORE_H=store_states,
             num_warps=CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
             num_stages=CONFIG["scan_stages"])
