@@ -146,30 +146,34 @@ def test_gradients64_bf16(monkeypatch, gate, decay, cu):
     assert all(torch.isfinite(t).all() for t in [out[0], out[1]] + out[2])
 
 
-@pytest.mark.parametrize("variant", ["lean", "lean_dots"])
+@pytest.mark.parametrize("variant,chunk", [("lean", 16), ("lean_dots", 16), ("lean_dots", 32)])
 @pytest.mark.parametrize("T,gate,decay,cu", [
     (32768, None, None, None),
     (777, "softplus", -1e4, None),
     (777, None, float("-inf"), None),
     (2000, "lower_bound", -50.0, [0, 100, 100, 1133, 1134, 2000]),
 ])
-def test_forward_variant_bf16(monkeypatch, variant, T, gate, decay, cu):
-    """The opt-in 16-token forward prep variants (CONFIG["fwd_variant"]) in bf16 (tf32 products,
-    tf32x3 UT inverse for lean_dots), strong decays on the exact launch."""
+def test_forward_variant_bf16(monkeypatch, variant, chunk, T, gate, decay, cu):
+    """The opt-in forward prep variants (CONFIG["fwd_variant"], lean_chunk 16 / 32) in bf16 (tf32
+    products, tf32x3 UT inverse for lean_dots), strong decays on the exact launch."""
     from delta_attn.ops.kda import triton_impl
+    if T > 4096 and variant != "lean_dots":
+        pytest.skip("one long variant run is enough")
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", variant)
+    monkeypatch.setitem(triton_impl.CONFIG, "lean_chunk", chunk)
     B, HV = (1, 2) if T > 4096 or cu is not None else (2, 4)
     xs, kw = make(B, T, HV // 2 if cu is None else 2, HV, 128, 128, gate=gate, decay=decay, h0=True, cu=cu)
     out = check(xs, kw, use_qk_l2norm=True, output_final_state=True)
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
 
 
-@pytest.mark.parametrize("variant,segments", [("lean", 4), ("lean_dots", 8)])
-def test_forward_segments_bf16(monkeypatch, variant, segments):
+@pytest.mark.parametrize("variant,segments,chunk", [("lean", 4, 16), ("lean_dots", 8, 16), ("lean_dots", 8, 32)])
+def test_forward_segments_bf16(monkeypatch, variant, segments, chunk):
     """fwd_segments: one sequence, the prep of the next time segment on a side stream overlapping the
-    scan (high-priority stream); strong decays in the first segment (exact launch)."""
+    scan (high-priority stream); decays of -50 at random tokens (exact launch)."""
     from delta_attn.ops.kda import triton_impl
+    monkeypatch.setitem(triton_impl.CONFIG, "lean_chunk", chunk)
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", variant)
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", segments)
