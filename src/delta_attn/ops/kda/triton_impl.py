@@ -1,7 +1,8 @@
 """``backend="triton"`` for KDA: launchers (``kda_fwd`` / ``kda_bwd`` / ``kda_step_fwd``), the
 autograd ``KDAFunction`` and the ``torch.library`` custom ops (with fake implementations) they run.
 
-Kernels: ``chunk.py`` (chunked forward / backward), ``recurrent.py`` (decode).
+Kernels: ``chunk.py`` (chunked forward / backward, 16-token chunks), ``chunk64.py`` (64-token chunks),
+``prep_lean.py`` (opt-in forward-only prep, ``CONFIG["fwd_variant"]``), ``recurrent.py`` (decode).
 """
 from __future__ import annotations
 
