@@ -75,11 +75,13 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     row("fwd tile 32x32 W8 1 warp (default)", K._diag_fwd_kernel, FWD_PTRS,
         dict(fwd, BT=32, BD=32, W=8, Q_EARLY=False), 1, 32 * 32)
-    for bt, bd, w, warps, hold in [(16, 64, 2, 1, True), (32, 64, 2, 1, True), (8, 64, 2, 1, True),
-                                   (16, 128, 2, 2, True), (32, 128, 2, 1, False), (32, 256, 2, 1, False),
-                                   (64, 64, 2, 1, False)]:
-        row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp", K._diag_fwd_rows_kernel, FWD_PTRS,
-            dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, FAST_EXP=True), warps, bt * bd)
+    for bt, bd, w, warps, hold, early in [(16, 64, 2, 1, True, False), (16, 64, 2, 1, True, True),
+                                          (32, 64, 2, 1, True, False), (8, 64, 2, 1, True, False),
+                                          (16, 128, 2, 2, True, False), (32, 128, 2, 1, False, False),
+                                          (32, 256, 2, 1, False, False), (64, 64, 2, 1, False, False)]:
+        row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp{', early q' if early else ''}",
+            K._diag_fwd_rows_kernel, FWD_PTRS,
+            dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, Q_EARLY=early, FAST_EXP=True), warps, bt * bd)
     row("bwd tile 32x32 W8 1 warp (default)", K._diag_bwd_kernel, BWD_PTRS,
         dict(bwd, BT=32, BD=32, W=8, KV_EARLY=False), 1, 32 * 32)
     for bt, bd, w, warps in [(16, 64, 2, 1), (32, 64, 2, 1), (16, 128, 2, 2), (16, 64, 4, 1)]:

@@ -263,7 +263,7 @@ def test_rows_fwd_against_float64(poisoned, t, bd, hold, rows_bwd):
     h0 = torch.randn(2, 2, d, device=DEV)
     do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
     o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht,
-                                 ti.DiagConfig(8, bd, 2, 1, kind="rows", hold=hold),
+                                 ti.DiagConfig(8, bd, 2, 1, early=hold, kind="rows", hold=hold),
                                  ti.DiagConfig(8 if hold else 16, bd, 2, 1, kind="rows") if rows_bwd else None)
     o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
     olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)

@@ -426,8 +426,8 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                           H: tl.constexpr, D: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                          EVEN: tl.constexpr, HOLD: tl.constexpr, FAST_EXP: tl.constexpr,
-                          LOOKBACK: tl.constexpr):
+                          EVEN: tl.constexpr, HOLD: tl.constexpr, Q_EARLY: tl.constexpr,
+                          FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
     """Forward, "rows" variant (opt-in: DiagConfig(kind="rows")). The time scan never crosses threads:
     a program owns BD channels of the flattened (H * D) channel axis (a block may span heads: every
     channel is its own chain) and walks the tile's BT rows one [BD] vector at a time, each thread
@@ -438,7 +438,8 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
          (A_i, B_i) from pass 1 in registers (2 per element: short tiles) and s_i = A_i s_in + B_i;
          otherwise g, k, v are re-read (the stores and volatile loads between the passes keep the
          compiler from merging the loads; hits only if the tile is still in L1 / L2) and
-         s = a s + b runs from s_in, so registers do not grow with BT. FAST_EXP (GPU only): exp(g) as one ex2.approx.ftz (results below 2^-126 flush to 0)
+         s = a s + b runs from s_in, so registers do not grow with BT. Q_EARLY: q is loaded in pass 1
+         (kept in registers, its latency behind the look-back) instead of in pass 3. FAST_EXP (GPU only): exp(g) as one ex2.approx.ftz (results below 2^-126 flush to 0)
     instead of Triton's denormal-safe sequence (5 instructions)."""
     HD: tl.constexpr = H * D
     N_CB: tl.constexpr = (HD + BD - 1) // BD
@@ -456,6 +457,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     acc_b = tl.zeros([BD], tl.float32)
     acc_a = tl.full([BD], 1.0, tl.float32)
     held = ()
+    qs = ()
     for i in tl.static_range(BT):
         seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
                                         BT, EVEN)
@@ -464,6 +466,8 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         acc_a = acc_a * a
         if HOLD:
             held = held + ((acc_a, acc_b),)
+        if Q_EARLY:   # q loaded before the look-back (its latency hidden behind it), kept as loaded
+            qs = qs + (_ld(q + p + i * HD, m, EVEN),)
 
     # 2. publish the aggregate, look back for the entering state, publish the inclusive state
     wptr = ws + j.to(tl.int64) * HD + chan
@@ -485,7 +489,11 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         else:
             a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
             s = a * s + b
-        _st(o + x, (_ld(q + x, m, EVEN).to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
+        if Q_EARLY:
+            qr = qs[i]
+        else:
+            qr = _ld(q + x, m, EVEN)
+        _st(o + x, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
         if STORE_FINAL:
             if (not EVEN) or (i == BT - 1):
                 tl.store(ht + seq * HD + chan, s, mask=m & end)

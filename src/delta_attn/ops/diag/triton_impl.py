@@ -31,7 +31,8 @@ class DiagConfig:
     bd: int                  # channels per tile (a power of two); shrunk for small problems
     w: int                   # look-back window (tiles read per probe)
     warps: int
-    early: bool = False      # fwd: load q before the look-back; bwd: load g, k, v and the carry before it
+    early: bool = False      # fwd (tile and rows): load q before the look-back; bwd (tile): load g, k, v and
+                             # the carry before it
     kind: str = "tile"       # "tile" (2-D tile, scan across threads) or "rows" (opt-in: _diag_fwd_rows_kernel /
                              # _diag_bwd_rows_kernel, each thread walks whole channels; bd spans H * D)
     hold: bool = False       # rows forward: keep the tile's prefixes in registers (2 per element) instead
@@ -128,7 +129,7 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
             HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
             IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
             BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
-            HOLD=cfg.hold, FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback,
+            HOLD=cfg.hold, Q_EARLY=cfg.early, FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback,
             num_warps=cfg.warps)
         return o, final, ws
     bd = _block_d(cfg, n_tiles, h, d, q.device)
