@@ -169,13 +169,13 @@ FWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(64, 32, 8, 2), C(16, 64, 4, 1),
 # the opt-in "rows" forward (_diag_fwd_rows_kernel: no cross-thread scan; bd spans H * D); sm_90a
 # registers / SASS instructions per 1024 elements in the results file ("Next measurement")
 R = lambda bt, bd, w, warps, hold: C(bt, bd, w, warps, kind="rows", hold=hold)   # noqa: E731
-ROWS_SWEEP = [R(16, 64, 2, 1, True), C(16, 64, 2, 1, True, kind="rows", hold=True), R(32, 64, 2, 1, True),
-              R(8, 64, 2, 1, True), R(16, 128, 2, 2, True), R(32, 128, 2, 1, False), R(32, 256, 2, 1, False),
-              R(64, 64, 2, 1, False)]
+ROWS_SWEEP = [R(16, 64, 8, 1, True), C(16, 64, 8, 1, True, kind="rows", hold=True), R(16, 64, 4, 1, True),
+              R(16, 64, 2, 1, True), R(32, 64, 8, 1, True), R(8, 64, 8, 1, True), R(16, 128, 8, 2, True),
+              R(32, 128, 8, 1, False), R(32, 256, 8, 1, False), R(64, 64, 8, 1, False)]
 BWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(16, 64, 4, 1), C(16, 64, 8, 1), C(8, 128, 4, 1),
              C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 64, 4, 2)]
-ROWS_BWD_SWEEP = [C(16, 64, 2, 1, kind="rows"), C(32, 64, 2, 1, kind="rows"), C(16, 128, 2, 2, kind="rows"),
-                  C(16, 64, 4, 1, kind="rows")]
+ROWS_BWD_SWEEP = [C(16, 64, 8, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"), C(16, 64, 2, 1, kind="rows"),
+                  C(32, 64, 8, 1, kind="rows"), C(16, 128, 8, 2, kind="rows")]
 
 
 def _short(r):

@@ -75,16 +75,17 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     row("fwd tile 32x32 W8 1 warp (default)", K._diag_fwd_kernel, FWD_PTRS,
         dict(fwd, BT=32, BD=32, W=8, Q_EARLY=False), 1, 32 * 32)
-    for bt, bd, w, warps, hold, early in [(16, 64, 2, 1, True, False), (16, 64, 2, 1, True, True),
-                                          (32, 64, 2, 1, True, False), (8, 64, 2, 1, True, False),
-                                          (16, 128, 2, 2, True, False), (32, 128, 2, 1, False, False),
-                                          (32, 256, 2, 1, False, False), (64, 64, 2, 1, False, False)]:
+    for bt, bd, w, warps, hold, early in [(16, 64, 8, 1, True, False), (16, 64, 8, 1, True, True),
+                                          (16, 64, 4, 1, True, False), (16, 64, 2, 1, True, False),
+                                          (32, 64, 8, 1, True, False), (8, 64, 8, 1, True, False),
+                                          (16, 128, 8, 2, True, False), (32, 128, 8, 1, False, False),
+                                          (32, 256, 8, 1, False, False), (64, 64, 8, 1, False, False)]:
         row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp{', early q' if early else ''}",
             K._diag_fwd_rows_kernel, FWD_PTRS,
             dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, Q_EARLY=early, FAST_EXP=True), warps, bt * bd)
     row("bwd tile 32x32 W8 1 warp (default)", K._diag_bwd_kernel, BWD_PTRS,
         dict(bwd, BT=32, BD=32, W=8, KV_EARLY=False), 1, 32 * 32)
-    for bt, bd, w, warps in [(16, 64, 2, 1), (32, 64, 2, 1), (16, 128, 2, 2), (16, 64, 4, 1)]:
+    for bt, bd, w, warps in [(16, 64, 8, 1), (16, 64, 4, 1), (16, 64, 2, 1), (32, 64, 8, 1), (16, 128, 8, 2)]:
         row(f"bwd rows {bt}x{bd} W{w} {warps} warp", K._diag_bwd_rows_kernel, BWD_PTRS,
             dict(bwd, BT=bt, BD=bd, W=w, FAST_EXP=True), warps, bt * bd)
 

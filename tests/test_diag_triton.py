@@ -141,10 +141,15 @@ def test_step_token_by_token_equals_whole(poisoned):
 
 
 @triton.jit
-def _lookback_probe_kernel(ws, out, j, n_tiles, D, REVERSE: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
+def _lookback_probe_kernel(ws, out, j, n_tiles, D, REVERSE: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                           WALK: tl.constexpr = False):
     cols = tl.arange(0, BD)
     cmask = cols < D
-    tl.store(out + cols, K._lookback(ws, j, cols, cmask, D, n_tiles, REVERSE, W), mask=cmask)
+    if WALK:   # the rows kernels' per-channel walk
+        x = K._lookback_walk(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
+    else:
+        x = K._lookback(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
+    tl.store(out + cols, x, mask=cmask)
 
 
 def _pack(a, b):
@@ -153,11 +158,12 @@ def _pack(a, b):
     return (a_bits << 32) | b_bits | K.INCL_ZERO
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_lookback_composes_aggregates(reverse):
+@pytest.mark.parametrize("reverse,walk,w", [(False, False, 2), (True, False, 2), (False, True, 3), (True, True, 3)])
+def test_lookback_composes_aggregates(reverse, walk, w):
     # On the interpreter every predecessor has already published its inclusive state, so the
     # aggregate path of the look-back is exercised here directly: 11 tiles of published maps
-    # (A, B), some with A == 0 (inclusive), composed across several windows of W = 2.
+    # (A, B), some with A == 0 (inclusive), composed across several windows (W = 2; the rows
+    # kernels' per-channel walk with W = 3: channels stop at different tiles).
     n_tiles, d = 11, 5
     a = torch.rand(n_tiles, d, device=DEV) + 0.5
     b = torch.randn(n_tiles, d, device=DEV)
@@ -166,11 +172,11 @@ def test_lookback_composes_aggregates(reverse):
     ws = _pack(a, b)
     for j in (0, 5, 10):
         out = torch.full((d,), float("nan"), device=DEV)
-        _lookback_probe_kernel[(1,)](ws, out, j, n_tiles, d, REVERSE=reverse, BD=8, W=2)
+        _lookback_probe_kernel[(1,)](ws, out, j, n_tiles, d, REVERSE=reverse, BD=8, W=w, WALK=walk)
         expect = torch.zeros(d, dtype=torch.float64, device=DEV)
         order = range(j + 1, n_tiles) if reverse else range(0, j)
-        for w in (reversed(list(order)) if reverse else order):   # apply the farthest map first
-            expect = a[w].double() * expect + b[w].double()
+        for t in (reversed(list(order)) if reverse else order):   # apply the farthest map first
+            expect = a[t].double() * expect + b[t].double()
         torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
 
 

@@ -362,6 +362,46 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
 
 
 @triton.jit
+def _lookback_walk(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
+    """Carry entering tile j for the rows kernels (same result as ``_lookback``): each channel walks its
+    own predecessors, W published words per probe (issued together: one round trip), composing them in
+    order up to the first inclusive map (A == 0) or the first word not yet published, where its next
+    probe starts. Only W words per channel are live (no [W, BD] window reductions), so a wide window
+    is cheap in registers, and a late word stops one channel, not the whole window."""
+    acc_a = tl.full(chan.shape, 1.0, tl.float32)
+    acc_b = tl.zeros(chan.shape, tl.float32)
+    done = cmask == 0
+    cur = tl.zeros(chan.shape, tl.int32) + j    # per channel: the maps of tiles beyond cur are composed
+    while tl.max((done == 0).to(tl.int32), axis=0) > 0:
+        # the W loads of a probe first (independent: one round trip); outside the chain reads as
+        # "state 0, nothing before matters"
+        words = ()
+        for w in tl.static_range(W):
+            if REVERSE:
+                t = cur + 1 + w
+                inside = t < n_tiles
+            else:
+                t = cur - 1 - w
+                inside = t >= 0
+            words = words + (tl.load(ws + t.to(tl.int64) * stride_tile + chan, mask=inside & (done == 0),
+                                     other=_INCL_ZERO, volatile=True),)
+        # then compose them in order, per channel, up to an inclusive map or a word not yet published
+        stop = done
+        for w in tl.static_range(W):
+            ready, a, b = _unpack(words[w])
+            take = (stop == 0) & ready
+            acc_b = tl.where(take, acc_b + acc_a * b, acc_b)
+            acc_a = tl.where(take, acc_a * a, acc_a)
+            if REVERSE:
+                cur = tl.where(take, cur + 1, cur)
+            else:
+                cur = tl.where(take, cur - 1, cur)
+            done = done | (take & ((a == 0.0) | (acc_a == 0.0)))
+            stop = stop | (ready == 0) | done
+    return acc_b
+
+
+@triton.jit
 def _row_flags(i: tl.constexpr, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN: tl.constexpr,
                LOG_N: tl.constexpr, BT: tl.constexpr, EVEN: tl.constexpr):
     """Row i of a rows-tile (scalar): (sequence index, starts its sequence, ends it, channel mask)."""
@@ -473,7 +513,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(acc_a, acc_b), mask=cmask)
     if LOOKBACK:
-        s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+        s_in = _lookback_walk(ws, j, chan, cmask, HD, n_tiles, False, W)
     else:   # (timing diagnostic only: wrong results)
         s_in = tl.zeros([BD], tl.float32)
     tl.store(wptr, _pack(tl.zeros_like(acc_b), acc_a * s_in + acc_b), mask=cmask)
@@ -571,7 +611,7 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
     wptr = ws_b + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(ra, rb), mask=cmask)
     if LOOKBACK:
-        x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
+        x_in = _lookback_walk(ws_b, j, chan, cmask, HD, n_tiles, True, W)
     else:   # (timing diagnostic only: wrong results)
         x_in = tl.zeros([BD], tl.float32)
     tl.store(wptr, _pack(tl.zeros_like(rb), ra * x_in + rb), mask=cmask)
