@@ -171,7 +171,7 @@ FWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(64, 32, 8, 2), C(16, 64, 4, 1),
 R = lambda bt, bd, w, warps, hold: C(bt, bd, w, warps, kind="rows", hold=hold)   # noqa: E731
 ROWS_SWEEP = [R(16, 64, 8, 1, True), C(16, 64, 8, 1, True, kind="rows", hold=True), R(16, 64, 4, 1, True),
               R(16, 64, 2, 1, True), R(32, 64, 8, 1, True), R(8, 64, 8, 1, True), R(16, 128, 8, 2, True),
-              R(32, 128, 8, 1, False), R(32, 256, 8, 1, False), R(64, 64, 8, 1, False)]
+              R(32, 128, 8, 1, False), R(32, 256, 2, 1, False), R(64, 64, 8, 1, False)]
 BWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(16, 64, 4, 1), C(16, 64, 8, 1), C(8, 128, 4, 1),
              C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 64, 4, 2)]
 ROWS_BWD_SWEEP = [C(16, 64, 8, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"), C(16, 64, 2, 1, kind="rows"),

@@ -79,7 +79,7 @@ def main():
                                           (16, 64, 4, 1, True, False), (16, 64, 2, 1, True, False),
                                           (32, 64, 8, 1, True, False), (8, 64, 8, 1, True, False),
                                           (16, 128, 8, 2, True, False), (32, 128, 8, 1, False, False),
-                                          (32, 256, 8, 1, False, False), (64, 64, 8, 1, False, False)]:
+                                          (32, 256, 2, 1, False, False), (64, 64, 8, 1, False, False)]:
         row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp{', early q' if early else ''}",
             K._diag_fwd_rows_kernel, FWD_PTRS,
             dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, Q_EARLY=early, FAST_EXP=True), warps, bt * bd)
