@@ -25,6 +25,12 @@ Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the f
   ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
   ``d s0 = exp(g_first) ds_first``. Inputs are read once and gradients written once.
 
+Opt-in "rows" variants (``_diag_fwd_rows_kernel``, ``_diag_bwd_rows_kernel``; ``DiagConfig(kind="rows")``):
+the same single-pass schemes, but a program owns a block of the flattened H * D channel axis and walks
+its tile row by row, each thread carrying the state of its own channels (no cross-thread scan), with a
+per-channel look-back walk (``_lookback_walk``). They publish the same words, so either backward runs on
+either forward's carries.
+
 Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place.
 """
 from __future__ import annotations
@@ -479,8 +485,9 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
          otherwise g, k, v are re-read (the stores and volatile loads between the passes keep the
          compiler from merging the loads; hits only if the tile is still in L1 / L2) and
          s = a s + b runs from s_in, so registers do not grow with BT. Q_EARLY: q is loaded in pass 1
-         (kept in registers, its latency behind the look-back) instead of in pass 3. FAST_EXP (GPU only): exp(g) as one ex2.approx.ftz (results below 2^-126 flush to 0)
-    instead of Triton's denormal-safe sequence (5 instructions)."""
+         (kept in registers, its latency behind the look-back) instead of in pass 3.
+    The look-back is ``_lookback_walk`` (per-channel walk). FAST_EXP (GPU only): exp(g) as one
+    ex2.approx.ftz (results below 2^-126 flush to 0) instead of Triton's denormal-safe sequence."""
     HD: tl.constexpr = H * D
     N_CB: tl.constexpr = (HD + BD - 1) // BD
     pid = tl.program_id(0)

@@ -1,6 +1,7 @@
 """``backend="triton"`` for gated diagonal attention: launchers, torch.library custom ops, autograd.
 
-``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py``;
+``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (the
+tile kernels by default; the "rows" kernels with ``DiagConfig(kind="rows")``, opt-in, not yet measured);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
 ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
 :class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
