@@ -104,6 +104,23 @@ def _shape(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
     return b * t, t, n, h, d
 
 
+def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int, d: int, n: int, t_seq: int,
+                 total: int, cu_seqlens, args: tuple, meta: dict, rows_meta=None, default_meta=None) -> None:
+    """Launch one direction's scan with the arguments both layouts share: the default kernel (tiles of
+    one head's channels) or the opt-in "rows" kernel (channel blocks across heads, ``cfg.kind``)."""
+    if cfg.kind == "rows":
+        bd = _block_hd(cfg, n_tiles, h * d, device)
+        kernel, programs, width = rows_kernel, n_tiles * triton.cdiv(h * d, bd), h * d
+        extra = dict(rows_meta or {}, FAST_EXP=not triton_interpreter_on())
+    else:
+        bd = _block_d(cfg, n_tiles, h, d, device)
+        kernel, programs, width = default_kernel, n_tiles * h * triton.cdiv(d, bd), d
+        extra = dict(default_meta or {})
+    kernel[(programs,)](*args, H=h, D=d, IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n), BT=cfg.bt, BD=bd,
+                        W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, width, cfg.bt, bd), LOOKBACK=_lookback,
+                        num_warps=cfg.warps, **meta, **extra)
+
+
 def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
              config: Optional[DiagConfig] = None):
     """Forward scan. q, k, v, g contiguous (B, T, H, D). Returns ``(o, final_state, workspace)``;
@@ -119,31 +136,15 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final, ws
     dummy = ws
-    if cfg.kind == "rows":
-        bd = _block_hd(cfg, n_tiles, h * d, q.device)
-        _diag_fwd_rows_kernel[(n_tiles * triton.cdiv(h * d, bd),)](
-            q, k, v, g, o,
-            initial_state if initial_state is not None else dummy,
-            final if output_final_state else dummy,
-            ws, cu_seqlens if cu_seqlens is not None else dummy,
-            max(t_seq, 1), total, n, n_tiles, H=h, D=d,
-            HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
-            IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
-            BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
-            HOLD=cfg.hold, Q_EARLY=cfg.early, FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback,
-            num_warps=cfg.warps)
-        return o, final, ws
-    bd = _block_d(cfg, n_tiles, h, d, q.device)
-    _diag_fwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
-        q, k, v, g, o,
-        initial_state if initial_state is not None else dummy,
-        final if output_final_state else dummy,
-        ws, cu_seqlens if cu_seqlens is not None else dummy,
-        max(t_seq, 1), total, n, n_tiles, H=h, D=d,
-        HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
-        BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, d, cfg.bt, bd),
-        Q_EARLY=cfg.early, LOOKBACK=_lookback, num_warps=cfg.warps)
+    _launch_scan(_diag_fwd_kernel, _diag_fwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
+                 cu_seqlens,
+                 (q, k, v, g, o,
+                  initial_state if initial_state is not None else dummy,
+                  final if output_final_state else dummy,
+                  ws, cu_seqlens if cu_seqlens is not None else dummy,
+                  max(t_seq, 1), total, n, n_tiles),
+                 dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, Q_EARLY=cfg.early),
+                 rows_meta=dict(HOLD=cfg.hold))
     return o, final, ws
 
 
@@ -168,32 +169,16 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
     n_tiles = triton.cdiv(total, cfg.bt)
     ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
     dummy = ws
-    if cfg.kind == "rows":
-        bd = _block_hd(cfg, n_tiles, h * d, q.device)
-        _diag_bwd_rows_kernel[(n_tiles * triton.cdiv(h * d, bd),)](
-            q, k, v, g, do, dq, dk, dv, dg,
-            initial_state if initial_state is not None else dummy,
-            dfinal if dfinal is not None else dummy,
-            dh0 if initial_state is not None else dummy,
-            ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
-            max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt, H=h, D=d,
-            HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None,
-            IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
-            BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
-            FAST_EXP=not triton_interpreter_on(), LOOKBACK=_lookback, num_warps=cfg.warps)
-        return dq, dk, dv, dg, dh0
-    bd = _block_d(cfg, n_tiles, h, d, q.device)
-    _diag_bwd_kernel[(n_tiles * h * triton.cdiv(d, bd),)](
-        q, k, v, g, do, dq, dk, dv, dg,
-        initial_state if initial_state is not None else dummy,
-        dfinal if dfinal is not None else dummy,
-        dh0 if initial_state is not None else dummy,
-        ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
-        max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt, H=h, D=d,
-        HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None,
-        IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n),
-        BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, d, cfg.bt, bd),
-        KV_EARLY=cfg.early, LOOKBACK=_lookback, num_warps=cfg.warps)
+    _launch_scan(_diag_bwd_kernel, _diag_bwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
+                 cu_seqlens,
+                 (q, k, v, g, do, dq, dk, dv, dg,
+                  initial_state if initial_state is not None else dummy,
+                  dfinal if dfinal is not None else dummy,
+                  dh0 if initial_state is not None else dummy,
+                  ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
+                  max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt),
+                 dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None),
+                 default_meta=dict(KV_EARLY=cfg.early))
     return dq, dk, dv, dg, dh0
 
 
