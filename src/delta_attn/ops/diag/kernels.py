@@ -204,6 +204,23 @@ def _tile_ptrs(j, h, db, cu, T_seq, total, N, H: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
+def _empty_sequences_pass_through(src, dst, cu, N, chan, cmask, HD: tl.constexpr, HAS_SRC: tl.constexpr,
+                                  BD: tl.constexpr):
+    """dst[n] = src[n] (or 0 without a source) on this program's channels for every zero-length
+    sequence n of a packed batch: its state passes through untouched (run by one tile per chain)."""
+    n = tl.zeros([1], tl.int64)
+    while tl.sum(n) < N:   # (a while loop: the interpreter cannot range() over a runtime int)
+        nb = tl.sum(n)
+        empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
+        if HAS_SRC:
+            x = tl.load(src + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            x = tl.zeros([BD], tl.float32)
+        tl.store(dst + nb * HD + chan, x, mask=cmask & empty_seq)
+        n += 1
+
+
+@triton.jit
 def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
                      T_seq, total, N, n_tiles,
                      H: tl.constexpr, D: tl.constexpr,
@@ -260,16 +277,7 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
             if IS_VARLEN:
                 # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
                 if j == 0:
-                    n = tl.zeros([1], tl.int64)
-                    while tl.sum(n) < N:
-                        nb = tl.sum(n)
-                        empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
-                        if HAS_H0:
-                            sn = tl.load(h0 + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
-                        else:
-                            sn = tl.zeros([BD], tl.float32)
-                        tl.store(ht + nb * HD + chan, sn, mask=cmask & empty_seq)
-                        n += 1
+                    _empty_sequences_pass_through(h0, ht, cu, N, chan, cmask, HD, HAS_H0, BD)
         t = n_work
 
 
@@ -355,16 +363,7 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
         if IS_VARLEN:
             # zero-length sequences pass the final state's gradient straight through
             if j == 0:
-                n = tl.zeros([1], tl.int64)
-                while tl.sum(n) < N:
-                    nb = tl.sum(n)
-                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
-                    if HAS_DHT:
-                        dn = tl.load(dht + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
-                    else:
-                        dn = tl.zeros([BD], tl.float32)
-                    tl.store(dh0 + nb * HD + chan, dn, mask=cmask & empty_seq)
-                    n += 1
+                _empty_sequences_pass_through(dht, dh0, cu, N, chan, cmask, HD, HAS_DHT, BD)
 
 
 @triton.jit
@@ -548,16 +547,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         if IS_VARLEN:
             # zero-length sequences: the final state is the initial one; tile 0 writes it
             if j == 0:
-                n = tl.zeros([1], tl.int64)
-                while tl.sum(n) < N:
-                    nb = tl.sum(n)
-                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
-                    if HAS_H0:
-                        sn = tl.load(h0 + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
-                    else:
-                        sn = tl.zeros([BD], tl.float32)
-                    tl.store(ht + nb * HD + chan, sn, mask=cmask & empty_seq)
-                    n += 1
+                _empty_sequences_pass_through(h0, ht, cu, N, chan, cmask, HD, HAS_H0, BD)
 
 
 @triton.jit
@@ -655,16 +645,7 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
         if IS_VARLEN:
             # zero-length sequences pass the final state's gradient straight through
             if j == 0:
-                n = tl.zeros([1], tl.int64)
-                while tl.sum(n) < N:
-                    nb = tl.sum(n)
-                    empty_seq = (tl.load(cu + n) == tl.load(cu + n + 1))
-                    if HAS_DHT:
-                        dn = tl.load(dht + nb * HD + chan, mask=cmask, other=0.0).to(tl.float32)
-                    else:
-                        dn = tl.zeros([BD], tl.float32)
-                    tl.store(dh0 + nb * HD + chan, dn, mask=cmask & empty_seq)
-                    n += 1
+                _empty_sequences_pass_through(dht, dh0, cu, N, chan, cmask, HD, HAS_DHT, BD)
 
 
 @triton.jit
