@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels_fwd import _dropout_keep, _key_blocks, _scores, _seq_bounds
+from .kernels_fwd import _dropout_keep, _head_terms, _key_blocks, _score_scales, _scores, _seq_bounds
 
 
 @triton.jit
@@ -150,12 +150,7 @@ def _flash_bwd_dkdv_kernel(
                 + (k_start + cols) * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + pid_b.to(tl.int64) * stride_vb + pid_hk.to(tl.int64) * stride_vh
                 + (k_start + cols) * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    if SOFTCAP:
-        qk_mult = softcap * 1.4426950408889634
-        cap_in = scale / softcap
-    else:
-        qk_mult = scale * 1.4426950408889634
-        cap_in = 0.0
+    qk_mult, cap_in = _score_scales(scale, softcap, SOFTCAP)
     diag_off = sk - sq
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -166,12 +161,8 @@ def _flash_bwd_dkdv_kernel(
         q_base = Q + pid_b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qt
         do_base = DO + pid_b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_start * stride_dot
         l_off = pid_b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start * stride_lt
-        slope2 = 0.0
-        if HAS_ALIBI:
-            slope2 = tl.load(ALIBI + pid_b * stride_ab + h * stride_ah).to(tl.float32) * 1.4426950408889634
-        seed_bh = 0
-        if HAS_DROPOUT:
-            seed_bh = tl.load(SEED).to(tl.int64) + (pid_b * n_heads + h).to(tl.int64) * 4294967296
+        slope2, seed_bh = _head_terms(ALIBI, stride_ab, stride_ah, SEED, pid_b, h, pid_b * n_heads + h,
+                                      HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + l_off, DELTA + l_off, stride_qt, stride_dot,
                              stride_lt, offs_n, offs_d, lo, fs, sq, sk, diag_off, slope2, wl, wr, qk_mult, cap_in,
                              seed_bh, rng_stride, dropout_p, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True,
@@ -269,18 +260,8 @@ def _flash_bwd_dq_kernel(
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
     k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start * stride_kt
     v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start * stride_vt
-    if SOFTCAP:
-        qk_mult = softcap * 1.4426950408889634
-        cap_in = scale / softcap
-    else:
-        qk_mult = scale * 1.4426950408889634
-        cap_in = 0.0
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = tl.load(ALIBI + pid_b * stride_ab + pid_h * stride_ah).to(tl.float32) * 1.4426950408889634
-    seed_bh = 0
-    if HAS_DROPOUT:
-        seed_bh = tl.load(SEED).to(tl.int64) + pid_bh.to(tl.int64) * 4294967296
+    qk_mult, cap_in = _score_scales(scale, softcap, SOFTCAP)
+    slope2, seed_bh = _head_terms(ALIBI, stride_ab, stride_ah, SEED, pid_b, pid_h, pid_bh, HAS_ALIBI, HAS_DROPOUT)
     diag_off = sk - sq
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, fs, fe, hi = _key_blocks(m0, sq, sk, wl, wr, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)

@@ -71,6 +71,32 @@ def _dropout_keep(seed_bh, i2, j2, rng_stride, dropout_p):
 
 
 @triton.jit
+def _score_scales(scale, softcap, SOFTCAP: tl.constexpr):
+    """(qk_mult, cap_in): raw q.k -> log2-domain scores is ``qk * qk_mult``, or with softcap
+    ``tanh(qk * cap_in) * qk_mult`` (see ``_scores``)."""
+    if SOFTCAP:
+        qk_mult = softcap * 1.4426950408889634
+        cap_in = scale / softcap
+    else:
+        qk_mult = scale * 1.4426950408889634
+        cap_in = 0.0
+    return qk_mult, cap_in
+
+
+@triton.jit
+def _head_terms(ALIBI, stride_ab, stride_ah, SEED, b, h, bh, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """Per (sequence b, query head h, flat index bh = b * Hq + h): the ALIBI slope in the log2 domain and
+    the dropout stream's key (0 when unused)."""
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h * stride_ah).to(tl.float32) * 1.4426950408889634
+    seed_bh = 0
+    if HAS_DROPOUT:
+        seed_bh = tl.load(SEED).to(tl.int64) + bh.to(tl.int64) * 4294967296
+    return slope2, seed_bh
+
+
+@triton.jit
 def _key_blocks(m0, seqlen_q, seqlen_k, wl, wr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key-block bounds for the query rows [m0, m0 + BLOCK_M): blocks in [lo, fs) and [fe, hi)
@@ -256,18 +282,8 @@ def _flash_fwd_kernel(
         k_src = k_base
         v_src = v_base
 
-    if SOFTCAP:
-        qk_mult = softcap * 1.4426950408889634
-        cap_in = scale / softcap
-    else:
-        qk_mult = scale * 1.4426950408889634
-        cap_in = 0.0
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = tl.load(ALIBI + pid_b * stride_ab + pid_h * stride_ah).to(tl.float32) * 1.4426950408889634
-    seed_bh = 0
-    if HAS_DROPOUT:
-        seed_bh = tl.load(SEED).to(tl.int64) + pid_bh.to(tl.int64) * 4294967296
+    qk_mult, cap_in = _score_scales(scale, softcap, SOFTCAP)
+    slope2, seed_bh = _head_terms(ALIBI, stride_ab, stride_ah, SEED, pid_b, pid_h, pid_bh, HAS_ALIBI, HAS_DROPOUT)
     diag_off = sk - sq
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
