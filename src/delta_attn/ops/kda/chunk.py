@@ -47,6 +47,24 @@ def _kda_gate(x, a, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
+def _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K: tl.constexpr, BK: tl.constexpr):
+    """L2-norm backward of a chunk's rows, in place: dx = r (dy - y (y . dy)) with y = r x, where DQ / DK
+    hold r * dy so far and dotq / dotk the row sums of (r * dy) * x; nq, rk are the rows' 1 / |x|."""
+    tl.debug_barrier()
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = mr[:, None] & (cols[None, :] < K)
+        qq = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        kraw = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        gq = tl.load(DQ + g_off + cols[None, :], mask=m, other=0.0)
+        gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
+        gq = gq - qq * (nq * nq * dotq)[:, None]
+        gk = gk - kraw * (rk * rk * dotk)[:, None]
+        tl.store(DQ + g_off + cols[None, :], gq, mask=m)
+        tl.store(DK + g_off + cols[None, :], gk, mask=m)
+
+
+@triton.jit
 def _kda_gate_grads(x, a, lower_bound, GATE: tl.constexpr):
     """(d decay / d x, d decay / d A_log) of ``_kda_gate``."""
     if GATE == 1:
@@ -458,17 +476,6 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
     tl.store(DB + rows * HV + hv, db, mask=mr)
     if GATE != 0:
         tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
-    # 5. l2 norm backward: dx = r (dy - y (y . dy)) with y = r x (dQ holds r * dy so far)
+    # 5. l2 norm backward
     if L2NORM:
-        tl.debug_barrier()
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            m = mr[:, None] & (cols[None, :] < K)
-            qq = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kraw = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            gq = tl.load(DQ + g_off + cols[None, :], mask=m, other=0.0)
-            gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
-            gq = gq - qq * (nq * nq * dotq)[:, None]
-            gk = gk - kraw * (rk * rk * dotk)[:, None]
-            tl.store(DQ + g_off + cols[None, :], gq, mask=m)
-            tl.store(DK + g_off + cols[None, :], gk, mask=m)
+        _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K, BK)

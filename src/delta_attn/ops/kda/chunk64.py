@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk import _kda_gate_grads, _kda_load_decay
+from .chunk import _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_load_decay
 
 
 @triton.jit
@@ -457,18 +457,9 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
     tl.store(DB + rows * HV + hv, db, mask=mr)
     if GATE != 0:
         tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
-    # 5. l2 norm backward: dx = r (dy - y (y . dy)) with y = r x (DQ / DK hold r * dy so far)
+    # 5. l2 norm backward
     if L2NORM:
-        tl.debug_barrier()
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            m = mr[:, None] & (cols[None, :] < K)
-            qq = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kraw = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            gq = tl.load(DQ + g_off + cols[None, :], mask=m, other=0.0)
-            gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
-            tl.store(DQ + g_off + cols[None, :], gq - qq * (nq * nq * dotq)[:, None], mask=m)
-            tl.store(DK + g_off + cols[None, :], gk - kraw * (rk * rk * dotk)[:, None], mask=m)
+        _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K, BK)
 
 
 @triton.jit
