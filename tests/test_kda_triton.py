@@ -296,6 +296,19 @@ def test_forward_variant_is_taken_without_grad_only(monkeypatch):
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", "fast")
     with pytest.raises(ValueError, match="fwd_variant"):
         run("triton", xs, kw)
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", "lean")
+    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", -1)
+    with pytest.raises(ValueError, match="DELTA_ATTN_KDA_FWD_SEGMENTS"):
+        run("triton", xs, kw)
+
+
+def test_env_settings_name_the_variable(monkeypatch):
+    from delta_attn.ops.kda import triton_impl
+    monkeypatch.setenv("DELTA_ATTN_KDA_FWD_CHUNK", "sixteen")
+    with pytest.raises(ValueError, match="DELTA_ATTN_KDA_FWD_CHUNK must be an integer"):
+        triton_impl._env_int("DELTA_ATTN_KDA_FWD_CHUNK", 16)
+    monkeypatch.setenv("DELTA_ATTN_KDA_FWD_CHUNK", "64")
+    assert triton_impl._env_int("DELTA_ATTN_KDA_FWD_CHUNK", 16) == 64
 
 
 # ---------------------------------------------------------------------------------------------

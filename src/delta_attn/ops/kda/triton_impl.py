@@ -74,19 +74,28 @@ def _pow2(x: int) -> int:
 # gradients of the scan's operands come from a parallel kernel over the full V (grads64_*), instead of
 # per-V-block fp32 partials formed inside the sequential loop (ptxas -v, sm_90a, 8 warps: the scan without
 # partials spills 0 / 32 B at BV 32 / 64; the grads kernel 80 B at BK 128, BV 32, 8 warps, 0.5-3 KB at BK 64).
+def _env_int(name: str, default: int) -> int:
+    """An integer setting from the environment; a bad value is an error that names the variable."""
+    raw = os.environ.get(name, "") or str(default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
               factor_max=60.0, save_intermediates=True,
-              fwd_chunk=int(os.environ.get("DELTA_ATTN_KDA_FWD_CHUNK", "16") or 16),
+              fwd_chunk=_env_int("DELTA_ATTN_KDA_FWD_CHUNK", 16),
               prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=4, scan64_stages=2,
               scan64_min_programs=256,
-              train_chunk=int(os.environ.get("DELTA_ATTN_KDA_TRAIN_CHUNK", "64") or 64),
+              train_chunk=_env_int("DELTA_ATTN_KDA_TRAIN_CHUNK", 64),
               bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=4, intra64_round_tf32=False,
               bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8,
               fwd_variant=os.environ.get("DELTA_ATTN_KDA_FWD_VARIANT", "default") or "default",
               lean_ks=32, lean_warps=4, lean_stages=1, lean_inv_prec=None,
-              lean_chunk=int(os.environ.get("DELTA_ATTN_KDA_LEAN_CHUNK", "16") or 16),
-              fwd_segments=int(os.environ.get("DELTA_ATTN_KDA_FWD_SEGMENTS", "0") or 0))
+              lean_chunk=_env_int("DELTA_ATTN_KDA_LEAN_CHUNK", 16),
+              fwd_segments=_env_int("DELTA_ATTN_KDA_FWD_SEGMENTS", 0))
 FWD_CHUNKS = (16, 64)
 # fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT), OPT-IN, not measured on a GPU yet: the prep of the
 # 16-token forward without gradient. "default": chunk._kda_fwd_prep_kernel. "lean" / "lean_dots":
@@ -323,6 +332,8 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, bt)
     N, NC = seq_t.shape[0], chunk_t.shape[0]
     nseg = int(CONFIG["fwd_segments"])
+    if nseg < 0:
+        raise ValueError(f"CONFIG['fwd_segments'] / DELTA_ATTN_KDA_FWD_SEGMENTS must be >= 0, got {nseg}")
     if var != "default" and N == 1 and nseg > 1 and NC >= 2 * nseg:
         return _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                                    use_qk_l2norm, output_final_state, seq_t, chunk_t, nseg,
