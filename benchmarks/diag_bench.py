@@ -169,13 +169,15 @@ FWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(64, 32, 8, 2), C(16, 64, 4, 1),
 # the opt-in "rows" forward (_diag_fwd_rows_kernel: no cross-thread scan; bd spans H * D); sm_90a
 # registers / SASS instructions per 1024 elements in the results file ("Next measurement")
 R = lambda bt, bd, w, warps, hold: C(bt, bd, w, warps, kind="rows", hold=hold)   # noqa: E731
-ROWS_SWEEP = [R(16, 64, 8, 1, True), C(16, 64, 8, 1, True, kind="rows", hold=True), R(16, 64, 4, 1, True),
-              R(16, 64, 2, 1, True), R(32, 64, 8, 1, True), R(8, 64, 8, 1, True), R(16, 128, 8, 2, True),
-              R(32, 128, 8, 1, False), R(32, 256, 2, 1, False), R(64, 64, 8, 1, False)]
+E = lambda bt, bd, w, warps: C(bt, bd, w, warps, True, kind="rows", hold=True)          # noqa: E731  (q early)
+ROWS_SWEEP = [R(16, 64, 8, 1, True), E(16, 64, 8, 1), E(16, 64, 4, 1), E(16, 64, 2, 1), E(16, 128, 8, 2),
+              E(16, 128, 4, 2), E(32, 64, 4, 1), R(16, 64, 2, 1, True), R(64, 64, 8, 1, False)]
 BWD_SWEEP = [C(32, 32, 8, 1), C(32, 32, 4, 1), C(16, 64, 4, 1), C(16, 64, 8, 1), C(8, 128, 4, 1),
              C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 64, 4, 2)]
 ROWS_BWD_SWEEP = [C(16, 64, 8, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"), C(16, 64, 2, 1, kind="rows"),
-                  C(32, 64, 8, 1, kind="rows"), C(16, 128, 8, 2, kind="rows")]
+                  C(32, 64, 8, 1, kind="rows"), C(16, 128, 8, 2, kind="rows"), C(16, 128, 4, 2, kind="rows"),
+                  C(16, 128, 2, 2, kind="rows"), C(16, 256, 4, 4, kind="rows")]
+TILE_BWD = [C(32, 32, 8, 1)]   # the tile backward (the default before the rows pair)
 
 
 def _short(r):
@@ -228,7 +230,7 @@ def sweep_configs(bw, rec, fwd_sweep=None, bwd_sweep=None):
         print("sweep", _short(r))
     best_f = min(fwd, key=lambda x: x[0])[1] if fwd else ti.FWD_CONFIG
     pairs = [(tf + tb, cf, cb) for tf, cf in fwd for tb, cb in bwd if cb.bt % cf.bt == 0]
-    pair = min(pairs, key=lambda x: x[0])[1:] if pairs else (ti.FWD_CONFIG, ti.BWD_CONFIG)
+    pair = min(pairs, key=lambda x: x[0])[1:] if pairs else (ti.TRAIN_FWD_CONFIG, ti.BWD_CONFIG)
     # diagnostics: the same kernels without the look-back (wrong results: streaming cost only)
     ti._lookback = False
     try:
@@ -260,11 +262,11 @@ def main():
     info["copy_TBps"] = bw
     print(f"device-to-device copy: {bw:.3f} TB/s (read + written)")
     sweep = []
-    fcfg, (pf, pb) = ti.FWD_CONFIG, (ti.FWD_CONFIG, ti.BWD_CONFIG)
+    fcfg, (pf, pb) = ti.FWD_CONFIG, (ti.TRAIN_FWD_CONFIG, ti.BWD_CONFIG)
     if a.sweep:
         fcfg, (pf, pb) = sweep_configs(bw, sweep)
     elif a.rows_ab:
-        fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG] + ROWS_SWEEP, [ti.BWD_CONFIG] + ROWS_BWD_SWEEP)
+        fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG] + ROWS_SWEEP, TILE_BWD + ROWS_BWD_SWEEP)
     info["fwd_config"], info["train_configs"] = str(fcfg), (str(pf), str(pb))
     print(f"forward config: {fcfg}\ntraining pair: fwd {pf} / bwd {pb}")
     if a.out:

@@ -139,7 +139,7 @@ def fwd_variants(ti, args, have_fla):
 
     def prep_fn(var, q, k, v, g, beta):
         """The prep alone, with the chunk length of the variant (lean_chunk for the lean ones)."""
-        bt = ti.BT if var == "default" else ti._lean_chunk()
+        bt = ti.BT if var == "default" else ti._lean_chunk(q.shape[0] * v.shape[2], K, V, q.device)
         chunk_t = ti._index_tables(q.shape[0], q.shape[1], None, DEV, bt)[1]
         if var == "default":
             return lambda: ti._prep(q, k, v, g, beta, None, None, sc, None, True, chunk_t)
@@ -177,8 +177,10 @@ def fwd_variants(ti, args, have_fla):
             torch.cuda.empty_cache()
 
     rows_for("variants", {}, args.fwd_variant)
+    lean = [args.fwd_variant[-1] if args.fwd_variant[-1] != "default" else "lean_dots"]   # the last listed
+    for settings in args.lean_settings or []:             # explicit combinations (JSON objects)
+        rows_for(json.dumps(settings), settings, lean)
     if args.tune_lean:
-        lean = [args.fwd_variant[-1] if args.fwd_variant[-1] != "default" else "lean_dots"]   # the last listed
         for settings in (dict(fwd_segments=8), dict(lean_chunk=32), dict(lean_chunk=32, fwd_segments=8),
                          dict(lean_chunk=32, lean_inv_prec="tf32"), dict(fwd_segments=4), dict(fwd_segments=16),
                          dict(lean_ks=64), dict(lean_ks=128), dict(lean_warps=8, lean_stages=2),
@@ -186,6 +188,34 @@ def fwd_variants(ti, args, have_fla):
                          dict(lean_ks=64, lean_warps=8, lean_stages=2), dict(scan_stages=4), dict(scan_warps=4),
                          dict(fwd_segments=8, scan_stages=4)):
             rows_for(json.dumps(settings), settings, lean)
+    ti.CONFIG.update(base)
+
+
+def decode_sweep(ti, Bd=64):
+    """Decode (Bd sequences, one token, fp32 state) with each step_bv x step_warps: checked against the
+    torch backend, then timed eager (do_bench, L2 flushed) and as a CUDA graph; one JSON line each."""
+    from triton.testing import do_bench_cudagraph
+    base = dict(ti.CONFIG)
+    xs = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
+    state = torch.randn(Bd, H, K, V, device=DEV) * 0.1
+    ref = state.clone()
+    o_ref = da.kda_step(*xs, ref, use_qk_l2norm=True, backend="torch")
+    nbytes = 2 * state.numel() * 4
+    for bv in (16, 32, 64):
+        for warps in (1, 2, 4, 8):
+            ti.CONFIG.update(base, step_bv=bv, step_warps=warps)
+            s1 = state.clone()
+            o = da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")
+            row = dict(decode_sweep=dict(step_bv=bv, step_warps=warps), rel_err_o=rel_err(o, o_ref),
+                       rel_err_state=rel_err(s1, ref))
+            row["ok"] = row["rel_err_o"] < 2e-2 and row["rel_err_state"] < 1e-3
+            if row["ok"]:
+                step = lambda: da.kda_step(*xs, s1, use_qk_l2norm=True, backend="triton")   # noqa: E731
+                row["eager_us"] = bench(step)[0] * 1e3
+                row["graph_us"] = do_bench_cudagraph(step) * 1e3
+                row["eager_TBps"] = nbytes / (row["eager_us"] * 1e-6) / 1e12
+                row["graph_TBps"] = nbytes / (row["graph_us"] * 1e-6) / 1e12
+            print(json.dumps(row), flush=True)
     ti.CONFIG.update(base)
 
 
@@ -208,6 +238,11 @@ def main():
                     help="16-token forward prep variants to time first (CONFIG['fwd_variant']: default lean lean_dots)")
     ap.add_argument("--tune-lean", action="store_true", help="lean prep settings (lean_ks / lean_warps / lean_stages)")
     ap.add_argument("--variants-only", action="store_true", help="stop after the --fwd-variant rows")
+    ap.add_argument("--lean-settings", type=json.loads, nargs="+", default=None,
+                    help='CONFIG settings to time with the last --fwd-variant, one JSON object each, e.g. '
+                         '\'{"lean_inv_prec": "tf32", "scan_warps": 4}\'')
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="decode only: step_bv x step_warps, eager and CUDA graph, then stop")
     args = ap.parse_args()
     from delta_attn.ops.kda import triton_impl as ti
     base_chunk = ti.CONFIG["fwd_chunk"]
@@ -237,6 +272,9 @@ def main():
         rows.append(row)
 
     if args.cold_only:
+        return
+    if args.decode_sweep:
+        decode_sweep(ti)
         return
     # ---------------------------------------------------------------------------------- correctness
     chunk_ok = {}

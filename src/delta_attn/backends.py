@@ -94,6 +94,14 @@ def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
     return torch.cuda.get_device_capability(device)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for the CPU / interpreter, where grids run in order)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -1,7 +1,7 @@
 """``backend="triton"`` for gated diagonal attention: launchers, torch.library custom ops, autograd.
 
 ``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (the
-tile kernels by default; the "rows" kernels with ``DiagConfig(kind="rows")``, opt-in, not yet measured);
+tile kernels for a forward without gradient, the "rows" kernels for training: the pair measured fastest);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
 ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
 :class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
@@ -40,25 +40,32 @@ class DiagConfig:
                              # of re-reading g, k, v after the look-back (the rows backward always holds)
 
 
-# Defaults: the fastest correct training pair of the sweep measured on the H200, bf16, H=16, D=128
-# (benchmarks/results/diag_h200.md): 32x32 tiles, one warp (the time scan stays inside the warp: no
-# shared memory, no barriers), look-back window 8. The interpreter uses tiny tiles. The backward's
-# tile must be a multiple of the forward's (it reads the forward's tile carries).
+# Defaults: the fastest correct configs of the sweep measured on the H200, bf16, H=16, D=128
+# (benchmarks/results/diag_h200.md, `diag_bench.py --rows-ab`, 2026-11-21 04:29 UTC):
+# - forward without gradient: 32x32 tiles, one warp (the time scan stays inside the warp: no shared
+#   memory, no barriers), look-back window 8: 0.277 ms at 1x32768;
+# - training pair: the "rows" kernels, forward 16 rows x 64 channels with q loaded before the look-back
+#   and the prefixes held in registers, backward 16 x 128 on two warps: fwd+bwd 0.781 ms at 1x32768
+#   (the tile pair: 0.867 ms). The backward's tile must be a multiple of the training forward's (it
+#   reads the forward's tile carries). The interpreter uses tiny tiles.
 FWD_CONFIG = DiagConfig(bt=32, bd=32, w=8, warps=1)
-BWD_CONFIG = DiagConfig(bt=32, bd=32, w=8, warps=1)
+TRAIN_FWD_CONFIG = DiagConfig(bt=16, bd=64, w=8, warps=1, early=True, kind="rows", hold=True)
+BWD_CONFIG = DiagConfig(bt=16, bd=128, w=8, warps=2, kind="rows")
 INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1, early=True)
 INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, early=True)
 
 
-def _configs() -> Tuple[DiagConfig, DiagConfig]:
+def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
+    """(forward without gradient, training forward, backward)."""
     if triton_interpreter_on():
-        return INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
+        return INTERP_FWD_CONFIG, INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
     path = os.environ.get("DELTA_ATTN_DIAG_TUNED")
-    if path:   # {"fwd": {DiagConfig fields}, "bwd": {...}} as written by benchmarks/diag_bench.py
+    if path:   # as written by benchmarks/diag_bench.py: {"fwd": training forward, "bwd": ..., "fwd_inference": ...}
         with open(path) as fh:
             tuned = json.load(fh)
-        return DiagConfig(**tuned["fwd"]), DiagConfig(**tuned["bwd"])
-    return FWD_CONFIG, BWD_CONFIG
+        train = DiagConfig(**tuned["fwd"])
+        return DiagConfig(**tuned.get("fwd_inference", tuned["fwd"])), train, DiagConfig(**tuned["bwd"])
+    return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
 
 
 def _sm_count(device: torch.device) -> int:
@@ -122,11 +129,12 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
 
 
 def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
-             config: Optional[DiagConfig] = None):
+             config: Optional[DiagConfig] = None, training: bool = False):
     """Forward scan. q, k, v, g contiguous (B, T, H, D). Returns ``(o, final_state, workspace)``;
-    ``final_state`` is (N, H, D) float32 or an empty tensor when not requested."""
+    ``final_state`` is (N, H, D) float32 or an empty tensor when not requested. ``training`` picks the
+    training forward's config (its workspace is what the default backward expects)."""
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
-    cfg = config or _configs()[0]
+    cfg = config or _configs()[1 if training else 0]
     n_tiles = triton.cdiv(total, cfg.bt)
     o = empty(q.shape, q.dtype, q.device)
     ws = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
@@ -152,8 +160,8 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
              config: Optional[DiagConfig] = None, fwd_bt: Optional[int] = None):
     """Backward scan. Returns ``(dq, dk, dv, dg, d_initial_state or an empty tensor)``."""
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
-    cfg = config or _configs()[1]
-    fbt = fwd_bt or _configs()[0].bt
+    cfg = config or _configs()[2]
+    fbt = fwd_bt or _configs()[1].bt
     if cfg.bt % fbt != 0:
         raise ValueError(f"the backward tile ({cfg.bt}) must be a multiple of the forward tile ({fbt})")
     dq = empty(q.shape, q.dtype, q.device)
@@ -202,14 +210,16 @@ def diag_step(q, k, v, g, state, state_indices=None):
 @torch.library.custom_op("delta_attn::diag_fwd", mutates_args=())
 def _diag_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                 output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state)
+                 output_final_state: bool, training: bool = False
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=training)
 
 
 @_diag_fwd_op.register_fake
-def _(q, k, v, g, initial_state, cu_seqlens, output_final_state):
+def _(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=False):
     total, _, n, h, d = _shape(q, cu_seqlens)
-    n_tiles = (total + _configs()[0].bt - 1) // _configs()[0].bt
+    bt = _configs()[1 if training else 0].bt
+    n_tiles = (total + bt - 1) // bt
     final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), final, q.new_empty((n_tiles, h, d), dtype=torch.int64)
 
@@ -244,7 +254,8 @@ def _(q, k, v, g, state, state_indices):
 class GatedDiagFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, cu_seqlens, output_final_state):
-        o, final, ws = torch.ops.delta_attn.diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state)
+        o, final, ws = torch.ops.delta_attn.diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state,
+                                                     True)
         ctx.save_for_backward(q, k, v, g, ws, initial_state, cu_seqlens)
         ctx.mark_non_differentiable(ws)
         return o, final

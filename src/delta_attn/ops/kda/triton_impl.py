@@ -15,6 +15,7 @@ import torch
 import triton
 
 from ..._outputs import empty
+from ...backends import sm_count
 from .api import KDAArgs
 from .chunk import (DECAY_FLOOR, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel, _kda_fwd_prep_kernel,
                     _kda_fwd_scan_kernel)
@@ -83,7 +84,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
-CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
+CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=4, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
               intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
               factor_max=60.0, save_intermediates=True,
               fwd_chunk=_env_int("DELTA_ATTN_KDA_FWD_CHUNK", 16),
@@ -92,9 +93,9 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=None, scan_stages=3, bwd_scan
               train_chunk=_env_int("DELTA_ATTN_KDA_TRAIN_CHUNK", 64),
               bwd_scan64_warps=8, bwd64_min_programs=64, intra64_bk=16, intra64_warps=4, intra64_round_tf32=False,
               bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8,
-              fwd_variant=os.environ.get("DELTA_ATTN_KDA_FWD_VARIANT", "default") or "default",
+              fwd_variant=os.environ.get("DELTA_ATTN_KDA_FWD_VARIANT", "lean_dots") or "lean_dots",
               lean_ks=32, lean_warps=4, lean_stages=1, lean_inv_prec=None,
-              lean_chunk=_env_int("DELTA_ATTN_KDA_LEAN_CHUNK", 16),
+              lean_chunk=_env_int("DELTA_ATTN_KDA_LEAN_CHUNK", 0),
               fwd_segments=_env_int("DELTA_ATTN_KDA_FWD_SEGMENTS", 0))
 FWD_CHUNKS = (16, 64)
 # fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT), OPT-IN, not measured on a GPU yet: the prep of the
@@ -173,10 +174,16 @@ def _fwd_variant() -> str:
     return var
 
 
-def _lean_chunk() -> int:
+def _lean_chunk(n_chains: int, K: int, V: int, device) -> int:
+    """Chunk length of the lean forward: CONFIG["lean_chunk"] 16 or 32, or 0 = by shape: 32 (half the
+    scan's sequential steps) when the scan over ``n_chains`` (sequence, value head) pairs has fewer
+    programs than the GPU has SMs (few long sequences), else 16."""
     c = int(CONFIG["lean_chunk"])
+    if c == 0:
+        _, bv = _blocks(K, V, n_chains)
+        return 32 if n_chains * triton.cdiv(V, bv) < sm_count(device) else 16
     if c not in (16, 32):
-        raise ValueError(f"CONFIG['lean_chunk'] / DELTA_ATTN_KDA_LEAN_CHUNK must be 16 or 32, got {c}")
+        raise ValueError(f"CONFIG['lean_chunk'] / DELTA_ATTN_KDA_LEAN_CHUNK must be 0, 16 or 32, got {c}")
     return c
 
 
@@ -193,7 +200,7 @@ def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2no
     if NC > 0:
         flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)   # every entry written by launch 1
         KP = _pow2(K)
-        prec = CONFIG["lean_inv_prec"] or ("tf32x3" if q.dtype == torch.bfloat16 else "ieee")
+        prec = CONFIG["lean_inv_prec"] or ("tf32" if q.dtype == torch.bfloat16 else "ieee")
         for exact in (False, True):     # factored everywhere, then the flagged chunks redone exactly
             _kda_fwd_prep_lean_kernel[(NC, HV)](
                 q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
@@ -268,7 +275,7 @@ def _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_b
                 W, U, QG, KD, AQK, GC, h0 if h0 is not None else q, seg_t[s:s + 1], o,
                 q, q, out_state if out_state is not None else q, HV, b - a,
                 K=K, V=V, BT=bt, KP=KP, BV=BV, USE_H0=h0 is not None, STORE_FINAL=out_state is not None,
-                STORE_H=False, num_warps=CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
+                STORE_H=False, num_warps=CONFIG["scan_warps"],
                 num_stages=CONFIG["scan_stages"])
     if use_streams:
         cur.wait_stream(hi)
@@ -328,7 +335,8 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     var = "default" if store_states else _fwd_variant()
-    bt = BT if var == "default" else _lean_chunk()
+    n_seq = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    bt = BT if var == "default" else _lean_chunk(n_seq * HV, K, V, q.device)
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, bt)
     N, NC = seq_t.shape[0], chunk_t.shape[0]
     nseg = int(CONFIG["fwd_segments"])
@@ -351,7 +359,7 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
             VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
             K=K, V=V, BT=bt, KP=KP, BV=BV, USE_H0=initial_state is not None,
             STORE_FINAL=final is not None, STORE_H=store_states,
-            num_warps=CONFIG["scan_warps"] or (8 if BV >= 64 else 4),
+            num_warps=CONFIG["scan_warps"],
             num_stages=CONFIG["scan_stages"])
     saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, BT) if store_states else None
     return o, final, saved
