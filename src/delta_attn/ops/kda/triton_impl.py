@@ -58,7 +58,8 @@ def _pow2(x: int) -> int:
 
 
 # Launch settings (the benchmark's --tune pass edits these). Measured on an H200 (benchmarks/results/
-# kda_h200.md): prep_warps 4 -> 8 made the forward 1.6x slower; step_warps 2 beat 4 for decode.
+# kda_h200.md): prep_warps 4 -> 8 made the forward 1.6x slower; decode: step_bv 64 / step_warps 4 the fastest of
+# step_bv {16, 32, 64} x step_warps {1, 2, 4, 8} (run 6: 42.5 us eager, 3.16 TB/s; 32 / 2 was 43.7 us).
 # factor_max: per chunk, the factored exp(G_i) exp(-G_j) when every |G| <= it (fp32-safe), else the
 # exact pairwise form. save_intermediates: the eager forward keeps what the backward needs.
 # fwd_chunk: 16 (default, measured faster at 8x4096) or 64 (opt-in: the 64-token path of chunk64.py
@@ -85,7 +86,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=4, scan_stages=3, bwd_scan_warps=8, intra_bk=16,
-              intra_warps=8, step_bv=32, step_warps=2, min_programs=256, bwd_min_programs=64,
+              intra_warps=8, step_bv=64, step_warps=4, min_programs=256, bwd_min_programs=64,
               factor_max=60.0, save_intermediates=True,
               fwd_chunk=_env_int("DELTA_ATTN_KDA_FWD_CHUNK", 16),
               prep64_bk=32, prep64_bkd=4, prep64_warps=4, scan64_warps=4, scan64_stages=2,
@@ -98,15 +99,15 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=4, scan_stages=3, bwd_scan_wa
               lean_chunk=_env_int("DELTA_ATTN_KDA_LEAN_CHUNK", 0),
               fwd_segments=_env_int("DELTA_ATTN_KDA_FWD_SEGMENTS", 0))
 FWD_CHUNKS = (16, 64)
-# fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT), OPT-IN, not measured on a GPU yet: the prep of the
-# 16-token forward without gradient. "default": chunk._kda_fwd_prep_kernel. "lean" / "lean_dots":
-# prep_lean._kda_fwd_prep_lean_kernel (factored launch with the strong-decay code compiled out plus an
-# exact launch for flagged chunks, q/k/g in K slices of lean_ks, no T stored, Aqk in the working dtype;
-# "lean_dots" inverts the 16 x 16 UT matrix with six dots in lean_inv_prec (None: tf32x3 for bf16,
-# ieee otherwise) instead of forward substitution). ptxas -v, sm_90a, bf16, K = V = 128 (kda_h200.md):
-# default prep 255 registers; lean at lean_ks 32, 4 warps, 1 stage: 128 registers, no spill.
-# lean_chunk (env DELTA_ATTN_KDA_LEAN_CHUNK): 16 or 32, the chunk length of the lean variants (prep and
-# scan): at 32 the sequential scan walks half as many chunks.
+# fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT): the prep of the forward without gradient.
+# "lean_dots" (default; measured on the H200, kda_h200.md runs 5-6: 1.52 ms at 8x4096 and 2.54 ms at
+# 1x32768 vs "default" 1.89 / 3.20 and FLA 1.86 / 2.85): prep_lean._kda_fwd_prep_lean_kernel (factored
+# launch with the strong-decay code compiled out plus an exact launch for flagged chunks, q/k/g in K
+# slices of lean_ks, no T stored, Aqk in the working dtype), the UT matrix inverted with dots in
+# lean_inv_prec (None: tf32 for bf16, ieee otherwise). "lean": the same with forward substitution.
+# "default": chunk._kda_fwd_prep_kernel (the training prep).
+# lean_chunk (env DELTA_ATTN_KDA_LEAN_CHUNK): 16, 32 or 0 = by shape (_lean_chunk): at 32 the
+# sequential scan walks half as many chunks (measured faster for one long sequence, slower at 8x4096).
 # fwd_segments (env DELTA_ATTN_KDA_FWD_SEGMENTS), OPT-IN with a lean variant, not measured: for ONE
 # sequence (B = 1 or one varlen sequence) the forward is cut into this many segments in time and the
 # prep of segment s + 1 (side stream) overlaps the scan of segment s (high-priority stream); 0 / 1: off.
