@@ -325,3 +325,100 @@ def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
     c3 = (ws3 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     torch.testing.assert_close(c2, c3, rtol=1e-5, atol=1e-5)
     assert bool((ws2 < 0).all())   # every tile published its inclusive word
+
+
+# ---- opt-in persistent forward (DiagConfig(kind="persist")): co-resident programs, next tile prefetched ----
+
+
+def _persist_grids(monkeypatch, sms):
+    """Run with ``sms`` streaming multiprocessors and record the persistent grids launched."""
+    from delta_attn.ops.diag import triton_impl as ti
+    grids = []
+    real = ti._persist_programs
+    monkeypatch.setattr(ti, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(ti, "_persist_programs", lambda *a: grids.append(real(*a)) or grids[-1])
+    return grids
+
+
+# (kind, SMs) -> programs on the interpreter with H = 2, D = 20 / 32 in 16-channel blocks (4 chains):
+# one program walking every tile in time order, two programs owning two chains each, one per chain
+PERSIST_GRIDS = [("persist1", 1, 1), ("persist1", 2, 2), ("persist", 4, 4)]
+
+
+@pytest.mark.parametrize("kind,sms,programs", PERSIST_GRIDS)
+@pytest.mark.parametrize("t,dtype,g_dtype", [(37, torch.float16, torch.float32), (32, torch.float32, None)])
+def test_persist_fwd_against_float64(poisoned, monkeypatch, kind, sms, programs, t, dtype, g_dtype):
+    # odd length (masked rows, D = 20: a full and a masked channel block) and the EVEN path (T % BT == 0,
+    # D = 32); initial and final states; the tile backward runs on the persistent forward's carries
+    from delta_attn.ops.diag import triton_impl as ti
+    grids = _persist_grids(monkeypatch, sms)
+    d = 20 if t % 8 else 32
+    q, k, v, g = _inputs(2, t, 2, d, dtype, g_dtype)
+    h0 = torch.randn(2, 2, d, device=DEV)
+    do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
+    o, ht, ws = ti.diag_fwd(q, k, v, g, h0, None, True, config=ti.DiagConfig(8, 16, 2, 1, kind=kind))
+    if DEV == "cpu":
+        assert grids == [programs]
+    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, None, config=ti.DiagConfig(16, 16, 2, 1), fwd_bt=8)
+    o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
+    olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)
+    assert o.dtype == q.dtype and ht.dtype == torch.float32
+    assert_close(o, o64, olp, name="o")
+    assert_close(ht, ht64, htlp, name="final_state")
+    for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
+        assert_close(x, r64, rlp, kind="grad", name=name)
+    # the same workspace as the default forward's (every tile's inclusive state)
+    o2, ht2, ws2 = ti.diag_fwd(q, k, v, g, h0, None, True, config=ti.DiagConfig(8, 16, 2, 1))
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    assert torch.equal(ws, ws2) and bool((ws < 0).all())
+
+
+@pytest.mark.parametrize("kind,sms,programs", PERSIST_GRIDS)
+def test_persist_varlen_zero_length_and_extreme_decays(poisoned, monkeypatch, kind, sms, programs):
+    # varlen with zero-length sequences (first, middle, last), a length-1 sequence, tiles straddling
+    # sequences; decays down to -1e4 including a fully decayed tile; the tile and the rows backward on
+    # its carries; no initial state in a second call
+    from delta_attn.ops.diag import triton_impl as ti
+    grids = _persist_grids(monkeypatch, sms)
+    cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
+    q, k, v, g = _inputs(1, 40, 2, 20, torch.float32)
+    g = torch.where(torch.rand_like(g) < 0.3, torch.full_like(g, -1e4), g)
+    g[:, 8:16] = -1e4
+    h0 = torch.randn(7, 2, 20, device=DEV)
+    do, dht = torch.randn_like(q), torch.randn(7, 2, 20, device=DEV)
+    fcfg = ti.DiagConfig(8, 16, 2, 1, kind=kind)
+    o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
+    if DEV == "cpu":
+        assert grids == [programs]
+    o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
+    olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
+    assert_close(o, o64, olp, name="o")
+    assert_close(ht, ht64, htlp, name="final_state")
+    torch.testing.assert_close(ht[[0, 2, 6]], h0[[0, 2, 6]], rtol=0, atol=0)
+    for bcfg in (ti.DiagConfig(16, 16, 2, 1, kind=kind), ti.DiagConfig(16, 16, 2, 1, kind="rows")):
+        with da.testing.poison_outputs():
+            grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg, fwd_bt=8)
+        for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
+            assert torch.isfinite(x).all(), name
+            assert_close(x, r64, rlp, kind="grad", name=f"{bcfg.kind} bwd: {name}")
+    o2, ht2, ws2 = ti.diag_fwd(q, k, v, g, None, cu, True, config=fcfg)
+    o3, ht3, ws3 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.DiagConfig(8, 16, 2, 1))
+    assert torch.count_nonzero(ht2[[0, 2, 6]]) == 0
+    torch.testing.assert_close(o2, o3, rtol=0, atol=0)
+    torch.testing.assert_close(ht2, ht3, rtol=0, atol=0)
+    assert torch.equal(ws2, ws3)
+
+
+def test_persist_no_lookback_diagnostic_and_single_program(monkeypatch):
+    # the timing diagnostic (no look-back: every tile starts from state 0) runs on the persistent kernel
+    # too; one chain (H = 1, D = 16) on one program: a tile count that is not a multiple of anything
+    from delta_attn.ops.diag import triton_impl as ti
+    _persist_grids(monkeypatch, 3)
+    q, k, v, g = _inputs(1, 29, 1, 16, torch.float32)
+    cfg = ti.DiagConfig(8, 16, 2, 1, kind="persist")
+    o, _, ws = ti.diag_fwd(q, k, v, g, config=cfg)
+    torch.testing.assert_close(o, ti.diag_fwd(q, k, v, g, config=ti.DiagConfig(8, 16, 2, 1))[0], rtol=0, atol=0)
+    monkeypatch.setattr(ti, "_lookback", False)
+    o_nl, _, _ = ti.diag_fwd(q, k, v, g, config=cfg)
+    o_ref, _, _ = ti.diag_fwd(q, k, v, g, config=ti.DiagConfig(8, 16, 2, 1))
+    torch.testing.assert_close(o_nl, o_ref, rtol=0, atol=0)

@@ -278,6 +278,24 @@ def test_forward_variant_segments(monkeypatch, variant, chunk, cu):
     assert calls and torch.isfinite(out[1]).all()
 
 
+def test_no_grad_mode_takes_the_inference_forward(monkeypatch):
+    """Under torch.no_grad, inputs that require grad get the forward without gradient (no kept
+    intermediates, the inference chunk length): autograd's ctx.needs_input_grad ignores grad mode."""
+    from delta_attn.ops.kda import triton_impl
+    seen = []
+    real = triton_impl.kda_fwd
+    monkeypatch.setattr(triton_impl, "kda_fwd", lambda *a, **k_: seen.append(k_.get("store_states", False))
+                        or real(*a, **k_))
+    xs, kw = make(1, 40, 1, 1, 16, 16, torch.float32, h0=True)
+    leaves = [x.detach().requires_grad_() for x in xs]
+    with torch.no_grad():
+        o, s = da.kda(*leaves, use_qk_l2norm=True, output_final_state=True, backend="triton", **kw)
+    assert seen == [False] and o.grad_fn is None and s.grad_fn is None
+    o2, s2 = da.kda(*leaves, use_qk_l2norm=True, output_final_state=True, backend="triton", **kw)
+    assert seen == [False, True] and o2.grad_fn is not None
+    torch.testing.assert_close(o, o2.detach(), atol=2e-5, rtol=1e-4)
+
+
 def test_forward_variant_is_taken_without_grad_only(monkeypatch):
     from delta_attn.ops.kda import triton_impl
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)

@@ -1,6 +1,8 @@
 """Runs a suite's tasks: availability, time budget, correctness gate, timing, metrics, one row each."""
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import sys
 import time
@@ -87,6 +89,19 @@ class Progress:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _no_requires_grad(leaves):
+    """The forward rows time what inference runs: leaf inputs without requires_grad (an autograd
+    Function sees requires_grad inputs as needing gradients even under torch.no_grad)."""
+    for x in leaves:
+        x.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for x in leaves:
+            x.requires_grad_(True)
 
 
 def _free(device: torch.device) -> None:
@@ -216,8 +231,8 @@ class Runner:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 t0 = time.perf_counter()
-                if direction == "fwd":
-                    with torch.no_grad():
+                if direction == "fwd":   # inference: grad mode off and inputs that do not require grad
+                    with torch.no_grad(), _no_requires_grad(leaves):
                         out = b.fn()
                         _sync(dev)
                         first = (time.perf_counter() - t0) * 1e3

@@ -31,6 +31,11 @@ its tile row by row, each thread carrying the state of its own channels (no cros
 per-channel look-back walk (``_lookback_walk``). They publish the same words, so either backward runs on
 either forward's carries.
 
+Opt-in persistent forward (``_diag_fwd_persist_kernel``; ``DiagConfig(kind="persist")``): the tile
+forward's steps (shared jit helpers ``_fwd_scan_publish``, ``_fwd_carry_in``, ``_fwd_finish``) on a grid of
+co-resident programs, each walking the tiles p, p + G, ... and loading its next tile before its current
+look-back, so its loads stay in flight while it waits. Same words, same workspace.
+
 Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place.
 """
 from __future__ import annotations
@@ -221,6 +226,56 @@ def _empty_sequences_pass_through(src, dst, cu, N, chan, cmask, HD: tl.constexpr
 
 
 @triton.jit
+def _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD: tl.constexpr, HAS_H0: tl.constexpr,
+                      BT: tl.constexpr, BD: tl.constexpr):
+    """Forward steps 2-3 of a loaded tile: its affine maps s -> a s + b scanned along time from the tile's
+    start (a = 0 at a sequence start: s0 is folded into b), and the aggregate map published (the scan's
+    last row, stored by the threads that hold it: no reduction). Returns the prefixes (ca, cb) and the
+    tile's workspace pointers / last-row mask for the inclusive word."""
+    r = tl.arange(0, BT)
+    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
+    decay = tl.exp(gr.to(tl.float32))
+    b = kr.to(tl.float32) * vr.to(tl.float32)
+    if HAS_H0:
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
+        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
+    a = tl.where(start[:, None], 0.0, decay)
+    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
+    last = (r == BT - 1)[:, None] & cmask[None, :]
+    wptr = ws + j.to(tl.int64) * HD + chan
+    tl.store(wptr[None, :] + off * 0, _pack(ca, cb), mask=last)
+    return ca, cb, wptr, last
+
+
+@triton.jit
+def _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD: tl.constexpr, W: tl.constexpr, LOOKBACK: tl.constexpr):
+    """The state entering tile j (decoupled look-back over the chain's earlier tiles)."""
+    if LOOKBACK:
+        s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
+    else:   # (timing diagnostic only: wrong results)
+        s_in = tl.zeros(chan.shape, tl.float32)
+    return s_in
+
+
+@triton.jit
+def _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
+                HD: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
+    """Forward step 4: publish the inclusive state (the last row of s), write o = q s and the final
+    states of the sequences that end in the tile."""
+    off = tl.arange(0, BT)[:, None] * HD + tl.arange(0, BD)[None, :]
+    s = ca * s_in[None, :] + cb
+    tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(s), s), mask=last)
+    _st(o + base + off, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
+    if STORE_FINAL:
+        tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
+        if IS_VARLEN:
+            # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
+            if j == 0:
+                _empty_sequences_pass_through(h0, ht, cu, N, chan, cmask, HD, HAS_H0, BD)
+
+
+@triton.jit
 def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
                      T_seq, total, N, n_tiles,
                      H: tl.constexpr, D: tl.constexpr,
@@ -244,41 +299,62 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
         gr = _ld(g + base + off, m, EVEN)
         kr = _ld(k + base + off, m, EVEN)
         vr = _ld(v + base + off, m, EVEN)
-
-        # 2. the tile's affine maps s -> a s + b (a = 0 at a sequence start: s0 is folded into b)
-        decay = tl.exp(gr.to(tl.float32))
-        b = kr.to(tl.float32) * vr.to(tl.float32)
-        if HAS_H0:
-            s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
-            b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
-        a = tl.where(start[:, None], 0.0, decay)
-        ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
-
-        # 3. publish the aggregate (the scan's last row, stored by the threads that hold it: no
-        #    reduction), look back for the state entering the tile
-        last = (r == BT - 1)[:, None] & cmask[None, :]
-        wptr = ws + j.to(tl.int64) * HD + chan
-        tl.store(wptr[None, :] + off * 0, _pack(ca, cb), mask=last)
+        # 2.-3. the tile's scan, its aggregate published, the look-back for the state entering it
+        ca, cb, wptr, last = _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD, HAS_H0,
+                                               BT, BD)
         if Q_EARLY:
             qr = _ld(q + base + off, m, EVEN)
-        if LOOKBACK:
-            s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
-        else:   # (timing diagnostic only: wrong results)
-            s_in = tl.zeros([BD], tl.float32)
+        s_in = _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD, W, LOOKBACK)
         if not Q_EARLY:
             qr = _ld(q + base + off, m, EVEN)
-
-        # 4. publish the inclusive state (the last row of s), write o and the final states
-        s = ca * s_in[None, :] + cb
-        tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(s), s), mask=last)
-        _st(o + base + off, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
-        if STORE_FINAL:
-            tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
-            if IS_VARLEN:
-                # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
-                if j == 0:
-                    _empty_sequences_pass_through(h0, ht, cu, N, chan, cmask, HD, HAS_H0, BD)
+        # 4. the inclusive state published, o and the final states written
+        _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
+                    HD, HAS_H0, STORE_FINAL, IS_VARLEN, BT, BD, EVEN)
         t = n_work
+
+
+@triton.jit
+def _diag_fwd_persist_kernel(q, k, v, g, o, h0, ht, ws, cu,
+                             T_seq, total, N, n_tiles,
+                             H: tl.constexpr, D: tl.constexpr,
+                             HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                             EVEN: tl.constexpr, LOOKBACK: tl.constexpr):
+    """Forward, persistent and prefetching (opt-in: DiagConfig(kind="persist")): the same steps, tiles
+    and published words as ``_diag_fwd_kernel``, but G = num_programs programs, all co-resident (the
+    launcher sizes G from the compiled kernel's registers / shared memory), program p taking the
+    tiles p, p + G, p + 2G, ... (the ``_tile_of`` numbering: increasing time per program). Before the
+    look-back of its current tile a program issues the loads (g, k, v, q) of its next tile, carried
+    into the next iteration, so its loads are in flight while it waits. No dead-lock: every tile
+    below the lowest unfinished one is published and its program, resident, is at that tile.
+    The last iteration re-reads its own tile (an L2 hit) instead of masking the prefetch."""
+    N_DB: tl.constexpr = (D + BD - 1) // BD
+    n_work = n_tiles * (H * N_DB)
+    G = tl.num_programs(0)
+    off = tl.arange(0, BT)[:, None] * (H * D) + tl.arange(0, BD)[None, :]
+    t = tl.program_id(0)
+    j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
+    base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N,
+                                                       BT, BD, EVEN)
+    gr, kr, vr, qr = _ld(g + base + off, m, EVEN), _ld(k + base + off, m, EVEN), _ld(v + base + off, m, EVEN), \
+        _ld(q + base + off, m, EVEN)
+    while t < n_work:
+        j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
+        base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
+                                                           LOG_N, BT, BD, EVEN)
+        ca, cb, wptr, last = _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, H * D, HAS_H0,
+                                               BT, BD)
+        # the next tile's loads, in flight during the look-back
+        tn = tl.where(t + G < n_work, t + G, t)
+        jn, hn, dbn = _tile_of(tn, n_tiles, H, D, BD, False)
+        bn, _, _, mn, _, _, _ = _tile_ptrs(jn, hn, dbn, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N, BT, BD, EVEN)
+        gr, kr, vr, qn = _ld(g + bn + off, mn, EVEN), _ld(k + bn + off, mn, EVEN), _ld(v + bn + off, mn, EVEN), \
+            _ld(q + bn + off, mn, EVEN)
+        s_in = _fwd_carry_in(ws, j, chan, cmask, n_tiles, H * D, W, LOOKBACK)
+        _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
+                    H * D, HAS_H0, STORE_FINAL, IS_VARLEN, BT, BD, EVEN)
+        qr = qn
+        t += G
 
 
 @triton.jit

@@ -43,11 +43,15 @@ class KDAArgs:
             feats.add("gate_lower_bound" if self.lower_bound is not None else "gate_softplus")
         if self.v.shape[2] != self.q.shape[2]:
             feats.add("gva")
-        tensors = (self.q, self.k, self.v, self.g, self.beta, self.initial_state, self.A_log, self.dt_bias)
-        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
         return Call(op=op, device=self.q.device, dtype=self.q.dtype,
                     head_dims=(self.q.shape[-1], self.v.shape[-1]), features=frozenset(feats),
-                    needs_grad=needs_grad)
+                    needs_grad=self.needs_grad())
+
+    def needs_grad(self) -> bool:
+        """Grad mode on and some differentiable input requires grad (under ``torch.no_grad`` inputs that
+        require grad still get the forward without gradient)."""
+        tensors = (self.q, self.k, self.v, self.g, self.beta, self.initial_state, self.A_log, self.dt_bias)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias, lower_bound):

@@ -621,8 +621,10 @@ def kda(a: KDAArgs):
             a.lower_bound, bool(a.use_qk_l2norm), bool(a.output_final_state))
     if torch.compiler.is_compiling():
         o, final = _kda_chunk_fwd_op(*args)            # traced: custom op with a fake implementation
-    else:
+    elif a.needs_grad():
         o, final = KDAFunction.apply(*args)            # eager: no dispatcher overhead, saved intermediates
+    else:                                              # inference (ctx.needs_input_grad ignores no_grad)
+        o, final, _ = kda_fwd(*args)
     return o, (final if a.output_final_state else None)
 
 
