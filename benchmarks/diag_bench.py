@@ -18,9 +18,8 @@ less work than ours (it reads 2 tensors and writes 1; there is no q): its times 
 times, and its own effective bandwidth is given with its own byte model (fwd: x, g read, o written
 = 3 tensors; fwd+bwd: 3 + read g, o, do and write dx, dg = 8 tensors).
 
-Usage: PYTHONPATH=src python benchmarks/diag_bench.py [--sweep | --rows-ab | --persist-ab] [--crossover] [--out DIR]
+Usage: PYTHONPATH=src python benchmarks/diag_bench.py [--sweep | --rows-ab] [--crossover] [--out DIR]
 (--rows-ab: a short sweep of the default kernels against the opt-in rows variants, same process;
---persist-ab: the default forwards against the opt-in persistent forward, with the default and tile backwards.)
 Timing: CUDA events, L2 flushed (256 MB memset) before every repeat, median and [p20, p80].
 """
 from __future__ import annotations
@@ -179,14 +178,6 @@ ROWS_BWD_SWEEP = [C(16, 64, 8, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"), C(
                   C(32, 64, 8, 1, kind="rows"), C(16, 128, 8, 2, kind="rows"), C(16, 128, 4, 2, kind="rows"),
                   C(16, 128, 2, 2, kind="rows"), C(16, 256, 4, 4, kind="rows")]
 TILE_BWD = [C(32, 32, 8, 1)]   # the tile backward (the default before the rows pair)
-# the opt-in persistent forward (_diag_fwd_persist_kernel, kind="persist": as many co-resident programs
-# as the registers allow, each prefetching its next tile during the look-back); sm_90a registers ->
-# programs per SM, SASS instructions per 1024 elements (benchmarks/diag_sass.py; the default 32x32 tile
-# kernel: 128 -> 16, 2304): 32x32 W8 237 -> 8, 2640; W4 210 -> 9, 2192; 16x64 W8 242 -> 8, 1800;
-# W4 215 -> 9, 1608; W2 196 -> 10, 1520; 32x64 W4 2 warps 216 -> 4, 2016; 16x32 W4 128 -> 16, 3088
-P = lambda bt, bd, w, warps: C(bt, bd, w, warps, kind="persist")   # noqa: E731
-PERSIST_SWEEP = [P(32, 32, 8, 1), P(32, 32, 4, 1), P(16, 64, 8, 1), P(16, 64, 4, 1), P(16, 64, 2, 1),
-                 P(32, 64, 4, 2), P(16, 32, 4, 1)]
 
 
 def _short(r):
@@ -260,8 +251,6 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time tile configs first and use the fastest")
     ap.add_argument("--rows-ab", action="store_true",
                     help="short sweep: the default kernels and the rows variants (same process)")
-    ap.add_argument("--persist-ab", action="store_true",
-                    help="short sweep: the default forwards and the persistent forward variants (same process)")
     ap.add_argument("--crossover", action="store_true", help="cuDNN causal attention at 64K tokens per batch")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fused-max-t", type=int, default=1 << 30, help="skip fused_recurrent_hgrn above this T")
@@ -278,9 +267,6 @@ def main():
         fcfg, (pf, pb) = sweep_configs(bw, sweep)
     elif a.rows_ab:
         fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG] + ROWS_SWEEP, TILE_BWD + ROWS_BWD_SWEEP)
-    elif a.persist_ab:
-        fcfg, (pf, pb) = sweep_configs(bw, sweep, [ti.FWD_CONFIG, ti.TRAIN_FWD_CONFIG] + PERSIST_SWEEP,
-                                       [ti.BWD_CONFIG] + TILE_BWD)
     info["fwd_config"], info["train_configs"] = str(fcfg), (str(pf), str(pb))
     print(f"forward config: {fcfg}\ntraining pair: fwd {pf} / bwd {pb}")
     if a.out:

@@ -2,7 +2,7 @@
 """Compile-only figures of the gated diagonal attention kernels (no GPU needed): sm_90a registers and
 spills (``ptxas -v``) and SASS instruction counts (``cuobjdump -sass``, NOPs included) per 1024
 elements, with SHFL (cross-thread shuffles) and MUFU counts, for the default tile kernels and the opt-in
-rows and persistent variants at H = 16, D = 128, bf16, the launcher's specialisation (16-byte aligned pointers, T and
+rows variants at H = 16, D = 128, bf16, the launcher's specialisation (16-byte aligned pointers, T and
 total divisible by 16, the mask-free EVEN path, no states).
 
 Usage: python benchmarks/diag_sass.py [--no-lookback]
@@ -83,15 +83,6 @@ def main():
         row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp{', early q' if early else ''}",
             K._diag_fwd_rows_kernel, FWD_PTRS,
             dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, Q_EARLY=early, FAST_EXP=True), warps, bt * bd)
-    # the opt-in persistent forward (kind="persist"): co-resident programs per SM from the registers
-    # (64K per SM, allocated per warp in units of 256; at most 64 warps, 32 blocks)
-    for bt, bd, w, warps in [(32, 32, 8, 1), (32, 32, 4, 1), (16, 64, 8, 1), (16, 64, 4, 1), (32, 64, 8, 2),
-                             (32, 64, 4, 2), (16, 32, 8, 1), (16, 32, 4, 1), (32, 16, 4, 1)]:
-        consts = dict(fwd, BT=bt, BD=bd, W=w)
-        regs = compile_kernel(K._diag_fwd_persist_kernel, FWD_PTRS, consts, warps)[0]
-        per_sm = min(65536 // (-(-regs * 32 // 256) * 256 * warps), 64 // warps, 32)
-        row(f"fwd persist {bt}x{bd} W{w} {warps} warp ({per_sm} per SM)", K._diag_fwd_persist_kernel, FWD_PTRS,
-            consts, warps, bt * bd)
     row("bwd tile 32x32 W8 1 warp (default)", K._diag_bwd_kernel, BWD_PTRS,
         dict(bwd, BT=32, BD=32, W=8, KV_EARLY=False), 1, 32 * 32)
     for bt, bd, w, warps in [(16, 64, 8, 1), (16, 64, 4, 1), (16, 64, 2, 1), (32, 64, 8, 1), (16, 128, 8, 2)]:

@@ -19,9 +19,7 @@ forward+backward and the decode rows (FLA's first forward+backward autotunes for
 adds per-chunk-length backward pieces to the breakdown (forward keeping states, backward scan, intra).
 ``--fwd-variant default lean lean_dots`` first times the 16-token forward (no gradient) with each
 ``CONFIG["fwd_variant"]`` (the prep kernel; checked against float64 first) next to FLA's forward, and
-each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings (for the last listed variant) and
-``fwd_segments`` (B = 1 only: prep of the next time segment overlapped with the scan; at B = 8 the row
-repeats the unsegmented lean path);
+each prep alone at 8x4096 (``<variant>_prep_ms``); ``--tune-lean`` adds the lean settings (for the last listed variant);
 ``--variants-only`` stops there.
 """
 from __future__ import annotations
@@ -147,7 +145,7 @@ def fwd_variants(ti, args, have_fla):
                                      inv=int(var == "lean_dots"), bt=bt)
 
     def rows_for(label, settings, variants):
-        if settings:                        # every setting against float64 first (B = 1: segments taken)
+        if settings:                        # every setting against float64 first
             for var in variants:
                 ti.CONFIG.update(base, fwd_chunk=16, fwd_variant=var, **settings)
                 v = check_forward(1, 4096)
@@ -181,12 +179,10 @@ def fwd_variants(ti, args, have_fla):
     for settings in args.lean_settings or []:             # explicit combinations (JSON objects)
         rows_for(json.dumps(settings), settings, lean)
     if args.tune_lean:
-        for settings in (dict(fwd_segments=8), dict(lean_chunk=32), dict(lean_chunk=32, fwd_segments=8),
-                         dict(lean_chunk=32, lean_inv_prec="tf32"), dict(fwd_segments=4), dict(fwd_segments=16),
+        for settings in (dict(lean_chunk=32), dict(lean_chunk=32, lean_inv_prec="tf32"),
                          dict(lean_ks=64), dict(lean_ks=128), dict(lean_warps=8, lean_stages=2),
                          dict(lean_warps=8, lean_stages=1), dict(lean_stages=2), dict(lean_inv_prec="tf32"),
-                         dict(lean_ks=64, lean_warps=8, lean_stages=2), dict(scan_stages=4), dict(scan_warps=4),
-                         dict(fwd_segments=8, scan_stages=4)):
+                         dict(lean_ks=64, lean_warps=8, lean_stages=2), dict(scan_stages=4), dict(scan_warps=4)):
             rows_for(json.dumps(settings), settings, lean)
     ti.CONFIG.update(base)
 

@@ -262,22 +262,6 @@ def test_tri_inverse_dots_matches_inverse():
     torch.testing.assert_close(T.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant,chunk,cu", [("lean", 16, None), ("lean_dots", 32, [0, 101])])
-def test_forward_variant_segments(monkeypatch, variant, chunk, cu):
-    """fwd_segments: one sequence cut into segments in time (state carried between scan launches; on
-    the GPU the prep of the next segment overlaps the scan), strong decays in the first 40 tokens only."""
-    from delta_attn.ops.kda import triton_impl
-    _set_variant(monkeypatch, variant, chunk)
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", 3 if chunk == 16 else 2)
-    calls = []
-    real = triton_impl._kda_fwd16_segments
-    monkeypatch.setattr(triton_impl, "_kda_fwd16_segments", lambda *a, **k_: calls.append(1) or real(*a, **k_))
-    xs, kw = make(1, 101, 1, 2, 32, 16, torch.float32, decay=-1e4, h0=True, cu=cu)
-    xs[3][:, 40:] = torch.nn.functional.logsigmoid(torch.randn(1, 61, 2, 32) + 2.0)
-    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
-    assert calls and torch.isfinite(out[1]).all()
-
-
 def test_no_grad_mode_takes_the_inference_forward(monkeypatch):
     """Under torch.no_grad, inputs that require grad get the forward without gradient (no kept
     intermediates, the inference chunk length): autograd's ctx.needs_input_grad ignores grad mode."""
@@ -313,10 +297,6 @@ def test_forward_variant_is_taken_without_grad_only(monkeypatch):
     torch.testing.assert_close(s1, s2.detach(), atol=2e-5, rtol=1e-4)
     monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", "fast")
     with pytest.raises(ValueError, match="fwd_variant"):
-        run("triton", xs, kw)
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", "lean")
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", -1)
-    with pytest.raises(ValueError, match="DELTA_ATTN_KDA_FWD_SEGMENTS"):
         run("triton", xs, kw)
 
 

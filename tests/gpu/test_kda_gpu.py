@@ -166,20 +166,3 @@ def test_forward_variant_bf16(monkeypatch, variant, chunk, T, gate, decay, cu):
     xs, kw = make(B, T, HV // 2 if cu is None else 2, HV, 128, 128, gate=gate, decay=decay, h0=True, cu=cu)
     out = check(xs, kw, use_qk_l2norm=True, output_final_state=True)
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
-
-
-@pytest.mark.parametrize("variant,segments,chunk", [("lean", 4, 16), ("lean_dots", 8, 16), ("lean_dots", 8, 32)])
-def test_forward_segments_bf16(monkeypatch, variant, segments, chunk):
-    """fwd_segments: one sequence, the prep of the next time segment on a side stream overlapping the
-    scan (high-priority stream); decays of -50 at random tokens (exact launch)."""
-    from delta_attn.ops.kda import triton_impl
-    monkeypatch.setitem(triton_impl.CONFIG, "lean_chunk", chunk)
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_chunk", 16)
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_variant", variant)
-    monkeypatch.setitem(triton_impl.CONFIG, "fwd_segments", segments)
-    calls = []
-    real = triton_impl._kda_fwd16_segments
-    monkeypatch.setattr(triton_impl, "_kda_fwd16_segments", lambda *a, **k_: calls.append(1) or real(*a, **k_))
-    xs, kw = make(1, 4099, 2, 4, 128, 128, decay=-50.0, h0=True)
-    out = check(xs, kw, use_qk_l2norm=True, output_final_state=True)
-    assert calls and torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()

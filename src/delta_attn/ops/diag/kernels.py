@@ -31,11 +31,6 @@ its tile row by row, each thread carrying the state of its own channels (no cros
 per-channel look-back walk (``_lookback_walk``). They publish the same words, so either backward runs on
 either forward's carries.
 
-Opt-in persistent forward (``_diag_fwd_persist_kernel``; ``DiagConfig(kind="persist")``): the tile
-forward's steps (shared jit helpers ``_fwd_scan_publish``, ``_fwd_carry_in``, ``_fwd_finish``) on a grid of
-co-resident programs, each walking the tiles p, p + G, ... and loading its next tile before its current
-look-back, so its loads stay in flight while it waits. Same words, same workspace.
-
 Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place.
 """
 from __future__ import annotations
@@ -311,50 +306,6 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
         _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
                     HD, HAS_H0, STORE_FINAL, IS_VARLEN, BT, BD, EVEN)
         t = n_work
-
-
-@triton.jit
-def _diag_fwd_persist_kernel(q, k, v, g, o, h0, ht, ws, cu,
-                             T_seq, total, N, n_tiles,
-                             H: tl.constexpr, D: tl.constexpr,
-                             HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                             EVEN: tl.constexpr, LOOKBACK: tl.constexpr):
-    """Forward, persistent and prefetching (opt-in: DiagConfig(kind="persist")): the same steps, tiles
-    and published words as ``_diag_fwd_kernel``, but G = num_programs programs, all co-resident (the
-    launcher sizes G from the compiled kernel's registers / shared memory), program p taking the
-    tiles p, p + G, p + 2G, ... (the ``_tile_of`` numbering: increasing time per program). Before the
-    look-back of its current tile a program issues the loads (g, k, v, q) of its next tile, carried
-    into the next iteration, so its loads are in flight while it waits. No dead-lock: every tile
-    below the lowest unfinished one is published and its program, resident, is at that tile.
-    The last iteration re-reads its own tile (an L2 hit) instead of masking the prefetch."""
-    N_DB: tl.constexpr = (D + BD - 1) // BD
-    n_work = n_tiles * (H * N_DB)
-    G = tl.num_programs(0)
-    off = tl.arange(0, BT)[:, None] * (H * D) + tl.arange(0, BD)[None, :]
-    t = tl.program_id(0)
-    j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
-    base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N,
-                                                       BT, BD, EVEN)
-    gr, kr, vr, qr = _ld(g + base + off, m, EVEN), _ld(k + base + off, m, EVEN), _ld(v + base + off, m, EVEN), \
-        _ld(q + base + off, m, EVEN)
-    while t < n_work:
-        j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
-        base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
-                                                           LOG_N, BT, BD, EVEN)
-        ca, cb, wptr, last = _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, H * D, HAS_H0,
-                                               BT, BD)
-        # the next tile's loads, in flight during the look-back
-        tn = tl.where(t + G < n_work, t + G, t)
-        jn, hn, dbn = _tile_of(tn, n_tiles, H, D, BD, False)
-        bn, _, _, mn, _, _, _ = _tile_ptrs(jn, hn, dbn, cu, T_seq, total, N, H, D, IS_VARLEN, LOG_N, BT, BD, EVEN)
-        gr, kr, vr, qn = _ld(g + bn + off, mn, EVEN), _ld(k + bn + off, mn, EVEN), _ld(v + bn + off, mn, EVEN), \
-            _ld(q + bn + off, mn, EVEN)
-        s_in = _fwd_carry_in(ws, j, chan, cmask, n_tiles, H * D, W, LOOKBACK)
-        _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
-                    H * D, HAS_H0, STORE_FINAL, IS_VARLEN, BT, BD, EVEN)
-        qr = qn
-        t += G
 
 
 @triton.jit

@@ -34,11 +34,8 @@ class DiagConfig:
     warps: int
     early: bool = False      # fwd (tile and rows): load q before the look-back; bwd (tile): load g, k, v and
                              # the carry before it
-    kind: str = "tile"       # "tile" (2-D tile, scan across threads) or "rows" (opt-in: _diag_fwd_rows_kernel /
-                             # _diag_bwd_rows_kernel, each thread walks whole channels; bd spans H * D) or,
-                             # forward only (a backward runs the tile kernel), "persist" / "persist<N>"
-                             # (opt-in: _diag_fwd_persist_kernel, the tile scan on as many co-resident programs
-                             # as fit on the GPU, at most N per SM, each prefetching its next tile; no early)
+    kind: str = "tile"       # "tile" (2-D tile, scan across threads) or "rows" (_diag_fwd_rows_kernel /
+                             # _diag_bwd_rows_kernel, each thread walks whole channels; bd spans H * D)
     hold: bool = False       # rows forward: keep the tile's prefixes in registers (2 per element) instead
                              # of re-reading g, k, v after the look-back (the rows backward always holds)
 
@@ -114,46 +111,10 @@ def _shape(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
     return b * t, t, n, h, d
 
 
-# co-resident programs per SM of a compiled persistent kernel, by (kernel hash, device)
-_resident_per_sm = {}
-
-
-def _persist_programs(kernel, args: tuple, meta: dict, kind: str, device, n_work: int, n_chains: int) -> int:
-    """Grid of the persistent forward: its programs wait for each other, so all must be resident at
-    once. GPU: programs per SM from the compiled kernel's registers (allocated per warp in units of
-    256) and shared memory (plus 1 KiB reserved per block) against the SM's 64K registers, 64 warps,
-    32 blocks and shared memory, at most N per SM for ``kind="persist<N>"``, times the SM count.
-    Interpreter: programs run one after another, so a program may only wait for its own tiles: G
-    divides the number of chains (each program owns whole chains; G = 1 runs every tile in order)."""
-    cap = int(kind[len("persist"):] or 0)   # programs per SM, 0: as many as are resident
-    if triton_interpreter_on():
-        g = min(cap * _sm_count(device) if cap else n_chains, n_chains, n_work)
-        return math.gcd(max(g, 1), n_chains)
-    ck = kernel.warmup(*args, grid=(1,), **meta)
-    if hasattr(ck, "result"):   # (asynchronous compilation)
-        ck = ck.result()
-    key = (ck.hash, device.index)
-    per_sm = _resident_per_sm.get(key)
-    if per_sm is None:
-        ck._init_handles()   # (loads the binary: n_regs)
-        props = torch.cuda.get_device_properties(device)
-        warps = ck.metadata.num_warps
-        regs_per_warp = -(-ck.n_regs * 32 // 256) * 256
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
-        by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-        smem = ck.metadata.shared
-        by_smem = (getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (smem + 1024)) if smem else 32
-        per_sm = _resident_per_sm[key] = max(1, min(by_regs, by_warps, by_smem, 32))
-    return max(1, min((min(per_sm, cap) if cap else per_sm) * _sm_count(device), n_work))
-
-
 def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int, d: int, n: int, t_seq: int,
                  total: int, cu_seqlens, args: tuple, meta: dict, rows_meta=None, default_meta=None) -> None:
-    """Launch one direction's scan with the arguments both layouts share: the default kernel (tiles of
-    one head's channels), the opt-in "rows" kernel (channel blocks across heads, ``cfg.kind``) or, for
-    the forward, the opt-in persistent tile kernel (``kind="persist..."``, a grid of co-resident programs)."""
-    from .kernels import _diag_fwd_persist_kernel
-    persist = cfg.kind.startswith("persist") and default_kernel is _diag_fwd_kernel
+    """Launch one direction's scan with the arguments both layouts share: the tile kernel (tiles of one
+    head's channels) or the "rows" kernel (channel blocks across heads, ``cfg.kind``)."""
     if cfg.kind == "rows":
         bd = _block_hd(cfg, n_tiles, h * d, device)
         kernel, programs, width = rows_kernel, n_tiles * triton.cdiv(h * d, bd), h * d
@@ -165,10 +126,6 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
     meta = dict(meta, **extra, H=h, D=d, IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n), BT=cfg.bt, BD=bd,
                 W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, width, cfg.bt, bd), LOOKBACK=_lookback,
                 num_warps=cfg.warps)
-    if persist:   # (q is always loaded a tile ahead: no Q_EARLY)
-        kernel = _diag_fwd_persist_kernel
-        meta.pop("Q_EARLY", None)
-        programs = _persist_programs(kernel, args, meta, cfg.kind, device, programs, programs // n_tiles)
     kernel[(programs,)](*args, **meta)
 
 

@@ -6,7 +6,6 @@ Kernels: ``chunk.py`` (chunked forward / backward, 16-token chunks), ``chunk64.p
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import List, Optional, Tuple
@@ -96,8 +95,7 @@ CONFIG = dict(prep_bk=16, prep_warps=4, scan_warps=4, scan_stages=3, bwd_scan_wa
               bwd64_split=True, grads64_bk=128, grads64_bv=32, grads64_warps=8,
               fwd_variant=os.environ.get("DELTA_ATTN_KDA_FWD_VARIANT", "lean_dots") or "lean_dots",
               lean_ks=32, lean_warps=4, lean_stages=1, lean_inv_prec=None,
-              lean_chunk=_env_int("DELTA_ATTN_KDA_LEAN_CHUNK", 0),
-              fwd_segments=_env_int("DELTA_ATTN_KDA_FWD_SEGMENTS", 0))
+              lean_chunk=_env_int("DELTA_ATTN_KDA_LEAN_CHUNK", 0))
 FWD_CHUNKS = (16, 64)
 # fwd_variant (env DELTA_ATTN_KDA_FWD_VARIANT): the prep of the forward without gradient.
 # "lean_dots" (default; measured on the H200, kda_h200.md runs 5-6: 1.52 ms at 8x4096 and 2.54 ms at
@@ -108,9 +106,6 @@ FWD_CHUNKS = (16, 64)
 # "default": chunk._kda_fwd_prep_kernel (the training prep).
 # lean_chunk (env DELTA_ATTN_KDA_LEAN_CHUNK): 16, 32 or 0 = by shape (_lean_chunk): at 32 the
 # sequential scan walks half as many chunks (measured faster for one long sequence, slower at 8x4096).
-# fwd_segments (env DELTA_ATTN_KDA_FWD_SEGMENTS), OPT-IN with a lean variant, not measured: for ONE
-# sequence (B = 1 or one varlen sequence) the forward is cut into this many segments in time and the
-# prep of segment s + 1 (side stream) overlaps the scan of segment s (high-priority stream); 0 / 1: off.
 FWD_VARIANTS = ("default", "lean", "lean_dots")
 
 
@@ -189,15 +184,12 @@ def _lean_chunk(n_chains: int, K: int, V: int, device) -> int:
 
 
 def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv: int = 0,
-               bufs=None, c0: int = 0, c1: Optional[int] = None, bt: int = BT):
-    """Forward-only 16-token prep (prep_lean.py): W, U, qg, kd, Aqk (working dtype), exp(G_last); no T.
-    With ``bufs`` (from ``_chunk_operands``) only the chunks c0 .. c1 - 1 of ``chunk_t`` are prepared,
-    into those buffers."""
+               bt: int = BT):
+    """Forward-only 16-token prep (prep_lean.py): W, U, qg, kd, Aqk (working dtype), exp(G_last); no T."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    W, QG, KD, U, AQK, GC = bufs if bufs is not None else _chunk_operands(q, v, chunk_t, bt, _work_dtype(q.dtype))
-    c1 = chunk_t.shape[0] if c1 is None else c1
-    NC = c1 - c0
+    NC = chunk_t.shape[0]
+    W, QG, KD, U, AQK, GC = _chunk_operands(q, v, chunk_t, bt, _work_dtype(q.dtype))
     if NC > 0:
         flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)   # every entry written by launch 1
         KP = _pow2(K)
@@ -205,7 +197,7 @@ def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2no
         for exact in (False, True):     # factored everywhere, then the flagged chunks redone exactly
             _kda_fwd_prep_lean_kernel[(NC, HV)](
                 q, k, v, g, beta, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q,
-                chunk_t[c0:c1], W, U, QG, KD, AQK, GC[c0:c1], flags,
+                chunk_t, W, U, QG, KD, AQK, GC, flags,
                 float(scale), float(lower_bound or 0.0), H, HV,
                 K=K, V=V, BT=bt, BK=min(CONFIG["prep_bk"] * 16 * 16 // (bt * bt), KP), BV=min(64, _pow2(V)),
                 KS=max(16, min(CONFIG["lean_ks"], KP)), L2NORM=use_qk_l2norm, GATE=_gate_mode(A_log, lower_bound),
@@ -213,75 +205,6 @@ def _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2no
                 DOT_PREC=_dot_prec(q.dtype), EXACT=exact, INV=inv, INV_PREC=prec,
                 num_warps=CONFIG["lean_warps"], num_stages=CONFIG["lean_stages"])
     return W, U, QG, KD, AQK, None, GC
-
-
-_STREAMS = {}
-
-
-def _overlap_streams(device):
-    """(prep stream, high-priority scan stream) of a device, created once."""
-    key = torch.device(device).index
-    if key not in _STREAMS:
-        _STREAMS[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device, priority=-1))
-    return _STREAMS[key]
-
-
-def _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                        use_qk_l2norm, output_final_state, seq_t, chunk_t, nseg: int, inv: int, bt: int = BT):
-    """One sequence (N = 1), forward without gradient, ``bt``-token chunks (lean prep): the chunks are cut into ``nseg``
-    segments in time; the lean prep of segment s + 1 runs on a side stream while the scan (one
-    high-priority stream, the state carried in fp32 between segments) walks segment s. A long single
-    sequence leaves most of the GPU idle during the scan (H * V / BV programs), which the prep fills.
-    On CPU (interpreter) the same segments run one after the other."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    NC = chunk_t.shape[0]
-    dev = q.device
-    bufs = _chunk_operands(q, v, chunk_t, bt, _work_dtype(q.dtype))
-    W, QG, KD, U, AQK, GC = bufs
-    o = empty((B, T, HV, V), v.dtype, dev)
-    final = empty((1, HV, K, V), torch.float32, dev) if output_final_state else None
-    row0, Tn = (0, T) if cu_seqlens is None else (int(cu_seqlens[0]), int(cu_seqlens[-1] - cu_seqlens[0]))
-    cuts = sorted({round(NC * s / nseg) for s in range(nseg + 1)})
-    segs = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-    seg_t = torch.tensor([[row0 + a * bt, min(b * bt, Tn) - a * bt, a] for a, b in segs], dtype=torch.int32,
-                         device=dev)
-    carry = [torch.empty(1, HV, K, V, dtype=torch.float32, device=dev) for _ in range(2)]
-    KP, BV = _blocks(K, V, HV)
-    use_streams = dev.type == "cuda"
-    if use_streams:
-        cur = torch.cuda.current_stream(dev)
-        side, hi = _overlap_streams(dev)
-        side.wait_stream(cur)
-        hi.wait_stream(cur)
-        events = []
-        with torch.cuda.stream(side):
-            for a, b in segs:
-                _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv,
-                           bufs=bufs, c0=a, c1=b, bt=bt)
-                events.append(torch.cuda.Event())
-                events[-1].record(side)
-    for s, (a, b) in enumerate(segs):
-        if not use_streams:
-            _prep_lean(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, inv,
-                       bufs=bufs, c0=a, c1=b, bt=bt)
-        h0 = initial_state if s == 0 else carry[(s - 1) % 2]
-        last = s == len(segs) - 1
-        out_state = (final if last else carry[s % 2])
-        ctx = torch.cuda.stream(hi) if use_streams else contextlib.nullcontext()
-        with ctx:
-            if use_streams:
-                hi.wait_event(events[s])
-            _kda_fwd_scan_kernel[(triton.cdiv(V, BV), 1, HV)](
-                W, U, QG, KD, AQK, GC, h0 if h0 is not None else q, seg_t[s:s + 1], o,
-                q, q, out_state if out_state is not None else q, HV, b - a,
-                K=K, V=V, BT=bt, KP=KP, BV=BV, USE_H0=h0 is not None, STORE_FINAL=out_state is not None,
-                STORE_H=False, num_warps=CONFIG["scan_warps"],
-                num_stages=CONFIG["scan_stages"])
-    if use_streams:
-        cur.wait_stream(hi)
-        cur.wait_stream(side)
-    return o, final, None
 
 
 def _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t, store_t: bool = False):
@@ -340,13 +263,6 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     bt = BT if var == "default" else _lean_chunk(n_seq * HV, K, V, q.device)
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, bt)
     N, NC = seq_t.shape[0], chunk_t.shape[0]
-    nseg = int(CONFIG["fwd_segments"])
-    if nseg < 0:
-        raise ValueError(f"CONFIG['fwd_segments'] / DELTA_ATTN_KDA_FWD_SEGMENTS must be >= 0, got {nseg}")
-    if var != "default" and N == 1 and nseg > 1 and NC >= 2 * nseg:
-        return _kda_fwd16_segments(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                                   use_qk_l2norm, output_final_state, seq_t, chunk_t, nseg,
-                                   inv=int(var == "lean_dots"), bt=bt)
     prep = _prep if var == "default" else functools.partial(_prep_lean, inv=int(var == "lean_dots"), bt=bt)
     W, U, QG, KD, AQK, TM, GC = prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
     o = empty((B, T, HV, V), v.dtype, q.device)
