@@ -181,11 +181,16 @@ class Runner:
                                              f"predicted {predicted:.0f} ms per call > budget {self.s.max_call_ms:.0f} ms "
                                              f"(--max-call-ms)"), progress)
                         continue
-                gate = None
+                gate, warm_ms = None, None
                 if self.s.gate:
                     gk = gate_key(impl, case, dt, grad, tiny=self.s.tiny)
                     gate = self._gates.get(gk)
                     if gate is None:
+                        if bound is None:
+                            bound = self._bind(task, direction, progress)
+                            if bound is None:
+                                return
+                        warm_ms = self._warm(bound, grad)
                         try:
                             gate = run_gate(impl, case, dev, dt, grad, self.s.seed, tiny=self.s.tiny)
                         except Exception as e:  # noqa: BLE001 - every failure becomes a row
@@ -201,16 +206,10 @@ class Runner:
                                              gate={"ok": False, "message": gate.message}), progress)
                         continue
                 if bound is None:
-                    try:
-                        t = cases.make_inputs(case, dev, dt, seed=self.s.seed)
-                        bound = impl.bind(case, t)
-                        del t
-                    except torch.cuda.OutOfMemoryError:
-                        bound = None
-                        _free(dev)
-                        self._emit(self._row(task, direction, "skipped", "out of memory allocating the inputs"), progress)
+                    bound = self._bind(task, direction, progress)
+                    if bound is None:
                         return
-                row = self._time(task, direction, bound, gate, base_mem)
+                row = self._time(task, direction, bound, gate, base_mem, warm_ms)
                 if row["status"] == "ok":
                     self._last[skey] = (w, row["ms"])
                 self._emit(row, progress)
@@ -218,7 +217,46 @@ class Runner:
             del bound
             _free(dev)
 
-    def _time(self, task: Task, direction: str, b, gate: Optional[GateResult], base_mem: int) -> Dict:
+    def _bind(self, task: Task, direction: str, progress):
+        """The implementation bound to inputs of the timed size; None (and a skipped row) when they do
+        not fit in memory."""
+        try:
+            t = cases.make_inputs(task.case, self.device, task.dtype, seed=self.s.seed)
+            bound = task.impl.bind(task.case, t)
+            del t
+            return bound
+        except torch.cuda.OutOfMemoryError:
+            _free(self.device)
+            self._emit(self._row(task, direction, "skipped", "out of memory allocating the inputs"), progress)
+            return None
+
+    def _warm(self, b, grad: bool) -> Optional[float]:
+        """One call at the timed size before the correctness probe runs (ms, compile and autotuning
+        included; None if it raised: the timed call reports the error). Autotuners keyed without the
+        sequence length (FLA's) keep the configuration of the first shape they see: that must be the
+        timed shape, not the probe's."""
+        leaves = [x for x in b.leaves if x.requires_grad]
+        t0 = time.perf_counter()
+        try:
+            with b.context():
+                if grad:
+                    with torch.enable_grad():
+                        out = b.fn()
+                        out.backward(torch.ones_like(out))
+                else:
+                    with torch.no_grad(), _no_requires_grad(leaves):
+                        b.fn()
+                _sync(self.device)
+        except Exception:  # noqa: BLE001
+            return None
+        finally:
+            for x in leaves:
+                x.grad = None
+            _free(self.device)
+        return (time.perf_counter() - t0) * 1e3
+
+    def _time(self, task: Task, direction: str, b, gate: Optional[GateResult], base_mem: int,
+              warm_ms: Optional[float] = None) -> Dict:
         dev, case = self.device, task.case
         leaves = [x for x in b.leaves if x.requires_grad]
 
@@ -272,7 +310,7 @@ class Runner:
             tb = traceback.format_exc(limit=2).strip().splitlines()[-1]
             return self._row(task, direction, "FAILED", f"raised at the timed size: {tb}"[:400])
         return self._row(task, direction, "ok", "", **self._metrics(task, direction, b, out, leaves, timing),
-                         first_call_ms=first, peak_mem_mb=peak,
+                         first_call_ms=warm_ms if warm_ms is not None else first, peak_mem_mb=peak,
                          gate=None if gate is None else {"ok": True, "message": gate.message,
                                                          "max_error": gate.max_error, "bound": gate.bound})
 
