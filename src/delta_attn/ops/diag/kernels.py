@@ -25,7 +25,8 @@ Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the f
   ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
   ``d s0 = exp(g_first) ds_first``. Inputs are read once and gradients written once.
 
-Opt-in "rows" variants (``_diag_fwd_rows_kernel``, ``_diag_bwd_rows_kernel``; ``DiagConfig(kind="rows")``):
+"Rows" variants (``_diag_fwd_rows_kernel``, ``_diag_bwd_rows_kernel``; ``DiagConfig(kind="rows")``; the
+default training pair, measured faster than the tile pair):
 the same single-pass schemes, but a program owns a block of the flattened H * D channel axis and walks
 its tile row by row, each thread carrying the state of its own channels (no cross-thread scan), with a
 per-channel look-back walk (``_lookback_walk``). They publish the same words, so either backward runs on
@@ -500,7 +501,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                           EVEN: tl.constexpr, HOLD: tl.constexpr, Q_EARLY: tl.constexpr,
                           FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
-    """Forward, "rows" variant (opt-in: DiagConfig(kind="rows")). The time scan never crosses threads:
+    """Forward, "rows" variant (DiagConfig(kind="rows"); the default training forward). The time scan never crosses threads:
     a program owns BD channels of the flattened (H * D) channel axis (a block may span heads: every
     channel is its own chain) and walks the tile's BT rows one [BD] vector at a time, each thread
     carrying the state of its own channels. Two passes over the tile:
@@ -584,7 +585,7 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
                           HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                           EVEN: tl.constexpr, FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
-    """Backward, "rows" variant (opt-in: DiagConfig(kind="rows") for the backward): as the forward's
+    """Backward, "rows" variant (DiagConfig(kind="rows"); the default backward): as the forward's
     rows variant, a program owns BD channels of the flattened H * D axis and walks rows; no data
     crosses threads. Tiles from the end of each chain (the look-back runs to the right):
       1. rows from last to first: ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end) from

@@ -1,5 +1,5 @@
-"""Opt-in forward-only prep for 16-token chunks (``CONFIG["fwd_variant"] = "lean"``, env
-``DELTA_ATTN_KDA_FWD_VARIANT``): the same per-chunk operands as ``chunk._kda_fwd_prep_kernel`` for a
+"""Forward-only prep (the default for a forward without gradient: ``CONFIG["fwd_variant"] = "lean_dots"``,
+env ``DELTA_ATTN_KDA_FWD_VARIANT``; 16- or 32-token chunks): the same per-chunk operands as ``chunk._kda_fwd_prep_kernel`` for a
 forward without gradient, with less code in the common case and fewer bytes.
 
 * Two launches. ``EXACT=False`` (every chunk): the factored products ``exp(G_i) exp(-G_j)`` only (the

@@ -2,7 +2,7 @@
 autograd ``KDAFunction`` and the ``torch.library`` custom ops (with fake implementations) they run.
 
 Kernels: ``chunk.py`` (chunked forward / backward, 16-token chunks), ``chunk64.py`` (64-token chunks),
-``prep_lean.py`` (opt-in forward-only prep, ``CONFIG["fwd_variant"]``), ``recurrent.py`` (decode).
+``prep_lean.py`` (the prep of the forward without gradient, ``CONFIG["fwd_variant"]``), ``recurrent.py`` (decode).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .prep_lean import _kda_fwd_prep_lean_kernel
 from .recurrent import _kda_step_kernel
 
 BT = 16          # chunk length (tokens): the intra-chunk blocks are exact per-channel pairwise products
-BT64 = 64        # chunk length of the opt-in 64-token paths (4 sub-chunks of 16)
+BT64 = 64        # chunk length of the 64-token paths (4 sub-chunks of 16): training by default
 
 
 def _gate_mode(A_log, lower_bound) -> int:
