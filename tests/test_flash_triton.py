@@ -241,3 +241,16 @@ def test_fake_impl_shapes():
         dq, dk, dv = torch.ops.delta_attn.flash_attn_bwd(out, q, k, k, out, lse, seed, cu, cu, 5, 6, "thd", 0.25,
                                                          -1, 0, 0.0, None, 0.0)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+def test_autotune_keys_bucket_sequence_lengths():
+    """Issue bar: a varlen training loop must not re-tune every step. The autotune keys hold only the
+    length buckets (powers of two in [64, 16384]) and flags, never a raw length."""
+    from delta_attn.ops.flash import triton_impl as ti
+    for kind in ("fwd", "dkdv", "dq"):
+        keys = ti._tuned.__wrapped__(kind, 128).keys
+        assert {"SQ_BUCKET", "SK_BUCKET"} <= set(keys), kind
+        assert not any(k.lower() in ("sq", "sk", "max_seqlen_q", "max_seqlen_k", "seqlen_q", "seqlen_k",
+                                     "n_q", "n_k") for k in keys), keys
+    buckets = {ti._bucket(n) for n in range(1, 20000, 7)}
+    assert buckets == {64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
