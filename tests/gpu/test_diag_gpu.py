@@ -160,7 +160,9 @@ def test_kernel_variants_many_tiles():
              # the opt-in rows variants (channel blocks spanning heads, the fast-exp path)
              (C(16, 64, 8, 1, kind="rows", hold=True), C(16, 64, 8, 1, kind="rows")),
              (C(16, 128, 8, 2, True, kind="rows", hold=True), C(32, 32, 8, 1)),
-             (C(32, 256, 2, 1, kind="rows"), C(32, 64, 4, 1, kind="rows"))]
+             # re-read forward (hold=False), window 4; 32-row rows kernels are left out: with varlen
+             # they take 30-90 s each to compile (sm_90a, benchmarks/results/diag_h200.md)
+             (C(16, 64, 4, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"))]
     lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
