@@ -262,23 +262,35 @@ def kda_fwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: 
     n_seq = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     bt = BT if var == "default" else _lean_chunk(n_seq * HV, K, V, q.device)
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, bt)
-    N, NC = seq_t.shape[0], chunk_t.shape[0]
     prep = _prep if var == "default" else functools.partial(_prep_lean, inv=int(var == "lean_dots"), bt=bt)
-    W, U, QG, KD, AQK, TM, GC = prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
+    ops = prep(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm, chunk_t)
+    return _scan_forward(q, v, ops, initial_state, seq_t, chunk_t, ncmax, bt, output_final_state, store_states,
+                         "min_programs", "scan_warps", "scan_stages")
+
+
+def _scan_forward(q, v, ops, initial_state, seq_t, chunk_t, ncmax, bt: int, output_final_state: bool,
+                  store_states: bool, min_key: str, warps_key: str, stages_key: str):
+    """The sequential chunk scan over the prep's operands ``ops`` = (W, U, QG, KD, AQK, TM, GC):
+    returns (o, final_state or None, saved); ``saved`` keeps what the backward needs when
+    ``store_states`` (chunk-start states HS and the corrected values VNEW). The launch settings come
+    from CONFIG[min_key / warps_key / stages_key]."""
+    W, U, QG, KD, AQK, TM, GC = ops
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N, NC = seq_t.shape[0], chunk_t.shape[0]
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
     HS = torch.empty(NC, HV, K, V, dtype=W.dtype, device=q.device) if store_states else None
     VNEW = torch.empty(B * T, HV, V, dtype=W.dtype, device=q.device) if store_states else None
-    KP, BV = _blocks(K, V, N * HV)
+    KP, BV = _blocks(K, V, N * HV, min_key)
     if N > 0:
         _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
             W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
             VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
             K=K, V=V, BT=bt, KP=KP, BV=BV, USE_H0=initial_state is not None,
             STORE_FINAL=final is not None, STORE_H=store_states,
-            num_warps=CONFIG["scan_warps"],
-            num_stages=CONFIG["scan_stages"])
-    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, BT) if store_states else None
+            num_warps=CONFIG[warps_key], num_stages=CONFIG[stages_key])
+    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, bt) if store_states else None
     return o, final, saved
 
 
@@ -286,26 +298,12 @@ def _kda_fwd64(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scal
                output_final_state, store_states=False):
     """64-token path: prep64 then the same sequential scan at BT = 64; with ``store_states`` it keeps
     the backward's intermediates (T, chunk-start states, u) as the 16-token path does."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    B, T = q.shape[:2]
     seq_t, chunk_t, ncmax = _index_tables(B, T, cu_seqlens, q.device, BT64)
-    N, NC = seq_t.shape[0], chunk_t.shape[0]
     W, U, QG, KD, AQK, GC, TM = _prep64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                                         chunk_t, store_states)
-    o = empty((B, T, HV, V), v.dtype, q.device)
-    final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
-    HS = torch.empty(NC, HV, K, V, dtype=W.dtype, device=q.device) if store_states else None
-    VNEW = torch.empty(B * T, HV, V, dtype=W.dtype, device=q.device) if store_states else None
-    KP, BV = _blocks(K, V, N * HV, "scan64_min_programs")
-    if N > 0:
-        _kda_fwd_scan_kernel[(triton.cdiv(V, BV), N, HV)](
-            W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, seq_t, o,
-            VNEW if store_states else q, HS if store_states else q, final if final is not None else q, HV, ncmax,
-            K=K, V=V, BT=BT64, KP=KP, BV=BV, USE_H0=initial_state is not None,
-            STORE_FINAL=final is not None, STORE_H=store_states,
-            num_warps=CONFIG["scan64_warps"], num_stages=CONFIG["scan64_stages"])
-    saved = (W, QG, KD, AQK, TM, GC, HS, VNEW, seq_t, chunk_t, ncmax, BT64) if store_states else None
-    return o, final, saved
+    return _scan_forward(q, v, (W, U, QG, KD, AQK, TM, GC), initial_state, seq_t, chunk_t, ncmax, BT64,
+                         output_final_state, store_states, "scan64_min_programs", "scan64_warps", "scan64_stages")
 
 
 def kda_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale: float,
