@@ -187,6 +187,26 @@ def fwd_variants(ti, args, have_fla):
     ti.CONFIG.update(base)
 
 
+def config_sweep(ti, rows, label, variants, measure, **fixed):
+    """Each CONFIG variant (over the current CONFIG plus ``fixed``) measured by ``measure(variant, row)``;
+    an exception becomes the row's "error"; one JSON line per variant; CONFIG restored afterwards."""
+    base = dict(ti.CONFIG)
+    try:
+        for var in variants:
+            ti.CONFIG.clear()
+            ti.CONFIG.update(base, **fixed, **var)
+            res = {label: var}
+            try:
+                measure(var, res)
+            except Exception as e:  # noqa: BLE001
+                res["error"] = repr(e)[:300]
+            print(json.dumps(res))
+            rows.append(res)
+    finally:
+        ti.CONFIG.clear()
+        ti.CONFIG.update(base)
+
+
 def decode_sweep(ti, Bd=64):
     """Decode (Bd sequences, one token, fp32 state) with each step_bv x step_warps: checked against the
     torch backend, then timed eager (do_bench, L2 flushed) and as a CUDA graph; one JSON line each."""
@@ -486,82 +506,51 @@ def main():
 
     # ---------------------------------------------------------------------------------- tuning variants
     if args.tune:
-        from delta_attn.ops.kda import triton_impl as ti
-        base = dict(ti.CONFIG)
-        variants = [dict(prep_warps=4), dict(intra_warps=4), dict(bwd_min_programs=128), dict(min_programs=128),
-                    dict(scan_stages=2), dict(bwd_scan_warps=4), dict(step_bv=64), dict(step_warps=2),
-                    dict(save_intermediates=False)]
-        for var in variants:
-            ti.CONFIG.clear()
-            ti.CONFIG.update(base, **var)
-            res = dict(variant=var)
-            try:
-                for B, T in ((8, 4096), (1, 32768)):
-                    xs = inputs(B, T)
-                    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
-                    if var and "step" in next(iter(var)):
-                        continue
-                    with torch.no_grad():
-                        res[f"fwd_{B}x{T}"] = bench(lambda: ours(*xs))[0]
-                    step, _ = fwd_bwd(ours, xs, do)
-                    res[f"fwdbwd_{B}x{T}"] = bench(step)[0]
-                if not var or "step" in next(iter(var)):
-                    xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
-                    res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
-            except Exception as e:  # noqa: BLE001
-                res["error"] = repr(e)[:300]
-            print(json.dumps(res))
-            rows.append(res)
-        ti.CONFIG.clear()
-        ti.CONFIG.update(base)
+        def tune(var, res):
+            step_var = bool(var) and "step" in next(iter(var))
+            for B, T in ((8, 4096), (1, 32768)):
+                if step_var:
+                    continue
+                xs = inputs(B, T)
+                do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    res[f"fwd_{B}x{T}"] = bench(lambda: ours(*xs))[0]
+                step, _ = fwd_bwd(ours, xs, do)
+                res[f"fwdbwd_{B}x{T}"] = bench(step)[0]
+            if not var or step_var:
+                xs1 = [x[:, :1].contiguous() for x in inputs(Bd, 1)]
+                res["decode_us"] = bench(lambda: da.kda_step(*xs1, s1, use_qk_l2norm=True, backend="triton"))[0] * 1e3
+        config_sweep(ti, rows, "variant", [dict(prep_warps=4), dict(intra_warps=4), dict(bwd_min_programs=128),
+                                           dict(min_programs=128), dict(scan_stages=2), dict(bwd_scan_warps=4),
+                                           dict(step_bv=32), dict(step_warps=2), dict(save_intermediates=False)], tune)
 
     # ---------------------------------------------------------------------------------- 64-token variants
     if args.tune64:
-        base = dict(ti.CONFIG)
-        variants = [dict(), dict(prep64_warps=4), dict(prep64_bk=16), dict(prep64_bk=64), dict(scan64_stages=3),
-                    dict(scan64_stages=1), dict(scan64_min_programs=512), dict(scan64_min_programs=128),
-                    dict(scan64_warps=4)]
-        for var in variants:
-            ti.CONFIG.clear()
-            ti.CONFIG.update(base, fwd_chunk=64, **var)
-            res = dict(variant64=var)
-            try:
-                for B, T in ((8, 4096), (1, 32768)):
-                    xs = inputs(B, T)
-                    with torch.no_grad():
-                        o = ours(*xs)
-                        ti.CONFIG["fwd_chunk"] = 16
-                        res[f"rel_err_vs_fwd16_{B}x{T}"] = rel_err(o, ours(*xs))
-                        ti.CONFIG["fwd_chunk"] = 64
-                        res[f"fwd64_{B}x{T}"] = bench(lambda: ours(*xs))[0]
-            except Exception as e:  # noqa: BLE001
-                res["error"] = repr(e)[:300]
-            print(json.dumps(res))
-            rows.append(res)
-        ti.CONFIG.clear()
-        ti.CONFIG.update(base)
+        def tune64(var, res):
+            for B, T in ((8, 4096), (1, 32768)):
+                xs = inputs(B, T)
+                with torch.no_grad():
+                    o = ours(*xs)
+                    ti.CONFIG["fwd_chunk"] = 16
+                    res[f"rel_err_vs_fwd16_{B}x{T}"] = rel_err(o, ours(*xs))
+                    ti.CONFIG["fwd_chunk"] = 64
+                    res[f"fwd64_{B}x{T}"] = bench(lambda: ours(*xs))[0]
+        config_sweep(ti, rows, "variant64", [dict(), dict(prep64_warps=4), dict(prep64_bk=16), dict(prep64_bk=64),
+                                             dict(scan64_stages=3), dict(scan64_stages=1),
+                                             dict(scan64_min_programs=512), dict(scan64_min_programs=128),
+                                             dict(scan64_warps=4)], tune64, fwd_chunk=64)
 
     # ---------------------------------------------------------------------------------- 64-token training variants
     if args.tune_train64:
-        base = dict(ti.CONFIG)
-        variants = [dict(), dict(intra64_warps=8), dict(bwd_scan64_warps=4, bwd64_min_programs=128),
-                    dict(intra64_bk=32)]
-        for var in variants:
-            ti.CONFIG.clear()
-            ti.CONFIG.update(base, train_chunk=64, **var)
-            res = dict(train64_variant=var)
-            try:
-                for B, T in ((8, 4096), (1, 32768)):
-                    xs = inputs(B, T)
-                    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
-                    step, _ = fwd_bwd(ours, xs, do)
-                    res[f"fwdbwd64_{B}x{T}"] = bench(step)[0]
-            except Exception as e:  # noqa: BLE001
-                res["error"] = repr(e)[:300]
-            print(json.dumps(res))
-            rows.append(res)
-        ti.CONFIG.clear()
-        ti.CONFIG.update(base)
+        def tune_train64(var, res):
+            for B, T in ((8, 4096), (1, 32768)):
+                xs = inputs(B, T)
+                do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
+                step, _ = fwd_bwd(ours, xs, do)
+                res[f"fwdbwd64_{B}x{T}"] = bench(step)[0]
+        config_sweep(ti, rows, "train64_variant", [dict(), dict(intra64_warps=8),
+                                                   dict(bwd_scan64_warps=4, bwd64_min_programs=128),
+                                                   dict(intra64_bk=32)], tune_train64, train_chunk=64)
 
     with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
         json.dump(dict(env=info, rows=rows), f, indent=1)
