@@ -63,9 +63,21 @@ def row(name, kern, ptrs, consts, warps, elems):
           f"{count('MUFU') * per:.0f} |", flush=True)
 
 
+# rows forwards: (bt, bd, window, warps, hold, early q, split)
+ROWS_FWD = [(16, 64, 8, 1, True, False, 1), (16, 64, 8, 1, True, True, 1), (16, 64, 4, 1, True, False, 1),
+            (16, 64, 2, 1, True, False, 1), (32, 64, 8, 1, True, False, 1), (8, 64, 8, 1, True, False, 1),
+            (16, 128, 8, 2, True, False, 1), (32, 128, 8, 1, False, False, 1), (32, 256, 2, 1, False, False, 1),
+            (64, 64, 8, 1, False, False, 1)]
+# split tiles: `split` segments of bt / split rows side by side, one or two per warp
+SPLIT_FWD = [(16, 64, 8, 1, True, True, 1), (64, 64, 8, 4, True, True, 4), (128, 64, 8, 8, True, True, 8),
+             (128, 32, 8, 4, True, True, 4), (64, 32, 8, 2, True, True, 2), (128, 32, 8, 2, True, True, 4),
+             (256, 32, 8, 8, True, True, 8), (64, 64, 4, 4, True, True, 4), (128, 64, 8, 4, True, True, 4)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-lookback", action="store_true", help="the kernels without the look-back")
+    ap.add_argument("--split-only", action="store_true", help="only the rows forwards with split tiles")
     a = ap.parse_args()
     lb = not a.no_lookback
     base = dict(H=H, D=D, HAS_H0=False, IS_VARLEN=False, LOG_N=1, EVEN=True, LOOKBACK=lb)
@@ -73,16 +85,16 @@ def main():
     bwd = dict(base, HAS_DHT=False)
     print("| kernel (bt x bd, window, warps) | regs | spill B | SASS / 1024 el | SHFL / 1024 el | MUFU / 1024 el |")
     print("| --- | --- | --- | --- | --- | --- |")
-    row("fwd tile 32x32 W8 1 warp (default)", K._diag_fwd_kernel, FWD_PTRS,
-        dict(fwd, BT=32, BD=32, W=8, Q_EARLY=False), 1, 32 * 32)
-    for bt, bd, w, warps, hold, early in [(16, 64, 8, 1, True, False), (16, 64, 8, 1, True, True),
-                                          (16, 64, 4, 1, True, False), (16, 64, 2, 1, True, False),
-                                          (32, 64, 8, 1, True, False), (8, 64, 8, 1, True, False),
-                                          (16, 128, 8, 2, True, False), (32, 128, 8, 1, False, False),
-                                          (32, 256, 2, 1, False, False), (64, 64, 8, 1, False, False)]:
-        row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp{', early q' if early else ''}",
+    if not a.split_only:
+        row("fwd tile 32x32 W8 1 warp (default)", K._diag_fwd_kernel, FWD_PTRS,
+            dict(fwd, BT=32, BD=32, W=8, Q_EARLY=False), 1, 32 * 32)
+    for bt, bd, w, warps, hold, early, split in (SPLIT_FWD if a.split_only else ROWS_FWD):
+        row(f"fwd rows{'+hold' if hold else ''} {bt}x{bd} W{w} {warps} warp{', early q' if early else ''}"
+            f"{f', split {split}' if split > 1 else ''}",
             K._diag_fwd_rows_kernel, FWD_PTRS,
-            dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, Q_EARLY=early, FAST_EXP=True), warps, bt * bd)
+            dict(fwd, BT=bt, BD=bd, W=w, HOLD=hold, Q_EARLY=early, FAST_EXP=True, SPLIT=split), warps, bt * bd)
+    if a.split_only:
+        return
     row("bwd tile 32x32 W8 1 warp (default)", K._diag_bwd_kernel, BWD_PTRS,
         dict(bwd, BT=32, BD=32, W=8, KV_EARLY=False), 1, 32 * 32)
     for bt, bd, w, warps in [(16, 64, 8, 1), (16, 64, 4, 1), (16, 64, 2, 1), (32, 64, 8, 1), (16, 128, 8, 2)]:

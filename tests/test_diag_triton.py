@@ -257,20 +257,23 @@ def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg=None):
     return o, ht, grads
 
 
-@pytest.mark.parametrize("t,bd,hold,rows_bwd", [(37, 16, False, False), (32, 64, False, True),
-                                                (37, 16, True, True)])
-def test_rows_fwd_against_float64(poisoned, t, bd, hold, rows_bwd):
+@pytest.mark.parametrize("t,bd,hold,rows_bwd,split", [(37, 16, False, False, 1), (32, 64, False, True, 1),
+                                                      (37, 16, True, True, 1), (37, 16, True, False, 2),
+                                                      (32, 64, True, True, 4), (37, 16, False, True, 4)])
+def test_rows_fwd_against_float64(poisoned, t, bd, hold, rows_bwd, split):
     # odd length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN
     # path (T % BT == 0, H * D % BD == 0 with D = 32); fp16 inputs with fp32 decays; initial and
-    # final states; the backward (tile, or rows with 16-row tiles) runs on the rows forward's carries
+    # final states; the backward (tile, or rows with 16-row tiles) runs on the rows forward's carries;
+    # split > 1: the tile's rows walked as `split` segments side by side (8 or 16 rows per tile)
     from delta_attn.ops.diag import triton_impl as ti
     d = 20 if t % 8 else 32
+    bt = 16 if split == 4 else 8
     q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
     h0 = torch.randn(2, 2, d, device=DEV)
     do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
     o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht,
-                                 ti.DiagConfig(8, bd, 2, 1, early=hold, kind="rows", hold=hold),
-                                 ti.DiagConfig(8 if hold else 16, bd, 2, 1, kind="rows") if rows_bwd else None)
+                                 ti.DiagConfig(bt, bd, 2, split, early=hold, kind="rows", hold=hold, split=split),
+                                 ti.DiagConfig(bt if hold else 16, bd, 2, 1, kind="rows") if rows_bwd else None)
     o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
     olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)
     assert o.dtype == q.dtype and ht.dtype == torch.float32
@@ -292,9 +295,12 @@ def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
     do, dht = torch.randn_like(q), torch.randn(7, 2, 20, device=DEV)
     fcfg = ti.DiagConfig(8, 16, 2, 1, kind="rows")
     o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg)
-    oh, hth, _ = ti.diag_fwd(q, k, v, g, h0, cu, True, config=ti.DiagConfig(8, 16, 2, 1, kind="rows", hold=True))
-    torch.testing.assert_close(oh, o, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(hth, ht, rtol=1e-5, atol=1e-5)
+    for cfg in (ti.DiagConfig(8, 16, 2, 1, kind="rows", hold=True),
+                ti.DiagConfig(16, 16, 2, 4, kind="rows", hold=True, split=4),    # segments straddle sequences
+                ti.DiagConfig(8, 16, 2, 2, kind="rows", split=2)):
+        oh, hth, _ = ti.diag_fwd(q, k, v, g, h0, cu, True, config=cfg)
+        torch.testing.assert_close(oh, o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hth, ht, rtol=1e-5, atol=1e-5)
     o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
     olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
     for x in (o, ht) + tuple(grads):

@@ -183,3 +183,28 @@ def test_kernel_variants_many_tiles():
             dts = [q.dtype, q.dtype, q.dtype, g.dtype, torch.float32]
             for name, x, r64, r32, dt in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, g32, dts):
                 assert_close(x, r64, r32.to(dt), kind="grad", name=f"{name} {bc}")
+
+
+def test_split_rows_forward_many_tiles():
+    # the rows forward with split tiles (segments walked side by side on their own warps, their maps
+    # combined once per tile) with thousands of tiles in flight: the EVEN path with an initial state,
+    # and varlen with empty sequences and full decays (segments straddling sequences)
+    from delta_attn.ops.diag import triton_impl as ti
+    C = ti.DiagConfig
+    configs = [C(64, 64, 8, 4, True, kind="rows", hold=True, split=4),
+               C(128, 32, 8, 4, True, kind="rows", hold=True, split=4),
+               C(64, 32, 4, 2, False, kind="rows", split=2)]
+    lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
+             (_inputs(1, int(cu[-1]), 4, 96, torch.bfloat16, torch.float32, lo=-0.1),
+              torch.randn(len(lens), 4, 96, device=DEV), cu)]
+    cases[1][0][3][:, 4000:4100] = -1e4
+    for (q, k, v, g), h0, c in cases:
+        o64, ht64, _ = gated_diag_scan(q, k, v, g, h0, c)
+        o32, ht32, _ = gated_diag_scan(q, k, v, g, h0, c, dtype=torch.float32)
+        for fc in configs:
+            with poison_outputs():
+                o, ht, _ = ti.diag_fwd(q, k, v, g, h0, c, True, config=fc)
+            assert_close(o, o64, o32.to(q.dtype), name=f"o {fc}")
+            assert_close(ht, ht64, ht32, name=f"final_state {fc}")

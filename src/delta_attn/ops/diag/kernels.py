@@ -435,17 +435,21 @@ def _lookback_walk(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constex
 
 
 @triton.jit
-def _row_flags(i: tl.constexpr, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN: tl.constexpr,
-               LOG_N: tl.constexpr, BT: tl.constexpr, EVEN: tl.constexpr):
-    """Row i of a rows-tile (scalar): (sequence index, starts its sequence, ends it, channel mask)."""
+def _row_flags(i: tl.constexpr, rows0, seg, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN: tl.constexpr,
+               LOG_N: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr):
+    """Row i of every segment of a rows-tile (rows0: the segments' first rows; seg: the element's
+    segment, SPLIT segments of R rows): (sequence index, starts its sequence, ends it, mask)."""
     if EVEN:
-        # fixed length, T % BT == 0: only row 0 may start a sequence, only row BT-1 may end one
+        # fixed length, T % BT == 0: only the tile's first row may start a sequence, its last end one
         seq = seq0
         start = (p0 == 0) & (i == 0)
-        end = (p0 + BT == T_seq) & (i == BT - 1)
+        end = (p0 + R * SPLIT == T_seq) & (i == R - 1)
+        if SPLIT > 1:
+            start = start & (seg == 0)
+            end = end & (seg == SPLIT - 1)
         m = cmask
     else:
-        row = row0 + i
+        row = rows0 + i
         if IS_VARLEN:
             # largest n < N with cu[n] <= row (zero-length sequences share cu values: take the last)
             lo = N * 0
@@ -494,47 +498,84 @@ def _row_map(k, v, g, h0, x, seq, start, chan, m, i: tl.constexpr, HD: tl.conste
 
 
 @triton.jit
+def _segment_scan(acc_a, acc_b, SPLIT: tl.constexpr, BD: tl.constexpr):
+    """Split rows-tiles: the segments' maps ([SPLIT * BD], segment-major) composed in time order, an
+    inclusive scan over the segments ([SPLIT, BD]; across warps, once per tile), and the tile's map
+    (the last segment's inclusive map, [BD])."""
+    ia, ib = tl.associative_scan((tl.reshape(acc_a, [SPLIT, BD]), tl.reshape(acc_b, [SPLIT, BD])), 0,
+                                 _scan_combine)
+    last = (tl.arange(0, SPLIT) == SPLIT - 1)[:, None]
+    return ia, ib, tl.sum(tl.where(last, ia, 0.0), axis=0), tl.sum(tl.where(last, ib, 0.0), axis=0)
+
+
+@triton.jit
+def _segment_entry_states(ia, ib, s_in, SPLIT: tl.constexpr, BD: tl.constexpr):
+    """The state entering each segment ([SPLIT * BD]) from the inclusive maps of ``_segment_scan``
+    and the state s_in entering the tile: the state at the end of each segment, shifted by one."""
+    s_end = ia * s_in[None, :] + ib
+    v = tl.arange(0, SPLIT)
+    prev = v[None, :, None] == v[:, None, None] - 1
+    s_seg = tl.sum(tl.where(prev, s_end[None, :, :], 0.0), axis=1) + tl.where(v[:, None] == 0, s_in[None, :], 0.0)
+    return tl.reshape(s_seg, [SPLIT * BD])
+
+
+@triton.jit
 def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                           T_seq, total, N, n_tiles,
                           H: tl.constexpr, D: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                           EVEN: tl.constexpr, HOLD: tl.constexpr, Q_EARLY: tl.constexpr,
-                          FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
-    """Forward, "rows" variant (DiagConfig(kind="rows"); the default training forward). The time scan never crosses threads:
-    a program owns BD channels of the flattened (H * D) channel axis (a block may span heads: every
-    channel is its own chain) and walks the tile's BT rows one [BD] vector at a time, each thread
-    carrying the state of its own channels. Two passes over the tile:
-      1. local scan from state 0 and the cumulative decay (B, A): the tile's aggregate map;
-      2. publish it, look back for the entering state s_in, publish the inclusive state B + A s_in;
-      3. the states from s_in, writing o = q s and the final states: HOLD keeps every row's prefix
-         (A_i, B_i) from pass 1 in registers (2 per element: short tiles) and s_i = A_i s_in + B_i;
+                          FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr, SPLIT: tl.constexpr = 1):
+    """Forward, "rows" variant (DiagConfig(kind="rows"); the default forwards). The time scan never
+    crosses threads: a program owns BD channels of the flattened (H * D) channel axis (a block may span
+    heads: every channel is its own chain) and walks the tile's rows one [BD] vector at a time, each
+    thread carrying the state of its own channels. SPLIT > 1 cuts the tile's BT rows into SPLIT
+    segments of BT / SPLIT rows walked side by side (each by its own threads: a long tile, few tiles
+    per chain in flight, with the registers of a short one); their maps are combined once per tile.
+      1. local scan from state 0 and the cumulative decay (B, A) of each segment;
+      2. publish the tile's aggregate map, look back for the entering state s_in, publish the
+         inclusive state; the states entering the segments;
+      3. the states from there, writing o = q s and the final states: HOLD keeps every row's prefix
+         (A_i, B_i) from pass 1 in registers (2 per element: short segments) and s_i = A_i s_seg + B_i;
          otherwise g, k, v are re-read (the stores and volatile loads between the passes keep the
          compiler from merging the loads; hits only if the tile is still in L1 / L2) and
-         s = a s + b runs from s_in, so registers do not grow with BT. Q_EARLY: q is loaded in pass 1
+         s = a s + b runs from s_seg, so registers do not grow with BT. Q_EARLY: q is loaded in pass 1
          (kept in registers, its latency behind the look-back) instead of in pass 3.
     The look-back is ``_lookback_walk`` (per-channel walk). FAST_EXP (GPU only): exp(g) as one
     ex2.approx.ftz (results below 2^-126 flush to 0) instead of Triton's denormal-safe sequence."""
     HD: tl.constexpr = H * D
     N_CB: tl.constexpr = (HD + BD - 1) // BD
+    R: tl.constexpr = BT // SPLIT
     pid = tl.program_id(0)
     j = pid // N_CB
-    chan = (pid % N_CB) * BD + tl.arange(0, BD)
-    cmask = chan < HD
+    chan_t = (pid % N_CB) * BD + tl.arange(0, BD)     # the tile's channels (words, look-back)
+    cmask_t = chan_t < HD
     row0 = j.to(tl.int64) * BT
     seq0 = row0 // T_seq
     p0 = row0 - seq0 * T_seq
-    p = row0 * HD + chan
+    if SPLIT > 1:
+        # element e of a row step: segment e // BD, channel e % BD
+        lane = tl.arange(0, SPLIT * BD)
+        seg = lane // BD
+        chan = (pid % N_CB) * BD + lane % BD
+        rows0 = row0 + seg * R
+    else:
+        seg = 0
+        chan = chan_t
+        rows0 = row0
+    cmask = chan < HD
+    p = rows0 * HD + chan
 
     # 1. local scan from zero and the product of the decays, row by row
-    #    (HOLD: every row's prefix (A_i, B_i) kept in registers, a tuple of BT [BD] pairs)
-    acc_b = tl.zeros([BD], tl.float32)
-    acc_a = tl.full([BD], 1.0, tl.float32)
+    #    (HOLD: every row's prefix (A_i, B_i) kept in registers, a tuple of R [SPLIT * BD] pairs)
+    acc_b = tl.zeros(chan.shape, tl.float32)
+    acc_a = tl.full(chan.shape, 1.0, tl.float32)
     held = ()
     qs = ()
-    for i in tl.static_range(BT):
-        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
-                                        BT, EVEN)
+    for i in tl.static_range(R):
+        seq, start, end, m = _row_flags(i, rows0, seg, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
+                                        R, SPLIT, EVEN)
         a, b = _row_map(k, v, g, h0, p + i * HD, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
         acc_b = a * acc_b + b
         acc_a = acc_a * a
@@ -544,22 +585,31 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
             qs = qs + (_ld(q + p + i * HD, m, EVEN),)
 
     # 2. publish the aggregate, look back for the entering state, publish the inclusive state
-    wptr = ws + j.to(tl.int64) * HD + chan
-    tl.store(wptr, _pack(acc_a, acc_b), mask=cmask)
+    if SPLIT > 1:
+        ia, ib, tile_a, tile_b = _segment_scan(acc_a, acc_b, SPLIT, BD)
+    else:
+        tile_a = acc_a
+        tile_b = acc_b
+    wptr = ws + j.to(tl.int64) * HD + chan_t
+    tl.store(wptr, _pack(tile_a, tile_b), mask=cmask_t)
     if LOOKBACK:
-        s_in = _lookback_walk(ws, j, chan, cmask, HD, n_tiles, False, W)
+        s_in = _lookback_walk(ws, j, chan_t, cmask_t, HD, n_tiles, False, W)
     else:   # (timing diagnostic only: wrong results)
         s_in = tl.zeros([BD], tl.float32)
-    tl.store(wptr, _pack(tl.zeros_like(acc_b), acc_a * s_in + acc_b), mask=cmask)
+    tl.store(wptr, _pack(tl.zeros_like(tile_b), tile_a * s_in + tile_b), mask=cmask_t)
+    if SPLIT > 1:
+        s_seg = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
+    else:
+        s_seg = s_in
 
-    # 3. the states row by row from s_in: o = q s, final states at sequence ends
-    s = s_in
-    for i in tl.static_range(BT):
-        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
-                                        BT, EVEN)
+    # 3. the states row by row from s_seg: o = q s, final states at sequence ends
+    s = s_seg
+    for i in tl.static_range(R):
+        seq, start, end, m = _row_flags(i, rows0, seg, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
+                                        R, SPLIT, EVEN)
         x = p + i * HD
         if HOLD:
-            s = held[i][0] * s_in + held[i][1]
+            s = held[i][0] * s_seg + held[i][1]
         else:
             a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
             s = a * s + b
@@ -569,13 +619,13 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
             qr = _ld(q + x, m, EVEN)
         _st(o + x, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
         if STORE_FINAL:
-            if (not EVEN) or (i == BT - 1):
+            if (not EVEN) or (i == R - 1):
                 tl.store(ht + seq * HD + chan, s, mask=m & end)
     if STORE_FINAL:
         if IS_VARLEN:
             # zero-length sequences: the final state is the initial one; tile 0 writes it
             if j == 0:
-                _empty_sequences_pass_through(h0, ht, cu, N, chan, cmask, HD, HAS_H0, BD)
+                _empty_sequences_pass_through(h0, ht, cu, N, chan_t, cmask_t, HD, HAS_H0, BD)
 
 
 @triton.jit
@@ -616,8 +666,8 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
     rb = tl.zeros([BD], tl.float32)
     held = ()
     for i in tl.static_range(BT - 1, -1, -1):
-        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
-                                        BT, EVEN)
+        seq, start, end, m = _row_flags(i, row0, 0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN,
+                                        LOG_N, BT, 1, EVEN)
         x = p + i * HD
         beta = _ld(do + x, m, EVEN).to(tl.float32) * _ld(q + x, m, EVEN).to(tl.float32)
         an = a_next
@@ -646,8 +696,8 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
     carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
     s = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
     for i in tl.static_range(BT):
-        seq, start, end, m = _row_flags(i, row0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
-                                        BT, EVEN)
+        seq, start, end, m = _row_flags(i, row0, 0, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN,
+                                        LOG_N, BT, 1, EVEN)
         x = p + i * HD
         decay = _exp(_ld(g + x, m, EVEN).to(tl.float32), FAST_EXP)
         kr = _ld(k + x, m, EVEN).to(tl.float32)

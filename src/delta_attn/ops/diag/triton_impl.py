@@ -38,6 +38,14 @@ class DiagConfig:
                              # _diag_bwd_rows_kernel, each thread walks whole channels; bd spans H * D)
     hold: bool = False       # rows forward: keep the tile's prefixes in registers (2 per element) instead
                              # of re-reading g, k, v after the look-back (the rows backward always holds)
+    split: int = 1           # rows forward: time segments per tile walked side by side (bt / split rows
+                             # each, on their own threads; their maps combined once per tile)
+
+    def __post_init__(self):
+        if self.split < 1 or self.split & (self.split - 1) or self.bt % self.split:
+            raise ValueError(f"split ({self.split}) must be a power of two dividing bt ({self.bt})")
+        if self.split > 1 and self.kind != "rows":
+            raise ValueError("split > 1 needs kind='rows' (the rows forward)")
 
 
 # Defaults: the fastest correct configs of the sweep measured on the H200, bf16, H=16, D=128
@@ -153,7 +161,7 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
                   ws, cu_seqlens if cu_seqlens is not None else dummy,
                   max(t_seq, 1), total, n, n_tiles),
                  dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, Q_EARLY=cfg.early),
-                 rows_meta=dict(HOLD=cfg.hold))
+                 rows_meta=dict(HOLD=cfg.hold, SPLIT=cfg.split))
     return o, final, ws
 
 

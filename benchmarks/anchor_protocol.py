@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Which forward+backward protocol reproduces the peers' figures of ANCHORS.md?
+
+ANCHORS.md gives `triton.testing.do_bench` medians without saying how gradients were handled.
+``do_bench(fn)`` with its default ``grad_to_none=None`` leaves the leaves' ``.grad`` in place, so from
+the second call on every backward *adds* into the existing gradients (one extra read-read-write pass
+per leaf, like gradient accumulation); ``grad_to_none=leaves`` resets them first, so the backward
+only writes them. This script times FLA's ``chunk_hgrn`` and ``chunk_kda`` (and cuDNN SDPA, compute
+bound, as a control) forward+backward both ways, side by side with the anchors.
+
+Usage: PYTHONPATH=src python benchmarks/anchor_protocol.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+DT = torch.bfloat16
+
+
+def leaves(*shapes, scale=None):
+    out = []
+    for i, s in enumerate(shapes):
+        x = torch.randn(s, device="cuda", dtype=torch.float32)
+        if scale and scale[i] is not None:
+            x = scale[i](x)
+        out.append(x.to(DT).requires_grad_())
+    return out
+
+
+def cases():
+    """(name, anchor ms, fn, leaves) at the anchors' shapes."""
+    from fla.ops.hgrn import chunk_hgrn
+    from fla.ops.kda import chunk_kda
+    for b, t, anchor in ((8, 4096, 1.46), (1, 32768, 2.48), (64, 1024, 2.86)):
+        x, g = leaves((b, t, 2048), (b, t, 2048), scale=[None, lambda z: -torch.rand_like(z) * 0.1])
+        yield f"FLA chunk_hgrn B={b} T={t}", anchor, (lambda x=x, g=g: chunk_hgrn(x, g)[0]), [x, g]
+    for b, t, anchor in ((8, 4096, 10.1), (1, 32768, 13.0)):
+        q, k, v, g, beta = leaves((b, t, 16, 128), (b, t, 16, 128), (b, t, 16, 128), (b, t, 16, 128), (b, t, 16),
+                                  scale=[None, None, None, lambda z: -torch.rand_like(z) * 0.1,
+                                         lambda z: torch.rand_like(z)])
+        yield (f"FLA chunk_kda B={b} T={t}", anchor,
+               (lambda q=q, k=k, v=v, g=g, beta=beta: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]),
+               [q, k, v, g, beta])
+    for s, anchor_tflops in ((4096, 452), (16384, 538)):
+        b = 32768 // s
+        q, k, v = leaves((b, 16, s, 128), (b, 16, s, 128), (b, 16, s, 128))
+
+        def attn(q=q, k=k, v=v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        flops = 3.5 * 4 * b * 16 * s * s * 128 / 2
+        yield f"cuDNN SDPA causal S={s}", flops / (anchor_tflops * 1e12) * 1e3, attn, [q, k, v]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    print("| case | anchor ms | do_bench default (grads accumulate) ms | ratio | grad_to_none ms | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, anchor, fn, lv in cases():
+        out = fn()
+        dout = torch.randn_like(out)
+        step = lambda: fn().backward(dout)   # noqa: E731
+        step()
+        acc = do_bench(step, warmup=100, rep=500, return_mode="median")
+        fresh = do_bench(step, warmup=100, rep=500, grad_to_none=lv, return_mode="median")
+        rows.append({"case": name, "anchor_ms": anchor, "accumulate_ms": acc, "grad_to_none_ms": fresh})
+        print(f"| {name} | {anchor:.3f} | {acc:.3f} | {acc / anchor:.3f} | {fresh:.3f} | {fresh / anchor:.3f} |",
+              flush=True)
+        del out, dout, lv
+        torch.cuda.empty_cache()
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "anchor_protocol.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
