@@ -185,8 +185,8 @@ TILE_BWD = [C(32, 32, 8, 1)]   # the tile backward (the default before the rows 
 # combined once per tile): long tiles, so few tiles of a chain in flight, at a short tile's registers;
 # sm_90a registers in the results file (`diag_sass.py --split-only`)
 S = lambda bt, bd, w, warps, split: C(bt, bd, w, warps, True, kind="rows", hold=True, split=split)  # noqa: E731
-SPLIT_SWEEP = [S(64, 64, 8, 4, 4), S(64, 64, 4, 4, 4), S(128, 64, 8, 8, 8), S(128, 32, 8, 4, 4),
-               S(64, 32, 8, 2, 2), S(128, 64, 8, 4, 4), S(256, 32, 8, 8, 8)]
+SPLIT_SWEEP = [S(64, 64, 8, 4, 4), S(64, 64, 4, 4, 4), S(64, 64, 16, 4, 4), S(128, 64, 8, 4, 4),
+               S(128, 32, 8, 4, 4), S(64, 32, 8, 2, 2), C(64, 64, 8, 4, kind="rows", hold=True, split=4)]
 
 
 def _short(r):

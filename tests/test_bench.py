@@ -180,6 +180,40 @@ def test_flop_and_byte_models():
     x = torch.zeros(4, 8, dtype=torch.float16)
     assert models.io_bytes([x, x], x, [x], "fwd") == 3 * 64
     assert models.io_bytes([x, x], x, [x], "fwd+bwd") == 3 * 64 + 4 * 64
+    # gradients added into existing .grad: one more read of the new gradient, a read and a write of the sum
+    assert models.io_bytes([x, x], x, [x], "fwd+bwd", accumulate=True) == 3 * 64 + 7 * 64
+
+
+@pytest.mark.parametrize("grads", ["accumulate", "fresh"])
+def test_backward_rows_accumulate_or_reset_gradients(grads):
+    # accumulate (do_bench's default, ANCHORS.md's protocol): .grad survives between timed calls and
+    # the sum grows; fresh: reset before every call, so it holds one call's gradient
+    s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=4, max_reps=4,
+                 grads=grads)
+    runner = Runner(s, {"copy_gbps": 1.0})
+    case = dict(op="diag", B=1, S=9, H=2, D=4)
+    seen = []
+    impl = _fake("right", lambda o: o)
+    bind = impl.bind
+
+    def spy(case_, t):
+        b = bind(case_, t)
+        fn = b.fn
+
+        def call():
+            seen.append(None if b.leaves[0].grad is None else b.leaves[0].grad.abs().sum().item())
+            return fn()
+        return Bound(fn=call, leaves=b.leaves, spec=b.spec, inputs=b.inputs)
+    impl = Impl(impl.name, impl.op, impl.family, impl.provider, spy, impl.why_not)
+    rows = runner.run([Task("kernels", case, impl, ("fwd+bwd",), torch.float32)], "test")
+    assert rows[0]["status"] == "ok", rows[0]["note"]
+    timed = seen[-4:]
+    if grads == "fresh":
+        assert all(v is None for v in timed)
+    else:
+        assert all(v is not None for v in timed) and timed[0] < timed[1] < timed[2] < timed[3]
+    md = report.markdown({"suite": "kernels", "settings": s.as_dict()}, rows, [])
+    assert ("do_bench protocol" in md) == (grads == "accumulate")
 
 
 def test_timer_statistics_and_protocol():

@@ -46,7 +46,8 @@ def _cmd_bench(args) -> int:
     s = Settings(device=device, tiny=tiny, quick=args.quick, dtypes=dtypes, seed=args.seed,
                  impls=tuple(args.impls or ()), directions=tuple(args.directions or ()), gate=not args.no_gate,
                  tokens=args.tokens if not tiny else min(args.tokens, 32), heads=args.heads if not tiny else 2,
-                 head_dim=args.head_dim if not tiny else 16, max_seq=args.max_seq, max_linear_seq=args.max_linear_seq)
+                 head_dim=args.head_dim if not tiny else 16, max_seq=args.max_seq, max_linear_seq=args.max_linear_seq,
+                 grads=args.grads)
     if args.quick:
         s.warmup_ms, s.rep_ms, s.max_call_ms = 10.0, 40.0, 1500.0
     if tiny:
@@ -106,6 +107,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--min-reps", type=int, help="at least this many timed calls (default 3)")
     b.add_argument("--max-reps", type=int, help="at most this many timed calls (default 100)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--grads", choices=("accumulate", "fresh"), default="accumulate",
+                   help="backward rows: gradients add into .grad from the second call on (default; do_bench's "
+                        "protocol, as ANCHORS.md) or are reset before every call (the backward kernels alone)")
     b.add_argument("--no-gate", action="store_true", help="skip the correctness gate (rows say so)")
     b.add_argument("--no-plots", action="store_true")
     b.set_defaults(func=_cmd_bench)

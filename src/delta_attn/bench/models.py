@@ -53,11 +53,12 @@ def nbytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
 
 
 def io_bytes(inputs: Sequence[torch.Tensor], output: torch.Tensor, grads: Sequence[torch.Tensor],
-             direction: str) -> int:
+             direction: str, accumulate: bool = False) -> int:
     """Bytes moved by one call: fwd reads the inputs and writes the output; bwd reads the inputs and
-    the output gradient and writes one gradient per input that needs one."""
+    the output gradient and writes one gradient per input that needs one (accumulate: and adds it
+    into the existing gradient: one more read of each and a read and write of the sum)."""
     fwd = nbytes(inputs) + nbytes([output])
-    bwd = nbytes(inputs) + nbytes([output]) + nbytes(grads)
+    bwd = nbytes(inputs) + nbytes([output]) + nbytes(grads) * (4 if accumulate else 1)
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[direction]
 
 

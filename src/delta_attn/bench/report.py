@@ -377,8 +377,18 @@ def compare_section(rows: List[Dict], old_rows: List[Dict], old_dir: str) -> str
 
 # ------------------------------------------------------------------------------------------ report
 
+GRADS_NOTE = {
+    "accumulate": "add into the leaves' existing `.grad` from the second call on (triton's do_bench protocol, as "
+                  "ANCHORS.md; the byte model counts the accumulation: one read of each new gradient, a read and a "
+                  "write of the sum).",
+    "fresh": "are reset to None before every call, outside the timed region (the backward kernels alone).",
+}
+
+
 def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[str, List[Dict]]] = None) -> str:
     suite = run.get("suite", "?")
+    # runs written before the setting existed reset the gradients before every call
+    settings_grads = (run.get("settings") or {}).get("grads", "fresh")
     env = run.get("env") or {}
     gpu = (env.get("gpu") or {}).get("name") or ""
     h200 = "H200" in gpu
@@ -420,7 +430,8 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
               "implementation's output (and gradients, for rows with a backward pass) is checked against the float64 "
               "reference on a probe of the same configuration with DESIGN.md's error rule; a row that fails is FAILED "
               "and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, fwd+bwd 3.5x; "
-              "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Fractions are of the "
+              "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Backward rows: "
+              f"gradients {GRADS_NOTE[settings_grads]} Fractions are of the "
               "ceilings above. Peak MiB: the most memory allocated during the row beyond what was allocated before "
               "its inputs. See docs/BENCH.md.", ""]
     return "\n".join(parts)

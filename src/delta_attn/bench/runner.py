@@ -42,6 +42,11 @@ class Settings:
     max_linear_seq: int = 1048576
     gate: bool = True
     time_budget_s: float = 0.0       # > 0: rows not started by then are skipped (the suite ends in time)
+    # backward rows: "accumulate" = from the second call on the gradients add into the leaves' .grad
+    # (triton.testing.do_bench's default, the protocol of ANCHORS.md: measured to reproduce its FLA
+    # figures within 2 %, benchmarks/results/anchor_protocol_h200_2026-11-21); "fresh" = .grad reset to
+    # None before every call (outside the timed region): the backward kernels alone
+    grads: str = "accumulate"
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -263,6 +268,7 @@ class Runner:
         def clear():
             for x in leaves:
                 x.grad = None
+        before = clear if self.s.grads == "fresh" else None
 
         try:
             with b.context():
@@ -298,8 +304,8 @@ class Runner:
                         bad = [i for i, x in enumerate(leaves) if x.grad is not None and not bool(torch.isfinite(x.grad).all())]
                         if bad:
                             return self._row(task, direction, "FAILED", f"non-finite gradient(s) {bad} at the timed size")
-                        est = estimate_ms(call, dev, clear) if self.s.rep_ms > 0 else None
-                        timing = self._measure(call, est, clear)
+                        est = estimate_ms(call, dev, before) if self.s.rep_ms > 0 else None
+                        timing = self._measure(call, est, before)
                 peak = (torch.cuda.max_memory_allocated(dev) - base_mem) / 2 ** 20 if dev.type == "cuda" else None
         except torch.cuda.OutOfMemoryError:
             _free(dev)
@@ -331,7 +337,7 @@ class Runner:
             flops = models.varlen_attention_flops(case["seqlens"], case["H"], case["D"], case.get("causal", True), direction)
         elif op == "flash_decode":
             flops = models.attention_flops(case["B"], case["H"], 1, case["ctx"], case["D"], causal=True)
-        nbytes = models.io_bytes(b.inputs, out, leaves, direction)
+        nbytes = models.io_bytes(b.inputs, out, leaves, direction, accumulate=self.s.grads == "accumulate")
         if op in ("kda_decode", "diag_decode"):
             nbytes += models.nbytes([b.inputs[-1]])          # the updated state is written back
         sec = ms / 1e3

@@ -501,21 +501,25 @@ def _row_map(k, v, g, h0, x, seq, start, chan, m, i: tl.constexpr, HD: tl.conste
 def _segment_scan(acc_a, acc_b, SPLIT: tl.constexpr, BD: tl.constexpr):
     """Split rows-tiles: the segments' maps ([SPLIT * BD], segment-major) composed in time order, an
     inclusive scan over the segments ([SPLIT, BD]; across warps, once per tile), and the tile's map
-    (the last segment's inclusive map, [BD])."""
+    (the last segment's inclusive map) given to every segment's elements ([SPLIT * BD])."""
     ia, ib = tl.associative_scan((tl.reshape(acc_a, [SPLIT, BD]), tl.reshape(acc_b, [SPLIT, BD])), 0,
                                  _scan_combine)
     last = (tl.arange(0, SPLIT) == SPLIT - 1)[:, None]
-    return ia, ib, tl.sum(tl.where(last, ia, 0.0), axis=0), tl.sum(tl.where(last, ib, 0.0), axis=0)
+    ta = tl.broadcast_to(tl.sum(tl.where(last, ia, 0.0), axis=0)[None, :], [SPLIT, BD])
+    tb = tl.broadcast_to(tl.sum(tl.where(last, ib, 0.0), axis=0)[None, :], [SPLIT, BD])
+    return ia, ib, tl.reshape(ta, [SPLIT * BD]), tl.reshape(tb, [SPLIT * BD])
 
 
 @triton.jit
 def _segment_entry_states(ia, ib, s_in, SPLIT: tl.constexpr, BD: tl.constexpr):
     """The state entering each segment ([SPLIT * BD]) from the inclusive maps of ``_segment_scan``
-    and the state s_in entering the tile: the state at the end of each segment, shifted by one."""
-    s_end = ia * s_in[None, :] + ib
+    and the state entering the tile (s_in: [SPLIT * BD], valid in segment 0): the state at the end
+    of each segment, shifted by one."""
     v = tl.arange(0, SPLIT)
+    s0 = tl.sum(tl.where(v[:, None] == 0, tl.reshape(s_in, [SPLIT, BD]), 0.0), axis=0)
+    s_end = ia * s0[None, :] + ib
     prev = v[None, :, None] == v[:, None, None] - 1
-    s_seg = tl.sum(tl.where(prev, s_end[None, :, :], 0.0), axis=1) + tl.where(v[:, None] == 0, s_in[None, :], 0.0)
+    s_seg = tl.sum(tl.where(prev, s_end[None, :, :], 0.0), axis=1) + tl.where(v[:, None] == 0, s0[None, :], 0.0)
     return tl.reshape(s_seg, [SPLIT * BD])
 
 
@@ -549,7 +553,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     R: tl.constexpr = BT // SPLIT
     pid = tl.program_id(0)
     j = pid // N_CB
-    chan_t = (pid % N_CB) * BD + tl.arange(0, BD)     # the tile's channels (words, look-back)
+    chan_t = (pid % N_CB) * BD + tl.arange(0, BD)
     cmask_t = chan_t < HD
     row0 = j.to(tl.int64) * BT
     seq0 = row0 // T_seq
@@ -584,19 +588,23 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         if Q_EARLY:   # q loaded before the look-back (its latency hidden behind it), kept as loaded
             qs = qs + (_ld(q + p + i * HD, m, EVEN),)
 
-    # 2. publish the aggregate, look back for the entering state, publish the inclusive state
+    # 2. publish the aggregate, look back for the entering state, publish the inclusive state; with
+    #    split tiles segment 0's threads do all three (one owner per word: the inclusive word is stored
+    #    after the aggregate by the same thread, and no copy of the walk lives in another warp)
     if SPLIT > 1:
         ia, ib, tile_a, tile_b = _segment_scan(acc_a, acc_b, SPLIT, BD)
+        lead = cmask & (seg == 0)
     else:
         tile_a = acc_a
         tile_b = acc_b
-    wptr = ws + j.to(tl.int64) * HD + chan_t
-    tl.store(wptr, _pack(tile_a, tile_b), mask=cmask_t)
+        lead = cmask
+    wptr = ws + j.to(tl.int64) * HD + chan
+    tl.store(wptr, _pack(tile_a, tile_b), mask=lead)
     if LOOKBACK:
-        s_in = _lookback_walk(ws, j, chan_t, cmask_t, HD, n_tiles, False, W)
+        s_in = _lookback_walk(ws, j, chan, lead, HD, n_tiles, False, W)
     else:   # (timing diagnostic only: wrong results)
-        s_in = tl.zeros([BD], tl.float32)
-    tl.store(wptr, _pack(tl.zeros_like(tile_b), tile_a * s_in + tile_b), mask=cmask_t)
+        s_in = tl.zeros(chan.shape, tl.float32)
+    tl.store(wptr, _pack(tl.zeros_like(tile_b), tile_a * s_in + tile_b), mask=lead)
     if SPLIT > 1:
         s_seg = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
     else:

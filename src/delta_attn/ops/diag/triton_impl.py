@@ -131,9 +131,12 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
         bd = _block_d(cfg, n_tiles, h, d, device)
         kernel, programs, width = default_kernel, n_tiles * h * triton.cdiv(d, bd), d
         extra = dict(default_meta or {})
+    # no more warps than a program's channel vector ([bd * split]) fills: a look-back whose copies sat in
+    # two warps could leave its loop on one copy's reduction while another copy is still walking
+    warps = min(cfg.warps, max(1, bd * cfg.split // 32))
     meta = dict(meta, **extra, H=h, D=d, IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n), BT=cfg.bt, BD=bd,
                 W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, width, cfg.bt, bd), LOOKBACK=_lookback,
-                num_warps=cfg.warps)
+                num_warps=warps)
     kernel[(programs,)](*args, **meta)
 
 
