@@ -116,10 +116,11 @@ def inputs(b, t, seed=0):
 def correct(q, k, v, g, do, fcfg=None, bcfg=None, grads=True):
     """Gate before timing: head 0 of the full run against the float64 scan (error rule, float32
     scan as baseline); grads=False checks the forward alone. Returns a list of failures (empty = correct)."""
-    o, _, ws = ti.diag_fwd(q, k, v, g, config=fcfg)
+    o, _, ws = ti.diag_fwd(q, k, v, g, config=fcfg, training=grads)
     dq = dk = dv = dg = None
     if grads:
-        dq, dk, dv, dg, _ = ti.diag_bwd(q, k, v, g, do, ws, config=bcfg, fwd_bt=(fcfg or ti.FWD_CONFIG).bt)
+        dq, dk, dv, dg, _ = ti.diag_bwd(q, k, v, g, do, ws, config=bcfg,
+                                        fwd_bt=(fcfg or ti.TRAIN_FWD_CONFIG).segment_rows)
     sl = lambda x: x[:, :, :1].contiguous()
     o64, _, g64 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do))
     o32, _, g32 = gated_diag_scan(*(sl(x) for x in (q, k, v, g)), do=sl(do), dtype=torch.float32)
@@ -238,7 +239,7 @@ def sweep_configs(bw, rec, fwd_sweep=None, bwd_sweep=None):
         rec.append(r)
         print("sweep", _short(r))
     best_f = min(fwd, key=lambda x: x[0])[1] if fwd else ti.FWD_CONFIG
-    pairs = [(tf + tb, cf, cb) for tf, cf in fwd for tb, cb in bwd if cb.bt % cf.bt == 0]
+    pairs = [(tf + tb, cf, cb) for tf, cf in fwd for tb, cb in bwd if cb.bt % cf.segment_rows == 0]
     pair = min(pairs, key=lambda x: x[0])[1:] if pairs else (ti.TRAIN_FWD_CONFIG, ti.BWD_CONFIG)
     # diagnostics: the same kernels without the look-back (wrong results: streaming cost only)
     ti._lookback = False
@@ -303,8 +304,8 @@ def main():
             f = bench(lambda: ti.diag_fwd(q, k, v, g, config=fcfg))
 
             def fwdbwd():
-                _, _, w_ = ti.diag_fwd(q, k, v, g, config=pf)
-                ti.diag_bwd(q, k, v, g, do, w_, config=pb, fwd_bt=pf.bt)
+                _, _, w_ = ti.diag_fwd(q, k, v, g, config=pf, training=True)
+                ti.diag_bwd(q, k, v, g, do, w_, config=pb, fwd_bt=pf.segment_rows)
             fb = bench(fwdbwd)
             row.update(fwd_ms=f, fwdbwd_ms=fb,
                        fwd_TBps=fwd_bytes / (f[0] * 1e-3) / 1e12, fwdbwd_TBps=fb_bytes / (fb[0] * 1e-3) / 1e12)
@@ -359,8 +360,8 @@ def main():
             r["diag_fwd"] = bench(lambda: ti.diag_fwd(q, k, v, g, config=fcfg))[0]
 
             def fwdbwd():
-                _, _, w_ = ti.diag_fwd(q, k, v, g, config=pf)
-                ti.diag_bwd(q, k, v, g, do, w_, config=pb, fwd_bt=pf.bt)
+                _, _, w_ = ti.diag_fwd(q, k, v, g, config=pf, training=True)
+                ti.diag_bwd(q, k, v, g, do, w_, config=pb, fwd_bt=pf.segment_rows)
             r["diag_fwdbwd"] = bench(fwdbwd)[0]
             del q, k, v, g, do
             cross.append(r)

@@ -250,10 +250,13 @@ def test_kernel_variants(poisoned, t):
 
 
 def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg=None):
-    """The rows forward (o, final state, carries) and a backward (default: the tile one) on its carries."""
+    """The rows forward as a training forward (o, final state, carries every segment_rows rows) and a
+    backward (default: the tile one) on its carries."""
     from delta_attn.ops.diag import triton_impl as ti
-    o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
-    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg or ti.DiagConfig(16, 16, 2, 1), fwd_bt=fcfg.bt)
+    o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg, training=True)
+    assert ws.shape[0] == triton.cdiv(q.shape[0] * q.shape[1], fcfg.bt) * fcfg.split
+    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg or ti.DiagConfig(16, 16, 2, 1),
+                        fwd_bt=fcfg.segment_rows)
     return o, ht, grads
 
 
@@ -331,3 +334,10 @@ def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
     c3 = (ws3 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     torch.testing.assert_close(c2, c3, rtol=1e-5, atol=1e-5)
     assert bool((ws2 < 0).all())   # every tile published its inclusive word
+    # a training forward with split tiles (16 rows as 2 segments) writes its carries every 8 rows: the
+    # same states as the 8-row tiles' words
+    _, _, ws4 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.DiagConfig(16, 16, 2, 2, kind="rows", hold=True,
+                                                                             split=2), training=True)
+    assert ws4.shape[0] == 6 and bool((ws4 < 0).all())
+    c4 = (ws4[:5] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    torch.testing.assert_close(c4, c3, rtol=1e-5, atol=1e-5)

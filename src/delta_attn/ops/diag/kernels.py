@@ -514,29 +514,31 @@ def _segment_scan(acc_a, acc_b, SPLIT: tl.constexpr, BD: tl.constexpr):
 def _segment_entry_states(ia, ib, s_in, SPLIT: tl.constexpr, BD: tl.constexpr):
     """The state entering each segment ([SPLIT * BD]) from the inclusive maps of ``_segment_scan``
     and the state entering the tile (s_in: [SPLIT * BD], valid in segment 0): the state at the end
-    of each segment, shifted by one."""
+    of each segment (also returned), shifted by one."""
     v = tl.arange(0, SPLIT)
     s0 = tl.sum(tl.where(v[:, None] == 0, tl.reshape(s_in, [SPLIT, BD]), 0.0), axis=0)
     s_end = ia * s0[None, :] + ib
     prev = v[None, :, None] == v[:, None, None] - 1
     s_seg = tl.sum(tl.where(prev, s_end[None, :, :], 0.0), axis=1) + tl.where(v[:, None] == 0, s0[None, :], 0.0)
-    return tl.reshape(s_seg, [SPLIT * BD])
+    return tl.reshape(s_seg, [SPLIT * BD]), tl.reshape(s_end, [SPLIT * BD])
 
 
 @triton.jit
 def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
-                          T_seq, total, N, n_tiles,
+                          T_seq, total, N, n_tiles, carries,
                           H: tl.constexpr, D: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                           EVEN: tl.constexpr, HOLD: tl.constexpr, Q_EARLY: tl.constexpr,
-                          FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr, SPLIT: tl.constexpr = 1):
+                          FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                          STORE_CARRIES: tl.constexpr = False):
     """Forward, "rows" variant (DiagConfig(kind="rows"); the default forwards). The time scan never
     crosses threads: a program owns BD channels of the flattened (H * D) channel axis (a block may span
     heads: every channel is its own chain) and walks the tile's rows one [BD] vector at a time, each
     thread carrying the state of its own channels. SPLIT > 1 cuts the tile's BT rows into SPLIT
     segments of BT / SPLIT rows walked side by side (each by its own threads: a long tile, few tiles
-    per chain in flight, with the registers of a short one); their maps are combined once per tile.
+    per chain in flight, with the registers of a short one); their maps are combined once per tile, and
+    STORE_CARRIES writes the state at the end of every segment (the backward's carries).
       1. local scan from state 0 and the cumulative decay (B, A) of each segment;
       2. publish the tile's aggregate map, look back for the entering state s_in, publish the
          inclusive state; the states entering the segments;
@@ -606,7 +608,12 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         s_in = tl.zeros(chan.shape, tl.float32)
     tl.store(wptr, _pack(tl.zeros_like(tile_b), tile_a * s_in + tile_b), mask=lead)
     if SPLIT > 1:
-        s_seg = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
+        s_seg, s_end = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
+        if STORE_CARRIES:
+            # the state at the end of every segment, as inclusive words: the backward's carries at
+            # BT / SPLIT rows (the tile words above serve the look-back only)
+            tl.store(carries + (j.to(tl.int64) * SPLIT + seg) * HD + chan, _pack(tl.zeros_like(s_end), s_end),
+                     mask=cmask)
     else:
         s_seg = s_in
 

@@ -1,12 +1,13 @@
 """``backend="triton"`` for gated diagonal attention: launchers, torch.library custom ops, autograd.
 
-``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (the
-tile kernels for a forward without gradient, the "rows" kernels for training: the pair measured fastest);
+``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (by
+default the "rows" kernels, the forward with split tiles: measured fastest; the tile kernels opt-in);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
 ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
 :class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
-the final states, its workspace: the state at the end of every time tile, which the backward uses
-as carries (``(n_tiles, H, D)`` int64 words, about ``8 / BT`` bytes per token and channel).
+the final states, its workspace: the state at the end of every time tile (of every segment for a
+training forward with split tiles), which the backward uses as carries (int64 words, 8 bytes per
+channel every ``BT`` or ``BT / split`` tokens).
 """
 from __future__ import annotations
 
@@ -47,20 +48,27 @@ class DiagConfig:
         if self.split > 1 and self.kind != "rows":
             raise ValueError("split > 1 needs kind='rows' (the rows forward)")
 
+    @property
+    def segment_rows(self) -> int:
+        """Rows per carry of a training forward (its workspace): bt / split."""
+        return self.bt // self.split
 
-# Defaults: the fastest correct configs of the sweep measured on the H200, bf16, H=16, D=128
-# (benchmarks/results/diag_h200.md, `diag_bench.py --rows-ab`, 2026-11-21 04:29 UTC):
-# - forward without gradient: 32x32 tiles, one warp (the time scan stays inside the warp: no shared
-#   memory, no barriers), look-back window 8: 0.277 ms at 1x32768;
-# - training pair: the "rows" kernels, forward 16 rows x 64 channels with q loaded before the look-back
-#   and the prefixes held in registers, backward 16 x 128 on two warps: fwd+bwd 0.781 ms at 1x32768
-#   (the tile pair: 0.867 ms). The backward's tile must be a multiple of the training forward's (it
-#   reads the forward's tile carries). The interpreter uses tiny tiles.
-FWD_CONFIG = DiagConfig(bt=32, bd=32, w=8, warps=1)
-TRAIN_FWD_CONFIG = DiagConfig(bt=16, bd=64, w=8, warps=1, early=True, kind="rows", hold=True)
+
+# Defaults: the fastest correct configs measured on the H200, bf16, H=16, D=128
+# (benchmarks/results/diag_h200.md):
+# - forward: the rows kernel with split tiles, 64 rows x 64 channels walked as 4 segments of 16 rows on
+#   4 warps, q loaded before the look-back, prefixes held in registers, look-back window 4: 0.191 ms at
+#   1x32768 (82 % of copy; `diag_bench.py --split-ab`, fourth session); the tile kernel (32x32, one warp)
+#   0.277 ms and the 16x64 rows forward 0.290 ms in the same run. Few tiles of a chain in flight is
+#   what made the look-back cheap (0.17 ms without it);
+# - training: the same forward writing its states every 16 rows (the segments' ends) as the carries of
+#   the rows backward, 16 x 128 on two warps (the backward's tile must be a multiple of the forward's
+#   segment_rows). The interpreter uses tiny tiles of the same kernels.
+FWD_CONFIG = DiagConfig(bt=64, bd=64, w=4, warps=4, early=True, kind="rows", hold=True, split=4)
+TRAIN_FWD_CONFIG = FWD_CONFIG
 BWD_CONFIG = DiagConfig(bt=16, bd=128, w=8, warps=2, kind="rows")
-INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=1, early=True)
-INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, early=True)
+INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=2, early=True, kind="rows", hold=True, split=2)
+INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, kind="rows")
 
 
 def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
@@ -140,21 +148,31 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
     kernel[(programs,)](*args, **meta)
 
 
+def _carry_words(cfg: DiagConfig, total: int, training: bool) -> int:
+    """Words per channel of the forward's workspace: one per tile, or with split tiles in training one
+    per segment (``cfg.segment_rows`` rows: what the backward reads as carries)."""
+    return triton.cdiv(total, cfg.bt) * (cfg.split if training else 1)
+
+
 def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
              config: Optional[DiagConfig] = None, training: bool = False):
     """Forward scan. q, k, v, g contiguous (B, T, H, D). Returns ``(o, final_state, workspace)``;
     ``final_state`` is (N, H, D) float32 or an empty tensor when not requested. ``training`` picks the
-    training forward's config (its workspace is what the default backward expects)."""
+    training forward's config, and the workspace then holds the state every ``cfg.segment_rows`` rows
+    (what the default backward expects); otherwise every ``cfg.bt`` rows."""
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
     cfg = config or _configs()[1 if training else 0]
     n_tiles = triton.cdiv(total, cfg.bt)
     o = empty(q.shape, q.dtype, q.device)
     ws = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
+    carries = ws
+    if training and cfg.split > 1:
+        carries = empty((_carry_words(cfg, total, True), h, d), torch.int64, q.device)
     final = empty((n, h, d) if output_final_state else (0,), torch.float32, q.device)
     if total == 0:
         if output_final_state:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
-        return o, final, ws
+        return o, final, carries
     dummy = ws
     _launch_scan(_diag_fwd_kernel, _diag_fwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
                  cu_seqlens,
@@ -164,18 +182,20 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
                   ws, cu_seqlens if cu_seqlens is not None else dummy,
                   max(t_seq, 1), total, n, n_tiles),
                  dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, Q_EARLY=cfg.early),
-                 rows_meta=dict(HOLD=cfg.hold, SPLIT=cfg.split))
-    return o, final, ws
+                 rows_meta=dict(HOLD=cfg.hold, SPLIT=cfg.split, carries=carries, STORE_CARRIES=carries is not ws))
+    return o, final, carries
 
 
 def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=None,
              config: Optional[DiagConfig] = None, fwd_bt: Optional[int] = None):
-    """Backward scan. Returns ``(dq, dk, dv, dg, d_initial_state or an empty tensor)``."""
+    """Backward scan on the forward's workspace ``ws``, which holds the state every ``fwd_bt`` rows
+    (default: the training forward's ``segment_rows``). Returns ``(dq, dk, dv, dg, d_initial_state or
+    an empty tensor)``."""
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
     cfg = config or _configs()[2]
-    fbt = fwd_bt or _configs()[1].bt
+    fbt = fwd_bt or _configs()[1].segment_rows
     if cfg.bt % fbt != 0:
-        raise ValueError(f"the backward tile ({cfg.bt}) must be a multiple of the forward tile ({fbt})")
+        raise ValueError(f"the backward tile ({cfg.bt}) must be a multiple of the forward's carry rows ({fbt})")
     dq = empty(q.shape, q.dtype, q.device)
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
@@ -230,10 +250,9 @@ def _diag_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 @_diag_fwd_op.register_fake
 def _(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=False):
     total, _, n, h, d = _shape(q, cu_seqlens)
-    bt = _configs()[1 if training else 0].bt
-    n_tiles = (total + bt - 1) // bt
+    words = _carry_words(_configs()[1 if training else 0], total, training)
     final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), final, q.new_empty((n_tiles, h, d), dtype=torch.int64)
+    return q.new_empty(q.shape), final, q.new_empty((words, h, d), dtype=torch.int64)
 
 
 @torch.library.custom_op("delta_attn::diag_bwd", mutates_args=())
