@@ -8,7 +8,12 @@ per leaf, like gradient accumulation); ``grad_to_none=leaves`` resets them first
 only writes them. This script times FLA's ``chunk_hgrn`` and ``chunk_kda`` (and cuDNN SDPA, compute
 bound, as a control) forward+backward both ways, side by side with the anchors.
 
-Usage: PYTHONPATH=src python benchmarks/anchor_protocol.py [--out DIR]
+``--decode``: FLA's ``fused_recurrent_kda`` decode step (B = 64, H = 16, K = V = 128, one token, fp32
+state; anchor 56 us) in the ways a caller may run it: inference inputs under ``torch.no_grad`` (the
+bench's protocol), inputs requiring grad with autograd on, a float32 g, and ``output_final_state``
+off; each timed by ``do_bench`` (L2 flushed) and by CUDA graph replay (no CPU launch overhead).
+
+Usage: PYTHONPATH=src python benchmarks/anchor_protocol.py [--decode] [--out DIR]
 """
 from __future__ import annotations
 
@@ -59,10 +64,58 @@ def cases():
                [q, k, v, g, beta])
 
 
+def decode_rows():
+    from fla.ops.kda import fused_recurrent_kda
+    b, h, d = 64, 16, 128
+    rows = []
+    print("| decode variant | do_bench us | ratio to 56 us | graph replay us |")
+    print("| --- | --- | --- | --- |")
+    for name, grad, g32, final in (("no_grad, bf16 g, final state", False, False, True),
+                                   ("autograd on (leaves require grad), bf16 g, final state", True, False, True),
+                                   ("no_grad, fp32 g, final state", False, True, True),
+                                   ("no_grad, bf16 g, no final state", False, False, False)):
+        q, k, v = (torch.randn(b, 1, h, d, device="cuda", dtype=DT) for _ in range(3))
+        g = (-torch.rand(b, 1, h, d, device="cuda") * 0.1).to(torch.float32 if g32 else DT)
+        beta = torch.rand(b, 1, h, device="cuda", dtype=DT)
+        state = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32)
+        for x in (q, k, v, g, beta):
+            x.requires_grad_(grad)
+
+        def step():
+            with torch.set_grad_enabled(grad):
+                return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=final,
+                                           use_qk_l2norm_in_kernel=True)[0]
+        step()
+        us = do_bench(step, warmup=50, rep=300, return_mode="median") * 1e3
+        graph_us = None
+        if not grad:
+            s_ = torch.cuda.Stream()
+            s_.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s_):
+                step()
+            torch.cuda.current_stream().wait_stream(s_)
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg):
+                step()
+            graph_us = do_bench(cg.replay, warmup=50, rep=300, return_mode="median") * 1e3
+        rows.append({"variant": name, "do_bench_us": us, "graph_us": graph_us})
+        print(f"| {name} | {us:.1f} | {us / 56:.2f} | {graph_us if graph_us is None else round(graph_us, 1)} |",
+              flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode", action="store_true", help="only the fused_recurrent_kda decode variants")
     a = ap.parse_args()
+    if a.decode:
+        rows = decode_rows()
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "anchor_decode.json"), "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return
     rows = []
     print("| case | anchor ms | do_bench default (grads accumulate) ms | ratio | grad_to_none ms | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
