@@ -150,6 +150,18 @@ def test_compile_fullgraph():
     torch.testing.assert_close(gq, q.grad, rtol=1e-2, atol=1e-2)
 
 
+def _variant_cases():
+    """((q, k, v, g), initial state, cu_seqlens): fixed length with an initial state (the EVEN path), and
+    varlen with empty sequences and a run of full decays (the masked path), thousands of tiles each."""
+    lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
+             (_inputs(1, int(cu[-1]), 4, 96, torch.bfloat16, torch.float32, lo=-0.1),
+              torch.randn(len(lens), 4, 96, device=DEV), cu)]
+    cases[1][0][3][:, 4000:4100] = -1e4
+    return cases
+
+
 def test_kernel_variants_many_tiles():
     # the other compiled variants the benchmark may pick (loads before / after the look-back, 2-warp
     # tiles, windows 4 and 8) with thousands of tiles in flight: fixed length with an initial state,
@@ -163,13 +175,7 @@ def test_kernel_variants_many_tiles():
              # re-read forward (hold=False), window 4; 32-row rows kernels are left out: with varlen
              # they take 30-90 s each to compile (sm_90a, benchmarks/results/diag_h200.md)
              (C(16, 64, 4, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"))]
-    lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
-             (_inputs(1, int(cu[-1]), 4, 96, torch.bfloat16, torch.float32, lo=-0.1),
-              torch.randn(len(lens), 4, 96, device=DEV), cu)]
-    cases[1][0][3][:, 4000:4100] = -1e4
-    for (q, k, v, g), h0, c in cases:
+    for (q, k, v, g), h0, c in _variant_cases():
         n = h0.shape[0]
         do, dht = torch.randn_like(q), torch.randn(n, q.shape[2], q.shape[3], device=DEV)
         o64, ht64, g64 = gated_diag_scan(q, k, v, g, h0, c, do, dht)
@@ -196,13 +202,7 @@ def test_split_rows_forward_many_tiles():
     configs = [C(64, 64, 8, 4, True, kind="rows", hold=True, split=4),
                C(32, 32, 8, 2, True, kind="rows", hold=True, split=2),
                C(64, 64, 4, 4, False, kind="rows", split=4)]
-    lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
-             (_inputs(1, int(cu[-1]), 4, 96, torch.bfloat16, torch.float32, lo=-0.1),
-              torch.randn(len(lens), 4, 96, device=DEV), cu)]
-    cases[1][0][3][:, 4000:4100] = -1e4
-    for (q, k, v, g), h0, c in cases:
+    for (q, k, v, g), h0, c in _variant_cases():
         o64, ht64, _ = gated_diag_scan(q, k, v, g, h0, c)
         o32, ht32, _ = gated_diag_scan(q, k, v, g, h0, c, dtype=torch.float32)
         for fc in configs:
