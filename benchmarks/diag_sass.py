@@ -30,7 +30,7 @@ FWD_PTRS = ["q", "k", "v", "g", "o"]
 BWD_PTRS = ["q", "k", "v", "g", "do", "dq", "dk", "dv", "dg"]
 INTS = {"T_seq": "i32", "total": "i32", "N": "i32", "n_tiles": "i32", "carry_stride": "i32"}
 FP32 = {"h0": "*fp32", "ht": "*fp32", "dht": "*fp32", "dh0": "*fp32"}
-I64 = {"ws": "*i64", "ws_f": "*i64", "ws_b": "*i64", "cu": "*i32"}
+I64 = {"ws": "*i64", "ws_f": "*i64", "ws_b": "*i64", "carries": "*i64", "cu": "*i32"}
 
 
 def compile_kernel(kern, ptrs, consts, warps):

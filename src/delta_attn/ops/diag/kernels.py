@@ -118,11 +118,12 @@ def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W
 
 @triton.jit
 def _seq_info(rows, cu, T_seq, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
-    """Sequence index of each packed row and whether the row starts / ends its sequence."""
+    """Sequence index of each packed row (a tensor of rows or one row) and whether the row starts /
+    ends its sequence."""
     if IS_VARLEN:
         # largest n < N with cu[n] <= row (zero-length sequences share cu values: take the last)
-        lo = tl.zeros(rows.shape, tl.int32)
-        hi = tl.zeros(rows.shape, tl.int32) + (N - 1)
+        lo = rows.to(tl.int32) * 0     # (rows: a tensor or a scalar)
+        hi = lo + (N - 1)
         for _ in tl.static_range(LOG_N):
             mid = (lo + hi + 1) // 2
             go = tl.load(cu + mid).to(tl.int64) <= rows
@@ -450,23 +451,7 @@ def _row_flags(i: tl.constexpr, rows0, seg, seq0, p0, cu, T_seq, total, N, cmask
         m = cmask
     else:
         row = rows0 + i
-        if IS_VARLEN:
-            # largest n < N with cu[n] <= row (zero-length sequences share cu values: take the last)
-            lo = N * 0
-            hi = N - 1
-            for _ in tl.static_range(LOG_N):
-                mid = (lo + hi + 1) // 2
-                go = tl.load(cu + mid).to(tl.int64) <= row
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid - 1)
-            seq = lo.to(tl.int64)
-            start = row == tl.load(cu + lo).to(tl.int64)
-            end = row == tl.load(cu + lo + 1).to(tl.int64) - 1
-        else:
-            seq = row // T_seq
-            pos = row - seq * T_seq
-            start = pos == 0
-            end = pos == T_seq - 1
+        seq, start, end = _seq_info(row, cu, T_seq, N, IS_VARLEN, LOG_N)
         m = cmask & (row < total)
     return seq, start, end, m
 
