@@ -25,12 +25,13 @@ Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the f
   ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
   ``d s0 = exp(g_first) ds_first``. Inputs are read once and gradients written once.
 
-"Rows" variants (``_diag_fwd_rows_kernel``, ``_diag_bwd_rows_kernel``; ``DiagConfig(kind="rows")``; the
-default training pair, measured faster than the tile pair):
-the same single-pass schemes, but a program owns a block of the flattened H * D channel axis and walks
-its tile row by row, each thread carrying the state of its own channels (no cross-thread scan), with a
-per-channel look-back walk (``_lookback_walk``). They publish the same words, so either backward runs on
-either forward's carries.
+"Rows" kernels (``_diag_fwd_rows_kernel``, ``_diag_bwd_rows_kernel``; ``DiagConfig(kind="rows")``; the
+defaults, measured faster than the tile kernels above, which stay as opt-in configs): the same
+single-pass schemes, but a program owns a block of the flattened H * D channel axis and walks its tile
+row by row, each thread carrying the state of its own channels (no cross-thread scan), with a
+per-channel look-back walk (``_lookback_walk``). The forward can split its tile into segments walked
+side by side by different warps (``SPLIT``): long tiles, so that few tiles of a chain are in flight
+when a tile looks back. They publish the same words, so either backward runs on either forward's carries.
 
 Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place.
 """
