@@ -256,6 +256,28 @@ def sweep_configs(bw, rec, fwd_sweep=None, bwd_sweep=None):
     return best_f, pair
 
 
+def decode():
+    """One decode step for 64 sequences (H = 16, D = 128, fp32 state pool), ours through the public API
+    (validation and dispatch included) against FLA's fused_recurrent_hgrn (x = k v, width H * D)."""
+    import delta_attn as da
+    b = 64
+    q, k, v, g, _ = inputs(b, 1)
+    state = torch.randn(b, H, D, device="cuda")
+    idx = torch.arange(b, device="cuda", dtype=torch.int32)
+    ours = bench(lambda: da.gated_diag_step(q, k, v, g, state, state_indices=idx, backend="triton"))
+    print(f"gated_diag_step (ours, API): {ours[0] * 1e3:.1f} us [{ours[1] * 1e3:.1f}, {ours[2] * 1e3:.1f}]")
+    try:
+        from fla.ops.hgrn import fused_recurrent_hgrn
+        x = (k * v).reshape(b, 1, H * D)
+        gg = g.reshape(b, 1, H * D)
+        s0 = state.reshape(b, H * D)
+        fla = bench(lambda: fused_recurrent_hgrn(x, gg, initial_state=s0, output_final_state=True))
+        print(f"FLA fused_recurrent_hgrn: {fla[0] * 1e3:.1f} us [{fla[1] * 1e3:.1f}, {fla[2] * 1e3:.1f}]; "
+              f"ours / FLA = {ours[0] / fla[0]:.2f}")
+    except Exception as e:  # noqa: BLE001
+        print(f"FLA fused_recurrent_hgrn: not run ({type(e).__name__}: {e})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time tile configs first and use the fastest")
@@ -263,11 +285,15 @@ def main():
                     help="short sweep: the default kernels and the rows variants (same process)")
     ap.add_argument("--split-ab", action="store_true",
                     help="forward only: the default forwards against the split-tile rows forwards (same process)")
+    ap.add_argument("--decode", action="store_true",
+                    help="only the decode step: gated_diag_step against FLA fused_recurrent_hgrn (B = 64, one token)")
     ap.add_argument("--crossover", action="store_true", help="cuDNN causal attention at 64K tokens per batch")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fused-max-t", type=int, default=1 << 30, help="skip fused_recurrent_hgrn above this T")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.decode:
+        return decode()
     info = env()
     print(json.dumps(info))
     bw = copy_bandwidth()
