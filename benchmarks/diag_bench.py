@@ -264,8 +264,15 @@ def decode():
     q, k, v, g, _ = inputs(b, 1)
     state = torch.randn(b, H, D, device="cuda")
     idx = torch.arange(b, device="cuda", dtype=torch.int32)
-    ours = bench(lambda: da.gated_diag_step(q, k, v, g, state, state_indices=idx, backend="triton"))
-    print(f"gated_diag_step (ours, API): {ours[0] * 1e3:.1f} us [{ours[1] * 1e3:.1f}, {ours[2] * 1e3:.1f}]")
+    ours = bench(lambda: da.gated_diag_step(q, k, v, g, state, backend="triton"))
+    print(f"gated_diag_step (ours, API, no indices): {ours[0] * 1e3:.1f} us [{ours[1] * 1e3:.1f}, {ours[2] * 1e3:.1f}]")
+    for skip in ("0", "1"):
+        # state_indices are checked on the host (one device-to-host copy) unless DELTA_ATTN_SKIP_VALUE_CHECKS=1
+        os.environ["DELTA_ATTN_SKIP_VALUE_CHECKS"] = skip
+        r = bench(lambda: da.gated_diag_step(q, k, v, g, state, state_indices=idx, backend="triton"))
+        print(f"gated_diag_step (ours, API, state_indices, DELTA_ATTN_SKIP_VALUE_CHECKS={skip}): "
+              f"{r[0] * 1e3:.1f} us [{r[1] * 1e3:.1f}, {r[2] * 1e3:.1f}]")
+    os.environ.pop("DELTA_ATTN_SKIP_VALUE_CHECKS")
     try:
         from fla.ops.hgrn import fused_recurrent_hgrn
         x = (k * v).reshape(b, 1, H * D)
