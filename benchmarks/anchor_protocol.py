@@ -104,11 +104,56 @@ def decode_rows():
     return rows
 
 
+def other_rows():
+    """Two more guesses at the anchors that no protocol above reproduces: the decode step as a packed
+    varlen batch (1, 64 tokens, cu_seqlens), and cuDNN causal attention at S = 128K with q, k, v made
+    as (B, S, H, D) and transposed (the layout models produce) instead of contiguous (B, H, S, D)."""
+    from fla.ops.kda import fused_recurrent_kda
+    rows = []
+    b, h, d = 64, 16, 128
+    q, k, v = (torch.randn(1, b, h, d, device="cuda", dtype=DT) for _ in range(3))
+    g = (-torch.rand(1, b, h, d, device="cuda") * 0.1).to(DT)
+    beta = torch.rand(1, b, h, device="cuda", dtype=DT)
+    state = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32)
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        step = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,  # noqa: E731
+                                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+        step()
+        us = do_bench(step, warmup=50, rep=300, return_mode="median") * 1e3
+    rows.append({"case": "fused_recurrent_kda decode as varlen (1, 64) with cu_seqlens", "us": us, "anchor_us": 56})
+    print(f"| {rows[-1]['case']} | {us:.1f} us | anchor 56 us | {us / 56:.2f} |", flush=True)
+    s = 131072
+    for layout in ("BHSD contiguous", "BSHD transposed"):
+        if layout.startswith("BHSD"):
+            qa, ka, va = (torch.randn(1, 16, s, 128, device="cuda", dtype=DT) for _ in range(3))
+        else:
+            qa, ka, va = (torch.randn(1, s, 16, 128, device="cuda", dtype=DT).transpose(1, 2) for _ in range(3))
+
+        def attn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                return F.scaled_dot_product_attention(qa, ka, va, is_causal=True)
+        attn()
+        ms = do_bench(attn, warmup=5, rep=300, return_mode="median")
+        rows.append({"case": f"cuDNN SDPA causal fwd S=128K {layout}", "ms": ms, "anchor_ms": 141})
+        print(f"| {rows[-1]['case']} | {ms:.1f} ms | anchor 141 ms | {ms / 141:.2f} |", flush=True)
+        del qa, ka, va
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode", action="store_true", help="only the fused_recurrent_kda decode variants")
+    ap.add_argument("--other", action="store_true", help="only the varlen decode and the 128K layout checks")
     a = ap.parse_args()
+    if a.other:
+        rows = other_rows()
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "anchor_other.json"), "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return
     if a.decode:
         rows = decode_rows()
         if a.out:
