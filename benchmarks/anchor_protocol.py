@@ -141,26 +141,23 @@ def other_rows():
     return rows
 
 
+def save(rows, out, name):
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode", action="store_true", help="only the fused_recurrent_kda decode variants")
     ap.add_argument("--other", action="store_true", help="only the varlen decode and the 128K layout checks")
     a = ap.parse_args()
-    if a.other:
-        rows = other_rows()
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "anchor_other.json"), "w") as fh:
-                json.dump(rows, fh, indent=1)
-        return
-    if a.decode:
-        rows = decode_rows()
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "anchor_decode.json"), "w") as fh:
-                json.dump(rows, fh, indent=1)
-        return
+    for flag, fn, name in ((a.other, other_rows, "anchor_other.json"), (a.decode, decode_rows, "anchor_decode.json")):
+        if flag:
+            save(fn(), a.out, name)
+            return
     rows = []
     print("| case | anchor ms | do_bench default (grads accumulate) ms | ratio | grad_to_none ms | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -176,10 +173,7 @@ def main():
               flush=True)
         del out, dout, lv
         torch.cuda.empty_cache()
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "anchor_protocol.json"), "w") as fh:
-            json.dump(rows, fh, indent=1)
+    save(rows, a.out, "anchor_protocol.json")
 
 
 if __name__ == "__main__":
