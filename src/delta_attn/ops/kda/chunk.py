@@ -114,15 +114,11 @@ def _kda_row_norms_tile(qf, kf, scale, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
-                         W, U, QG, KD, AQK, TM, GC,
-                         scale, lower_bound, H, HV,
-                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, KP: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-                         HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
+def _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    GATE: tl.constexpr):
+    """The rows of chunk c for value head hv (chunk_info: (sequence, first row, length) per chunk):
+    the q / k head h = hv // (HV // H), the chunk's length L, the row index i, its mask, the packed
+    rows, the row offsets of q / k, g and v, the gate's a = exp(A_log) (1 without a gate) and beta."""
     h = hv // (HV // H)
     row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
     L = tl.load(chunk_info + c * 3 + 2)
@@ -136,6 +132,21 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
+    return h, L, i, mr, rows, q_off, g_off, v_off, a, b
+
+
+@triton.jit
+def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
+                         W, U, QG, KD, AQK, TM, GC,
+                         scale, lower_bound, H, HV,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, KP: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                         HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
     kk = tl.arange(0, KP)
     mrk = mr[:, None] & (kk[None, :] < K)
     qf = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)
@@ -327,20 +338,9 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
                           DOT_PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
-    h = hv // (HV // H)
-    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
-    L = tl.load(chunk_info + c * 3 + 2)
-    i = tl.arange(0, BT)
-    mr = i < L
-    rows = row0 + i
-    q_off = (rows * H + h)[:, None] * K
-    g_off = (rows * HV + hv)[:, None] * K
-    v_off = (rows * HV + hv)[:, None] * V
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
     a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
-    a = 1.0
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
     kk = tl.arange(0, KP)
     mrk = mr[:, None] & (kk[None, :] < K)
     qf = tl.load(q + q_off + kk[None, :], mask=mrk, other=0.0).to(tl.float32)

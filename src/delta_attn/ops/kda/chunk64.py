@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk import _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_load_decay
+from .chunk import _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_load_decay
 
 
 @triton.jit
@@ -104,20 +104,9 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
-    h = hv // (HV // H)
-    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
-    L = tl.load(chunk_info + c * 3 + 2)
-    i = tl.arange(0, BT)
-    mr = i < L
-    rows = row0 + i
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
     blk = i // BC                                   # sub-chunk of each row
-    q_off = (rows * H + h)[:, None] * K
-    g_off = (rows * HV + hv)[:, None] * K
-    v_off = (rows * HV + hv)[:, None] * V
-    a = 1.0
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
     # 0. row factors: q_used = rq * q (scale folded in), k_used = rk * k
     nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
     rq = nq * scale
@@ -342,20 +331,9 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
     if EXACT:
         if tl.load(FLAGS + c * HV + hv) == 0:
             return
-    h = hv // (HV // H)
-    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
-    L = tl.load(chunk_info + c * 3 + 2)
-    i = tl.arange(0, BT)
-    mr = i < L
-    rows = row0 + i
-    q_off = (rows * H + h)[:, None] * K
-    g_off = (rows * HV + hv)[:, None] * K
-    v_off = (rows * HV + hv)[:, None] * V
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
     a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
-    a = 1.0
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
     nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
     rq = nq * scale
     T = tl.load(TM + a_off, mask=mr[:, None], other=0.0)

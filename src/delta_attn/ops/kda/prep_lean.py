@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk import _kda_load_decay, _kda_tri_inverse
+from .chunk import _kda_chunk_rows, _kda_load_decay, _kda_tri_inverse
 
 
 @triton.jit
@@ -52,19 +52,8 @@ def _kda_fwd_prep_lean_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     if EXACT:
         if tl.load(FLAGS + c * HV + hv) == 0:
             return
-    h = hv // (HV // H)
-    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
-    L = tl.load(chunk_info + c * 3 + 2)
-    i = tl.arange(0, BT)
-    mr = i < L
-    rows = row0 + i
-    q_off = (rows * H + h)[:, None] * K
-    g_off = (rows * HV + hv)[:, None] * K
-    v_off = (rows * HV + hv)[:, None] * V
-    a = 1.0
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
     tril = i[:, None] >= i[None, :]
     # 1. row norms of q and k, K slice by K slice (KS = KP: one slice)
     sq = tl.zeros([BT], tl.float32)
