@@ -90,6 +90,15 @@ def _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.con
 
 
 @triton.jit
+def _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.constexpr, GATE: tl.constexpr,
+                     HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr):
+    """``_kda_load_decay`` and G, the log decay floored at -FLOOR and summed over the chunk's rows up to
+    each row (0 on masked rows): (x, d, G)."""
+    x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K, GATE, HAS_DT_BIAS)
+    return x, d, tl.cumsum(tl.where(mask, tl.maximum(d, -FLOOR), 0.0), 0)
+
+
+@triton.jit
 def _kda_tri_inverse(A, BT: tl.constexpr):
     """(I + A)^-1 for strictly lower-triangular A (BT x BT) by forward substitution."""
     i = tl.arange(0, BT)
@@ -177,9 +186,8 @@ def _kda_fwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             m = mr[:, None] & (cols[None, :] < K)
             qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
             ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_ = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                       HAS_DT_BIAS)
-            G = tl.cumsum(tl.where(m, tl.maximum(ds_, -FLOOR), 0.0), 0)
+            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                           HAS_DT_BIAS, FLOOR)
             G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
             E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
             akk += tl.sum(ks[:, None, :] * ks[None, :, :] * E, 2)
@@ -429,10 +437,9 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM, GC,
             kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
             qs = qr * rq[:, None]
             ks = kr * rk[:, None]
-            x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                   HAS_DT_BIAS)
+            x, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                       HAS_DT_BIAS, FLOOR)
             live = d > -FLOOR
-            G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
             G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
             eG = tl.exp(G)
             kd = ks * tl.exp(G_last[None, :] - G)

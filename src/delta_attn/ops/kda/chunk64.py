@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk import _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_load_decay
+from .chunk import _kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_load_decay
 
 
 @triton.jit
@@ -118,9 +118,8 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         m = mr[:, None] & (cols[None, :] < K)
         qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)     # chunk-local, <= 0, finite
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)     # chunk-local, <= 0, finite
         G_last = _kda_row_at(G, i, L - 1)
         tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
         tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty), mask=m)
@@ -191,9 +190,8 @@ def _kda_fwd_prep64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         cols = k0 + tl.arange(0, BK)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)
         w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
         tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
 
@@ -354,9 +352,8 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         cols = k0 + tl.arange(0, BK)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)
         dw = tl.zeros([BT, BK], tl.float32)
         for p in range(0, NV):
             dw += tl.load(DW + p * R * HV * K + g_off + cols[None, :], mask=m, other=0.0)
@@ -380,9 +377,8 @@ def _kda_bwd_intra64_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
         qs = qr * rq[:, None]
         ks = kr * rk[:, None]
-        x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                               HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m, tl.maximum(d, -FLOOR), 0.0), 0)
+        x, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                   HAS_DT_BIAS, FLOOR)
         G_last = _kda_row_at(G, i, L - 1)
         eG = tl.exp(G)
         eL = tl.exp(G_last[None, :] - G)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk import _kda_chunk_rows, _kda_load_decay, _kda_tri_inverse
+from .chunk import _kda_chunk_decay, _kda_chunk_rows, _kda_tri_inverse
 
 
 @triton.jit
@@ -82,9 +82,8 @@ def _kda_fwd_prep_lean_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             m = mr[:, None] & (cols[None, :] < K)
             qs_ = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
             ks_ = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_ = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                       HAS_DT_BIAS)
-            G = tl.cumsum(tl.where(m, tl.maximum(ds_, -FLOOR), 0.0), 0)
+            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                           HAS_DT_BIAS, FLOOR)
             G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
             E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
             akk += tl.sum(ks_[:, None, :] * ks_[None, :, :] * E, 2)
@@ -102,9 +101,8 @@ def _kda_fwd_prep_lean_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             m = mr[:, None] & (cols[None, :] < K)
             qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
             ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_ = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                       HAS_DT_BIAS)
-            G = tl.cumsum(tl.where(m, tl.maximum(ds_, -FLOOR), 0.0), 0)
+            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                           HAS_DT_BIAS, FLOOR)
             bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
             eP = tl.exp(G)
             kn = ks * tl.exp(-G)
@@ -138,8 +136,7 @@ def _kda_fwd_prep_lean_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         cols = k0 + tl.arange(0, KS)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        xs_, ds_ = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                   HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m, tl.maximum(ds_, -FLOOR), 0.0), 0)
+        xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                       HAS_DT_BIAS, FLOOR)
         w = tl.dot(T, (b[:, None] * ks) * tl.exp(G), input_precision=DOT_PREC)
         tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
