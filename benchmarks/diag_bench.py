@@ -25,7 +25,6 @@ Timing: CUDA events, L2 flushed (256 MB memset) before every repeat, median and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os

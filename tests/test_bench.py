@@ -214,6 +214,8 @@ def test_backward_rows_accumulate_or_reset_gradients(grads):
         assert all(v is not None for v in timed) and timed[0] < timed[1] < timed[2] < timed[3]
     md = report.markdown({"suite": "kernels", "settings": s.as_dict()}, rows, [])
     assert ("do_bench protocol" in md) == (grads == "accumulate")
+    with pytest.raises(ValueError, match="grads"):
+        Settings(grads="reset")
 
 
 def test_timer_statistics_and_protocol():

@@ -114,12 +114,17 @@ def test_forward_odd_lengths(T, dtype, opts, fwd_chunk):
 # forward on both chunk lengths: varlen, strong decays, both intra-chunk factorisations
 # ---------------------------------------------------------------------------------------------
 
-def test_forward_varlen_with_empty_sequences(fwd_chunk):
-    cu = [0, 5, 5, 70, 71, 140, 140]          # a 65-token sequence spans two 64-token chunks
-    xs, kw = make(1, 140, 1, 2, 16, 16, torch.float16, gate="lower_bound", h0=True, cu=cu)
+def _check_varlen_with_empty_sequences(cu, k_dim, gate):
+    """Against the reference, and sequences 1 and 5 (empty) end in their initial state."""
+    xs, kw = make(1, cu[-1], 1, 2, k_dim, 16, torch.float16, gate=gate, h0=True, cu=cu)
     out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
     assert torch.equal(out[1][1], kw["initial_state"][1])
     assert torch.equal(out[1][5], kw["initial_state"][5])
+
+
+def test_forward_varlen_with_empty_sequences(fwd_chunk):
+    # a 65-token sequence spans two 64-token chunks
+    _check_varlen_with_empty_sequences([0, 5, 5, 70, 71, 140, 140], 16, "lower_bound")
 
 
 @pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float32), (-1e4, torch.float16),
@@ -200,11 +205,7 @@ def test_forward_variant_odd_lengths(T, dtype, opts, fwd_variant):
 @pytest.mark.parametrize("variant,chunk", [("lean", 16), ("lean_dots", 16), ("lean_dots", 32)])
 def test_forward_variant_varlen_with_empty_sequences(monkeypatch, variant, chunk):
     _set_variant(monkeypatch, variant, chunk)
-    cu = [0, 5, 5, 21, 22, 57, 57]
-    xs, kw = make(1, 57, 1, 2, 32, 16, torch.float16, gate="softplus", h0=True, cu=cu)
-    out = check_all(xs, kw, use_qk_l2norm=True, output_final_state=True)
-    assert torch.equal(out[1][1], kw["initial_state"][1])
-    assert torch.equal(out[1][5], kw["initial_state"][5])
+    _check_varlen_with_empty_sequences([0, 5, 5, 21, 22, 57, 57], 32, "softplus")
 
 
 @pytest.mark.parametrize("decay,dtype", [(-50.0, torch.float32), (-1e4, torch.float16),

@@ -48,6 +48,10 @@ class Settings:
     # None before every call (outside the timed region): the backward kernels alone
     grads: str = "accumulate"
 
+    def __post_init__(self):
+        if self.grads not in ("accumulate", "fresh"):
+            raise ValueError(f"grads must be 'accumulate' or 'fresh', got {self.grads!r}")
+
     def as_dict(self) -> Dict:
         return asdict(self)
 
