@@ -11,6 +11,7 @@ channel every ``BT`` or ``BT / split`` tokens).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -76,12 +77,19 @@ def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
     if triton_interpreter_on():
         return INTERP_FWD_CONFIG, INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
     path = os.environ.get("DELTA_ATTN_DIAG_TUNED")
-    if path:   # as written by benchmarks/diag_bench.py: {"fwd": training forward, "bwd": ..., "fwd_inference": ...}
-        with open(path) as fh:
-            tuned = json.load(fh)
-        train = DiagConfig(**tuned["fwd"])
-        return DiagConfig(**tuned.get("fwd_inference", tuned["fwd"])), train, DiagConfig(**tuned["bwd"])
+    if path:
+        return _tuned_configs(path)
     return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
+
+
+@functools.lru_cache(maxsize=4)
+def _tuned_configs(path: str) -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
+    """The configs of a file written by benchmarks/diag_bench.py ({"fwd": training forward, "bwd": ...,
+    "fwd_inference": ...}), read once per path (not on every call)."""
+    with open(path) as fh:
+        tuned = json.load(fh)
+    train = DiagConfig(**tuned["fwd"])
+    return DiagConfig(**tuned.get("fwd_inference", tuned["fwd"])), train, DiagConfig(**tuned["bwd"])
 
 
 def _sm_count(device: torch.device) -> int:
