@@ -34,6 +34,7 @@ class KDAArgs:
     lower_bound: Optional[float]
     state: Optional[torch.Tensor] = None            # kda_step: the state pool, updated in place
     state_indices: Optional[torch.Tensor] = None    # kda_step: slot of each sequence
+    allow_tf32: bool = False                        # fp32 inputs: tf32 tensor-core dots allowed
 
     def call(self, op: str) -> Call:
         feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
@@ -78,6 +79,8 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
     if scale is None:
         scale = kd ** -0.5
     scale = C.number("scale", scale)
+    if scale in (float("inf"), float("-inf")):
+        raise ValueError(f"scale must be a finite number, got {scale}")
     C.flag("use_qk_l2norm", use_qk_l2norm)
     if A_log is None:
         if dt_bias is not None:
@@ -98,10 +101,11 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
 
 
 def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-             use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None) -> KDAArgs:
+             use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False) -> KDAArgs:
     scale, lower_bound = _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
                                    lower_bound)
     C.flag("output_final_state", output_final_state)
+    C.flag("allow_tf32", allow_tf32)
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     n = b
@@ -111,7 +115,7 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
         n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)
     C.state("initial_state", initial_state, (n, hv, kd, vd), q.device, "(N, HV, K, V) float32")
     return KDAArgs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, n, use_qk_l2norm,
-                   A_log, dt_bias, lower_bound)
+                   A_log, dt_bias, lower_bound, allow_tf32=allow_tf32)
 
 
 def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
@@ -130,13 +134,17 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, backend="auto"):
+        use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False, backend="auto"):
     """Kimi Delta Attention over whole sequences (chunked on the Triton backend).
 
     q, k (B, T, H, K); v (B, T, HV, V), HV % H == 0; g (B, T, HV, K) log decay (or the raw gate
     when ``A_log`` is given); beta (B, T, HV); ``initial_state`` (N, HV, K, V) float32; with
     ``cu_seqlens`` B == 1 and N = len(cu_seqlens) - 1. Returns ``(o (B, T, HV, V), final_state)``,
     final_state (N, HV, K, V) float32 when ``output_final_state`` else None.
+
+    Precision: fp16 / bf16 inputs accumulate in fp32; fp32 inputs give fp32-accurate results (IEEE
+    dots) unless ``allow_tf32=True``, which lets the Triton backend use tf32 tensor cores (about 1e-3
+    relative error, several times faster). ``scale`` must be finite.
 
     >>> import torch, delta_attn as da
     >>> q, k = torch.randn(2, 1, 6, 2, 8).unbind(0)
@@ -146,7 +154,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     (torch.Size([1, 6, 2, 8]), torch.Size([1, 2, 8, 8]))
     """
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                    A_log, dt_bias, lower_bound)
+                    A_log, dt_bias, lower_bound, allow_tf32)
     return select(args.call("kda"), backend)(args)
 
 
@@ -183,5 +191,5 @@ def _triton_head_dims_lazy(dims):
 _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
                features=_FEATURES, requires=("triton",), install_hint="pip install triton",
                head_dims=_triton_head_dims_lazy)
-register("triton", "kda", Capability(impl="delta_attn.ops.kda.triton_impl:kda", **_TRITON))
-register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.triton_impl:kda_step", backward=False, **_TRITON))
+register("triton", "kda", Capability(impl="delta_attn.ops.kda.autograd:kda", **_TRITON))
+register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.autograd:kda_step", backward=False, **_TRITON))

@@ -1,15 +1,16 @@
-"""Recurrent (decode) Kimi Delta Attention kernel: a few tokens per sequence from a state pool.
+"""Decode stage of KDA (Triton): a few new tokens per sequence from a state pool, updated in place.
 
 One program per (V block, sequence, value head): the fp32 state block S (K x BV) is read once from
-``state[state_indices[b]]``, advanced token by token (``S <- exp(g) S``; ``u = beta (v - S^T k)``;
-``S <- S + k u^T``; ``o = S^T (scale q)``) and written back in place.
+``state[state_indices[b]]``, advanced token by token (decay ``S <- exp(g) S``; correction
+``u = beta (v - S^T k)``; write ``S <- S + k u^T``; read-out ``o = S^T (scale q)``) and written back.
+Plain fp32 FMA arithmetic: fp32-accurate for every input dtype.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .chunk import _kda_gate
+from .gate import _kda_gate
 
 
 @triton.jit

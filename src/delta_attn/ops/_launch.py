@@ -1,0 +1,98 @@
+"""The launch layer shared by the Triton launchers: tile configs fitted to the device.
+
+A launcher gives :func:`launch` its kernel, arguments and an ordered list of :class:`Tiles`
+candidates (the tuned one first, smaller ones after). On a GPU the first candidate whose compiled
+kernel fits the device's shared memory is launched, so an accepted call never fails with Triton's
+``OutOfResources``; the choice is cached per specialisation (kernel, constexprs, dtypes, device), so
+a call pays one dictionary look-up after the first. Under the CPU interpreter there is no limit:
+the first candidate runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch configuration: tile constexprs, warps, pipeline stages, and why it is chosen."""
+    meta: Tuple[Tuple[str, int], ...]
+    num_warps: int = 4
+    num_stages: int = 1
+    reason: str = ""
+
+    def get(self, name: str) -> int:
+        return dict(self.meta)[name]
+
+    def with_(self, reason: str = "", num_stages=None, **meta) -> "Tiles":
+        """A copy with some tile sizes (or the stage count) replaced."""
+        m = dict(self.meta)
+        m.update(meta)
+        return Tiles(tuple(sorted(m.items())), self.num_warps,
+                     self.num_stages if num_stages is None else num_stages, reason or self.reason)
+
+
+def tiles(reason: str, num_warps: int = 4, num_stages: int = 1, **meta) -> Tiles:
+    return Tiles(tuple(sorted(meta.items())), num_warps, num_stages, reason)
+
+
+def halving(first: Tiles, names: Sequence[str], floor: int = 16) -> Tuple[Tiles, ...]:
+    """``first``, then single-stage copies with each named tile halved in turn down to ``floor``:
+    the fallbacks of :func:`launch` when ``first`` needs more shared memory than the device has."""
+    out = [first]
+    cur = first.with_(num_stages=1)
+    if cur != first:
+        out.append(cur)
+    for _ in range(8):
+        changed = False
+        for n in names:
+            v = cur.get(n)
+            if v // 2 >= floor:
+                cur = cur.with_(reason=f"fits shared memory: {n} {v // 2}", **{n: v // 2})
+                out.append(cur)
+                changed = True
+        if not changed:
+            break
+    return tuple(out)
+
+
+_FITTED: Dict[tuple, Tiles] = {}
+
+
+def _shared_limit(device: torch.device) -> int:
+    from triton.runtime import driver
+    return int(driver.active.utils.get_device_properties(device.index)["max_shared_mem"])
+
+
+def _key(kernel, args, fixed: dict) -> tuple:
+    dtypes = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+    return (getattr(kernel, "__name__", None) or kernel.fn.__name__, dtypes, tuple(sorted(fixed.items())))
+
+
+def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candidates: Sequence[Tiles]) -> Tiles:
+    """Launch ``kernel[grid(t)](*args, **fixed, **t.meta)`` with the first candidate ``t`` that fits the
+    device's shared memory (GPU), or the first candidate (CPU interpreter). Returns the tiles used."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    chosen = candidates[0]
+    if device.type == "cuda":
+        key = _key(kernel, args, fixed) + (device.index, candidates)
+        chosen = _FITTED.get(key)
+        if chosen is None:
+            limit = _shared_limit(device)
+            needs = []
+            for t in candidates:
+                compiled = kernel.warmup(*args, grid=grid(t), **fixed, **dict(t.meta), num_warps=t.num_warps,
+                                         num_stages=t.num_stages)
+                needs.append(int(compiled.metadata.shared))
+                if needs[-1] <= limit:
+                    chosen = t
+                    break
+            else:
+                raise RuntimeError(f"{key[0]}: no tile configuration fits the device's {limit} bytes of shared "
+                                   f"memory (needed {needs} for {[dict(t.meta) for t in candidates]})")
+            _FITTED[key] = chosen
+    kernel[grid(chosen)](*args, **fixed, **dict(chosen.meta), num_warps=chosen.num_warps,
+                         num_stages=chosen.num_stages)
+    return chosen

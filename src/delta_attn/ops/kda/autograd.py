@@ -1,0 +1,158 @@
+"""``backend="triton"`` for KDA: the ``torch.library`` custom ops (with fake implementations), their
+autograd, and the backend entry points.
+
+Eager calls and ``torch.compile`` run the same ops and so the same kernels: ``delta_attn::kda_infer``
+(inference prefill) when no gradient is needed, ``delta_attn::kda_train`` (the training forward, which
+returns what its backward needs) otherwise; its backward is ``delta_attn::kda_train_bwd``. The decode step
+``delta_attn::kda_step`` is called directly in eager mode (its kernel is launch-bound, and the dispatcher
+would cost more than the kernel) and through the custom op when traced.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .api import KDAArgs
+from .pipeline import Saved, decode_step, infer_forward, max_chunks, precision, train_backward, train_forward
+
+_Opt = Optional[torch.Tensor]
+
+
+def _empty(q):
+    return q.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("delta_attn::kda_infer", mutates_args=())
+def _kda_infer_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
+                  lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
+                  allow_tf32: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    o, final = infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                             use_qk_l2norm, output_final_state, allow_tf32)
+    return o, (final if final is not None else _empty(q))
+
+
+def _fake_outputs(q, v, cu_seqlens, output_final_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else _empty(q)
+    return v.new_empty(B, T, HV, V), final
+
+
+@_kda_infer_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+      output_final_state, allow_tf32):
+    return _fake_outputs(q, v, cu_seqlens, output_final_state)
+
+
+@torch.library.custom_op("delta_attn::kda_train", mutates_args=())
+def _kda_train_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
+                  lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
+                  allow_tf32: bool) -> List[torch.Tensor]:
+    o, final, saved = train_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
+                                    lower_bound, use_qk_l2norm, output_final_state, allow_tf32)
+    return [o, final if final is not None else _empty(q), *saved]
+
+
+@_kda_train_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+      output_final_state, allow_tf32):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    R, nc = B * T, max_chunks(B, T, N, cu_seqlens is not None)
+    work = precision(q.dtype, allow_tf32).work
+    f32 = torch.float32
+    new = lambda *shape, dtype=work: q.new_empty(*shape, dtype=dtype)      # noqa: E731
+    saved = Saved(W=new(R, HV, K), QG=new(R, HV, K), KD=new(R, HV, K), AQK=new(R, HV, 64),
+                  TM=new(R, HV, 64, dtype=f32), GC=new(nc, HV, K, dtype=f32), HS=new(nc, HV, K, V),
+                  VNEW=new(R, HV, V))
+    return [*_fake_outputs(q, v, cu_seqlens, output_final_state), *saved]
+
+
+@torch.library.custom_op("delta_attn::kda_train_bwd", mutates_args=())
+def _kda_train_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, saved: List[torch.Tensor],
+                      do: torch.Tensor, dht: _Opt, scale: float, lower_bound: Optional[float], use_qk_l2norm: bool,
+                      allow_tf32: bool) -> List[torch.Tensor]:
+    grads = train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, Saved(*saved), do, dht,
+                           scale, lower_bound, use_qk_l2norm, allow_tf32)
+    return [t if t is not None else _empty(q) for t in grads]
+
+
+@_kda_train_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved, do, dht, scale, lower_bound,
+      use_qk_l2norm, allow_tf32):
+    e = _empty(q)
+    # the real op returns contiguous tensors whatever the inputs' strides: so must the fake
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape),
+            initial_state.new_empty(initial_state.shape, dtype=torch.float32) if initial_state is not None else e,
+            A_log.new_empty(A_log.shape, dtype=torch.float32) if A_log is not None else e,
+            dt_bias.new_empty(dt_bias.shape, dtype=torch.float32) if dt_bias is not None else e]
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+     output_final_state, allow_tf32) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *output[2:])
+    ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32)
+
+
+def _backward(ctx, *grads):
+    if len(grads) == 1 and isinstance(grads[0], (list, tuple)):      # a list output's gradients come as one list
+        grads = grads[0]
+    do, dht = grads[0], grads[1]
+    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *saved = ctx.saved_tensors
+    scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32 = ctx.opts
+    if not output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, db, dh0, dal, ddt = _kda_train_bwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
+                                                          dt_bias, saved, do, dht, scale, lower_bound,
+                                                          use_qk_l2norm, allow_tf32)
+    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+    dal = dal.to(A_log.dtype) if A_log is not None else None
+    ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
+    return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None, None
+
+
+torch.library.register_autograd("delta_attn::kda_train", _backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("delta_attn::kda_step", mutates_args=("state",))
+def _kda_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, state_indices: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
+                 lower_bound: Optional[float], use_qk_l2norm: bool) -> torch.Tensor:
+    return decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm)
+
+
+@_kda_step_op.register_fake
+def _(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
+    return v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# backend entry points (receive the validated KDAArgs)
+# ------------------------------------------------------------------------------------------------
+
+def kda(a: KDAArgs):
+    args = (a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.A_log, a.dt_bias, float(a.scale),
+            a.lower_bound, bool(a.use_qk_l2norm), bool(a.output_final_state), bool(a.allow_tf32))
+    if a.needs_grad():
+        o, final = _kda_train_op(*args)[:2]
+    else:
+        o, final = _kda_infer_op(*args)
+    return o, (final if a.output_final_state else None)
+
+
+def kda_step(a: KDAArgs):
+    args = (a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log, a.dt_bias, float(a.scale),
+            a.lower_bound, bool(a.use_qk_l2norm))
+    if torch.compiler.is_compiling():
+        return _kda_step_op(*args)
+    return decode_step(*args)                          # eager decode: the same kernel, no dispatcher

@@ -1,0 +1,347 @@
+"""Backward stage of KDA training (Triton), on the 64-token chunks of the training forward.
+
+1. ``_kda_bwd_scan_kernel`` (reverse over chunks, parallel over sequences x value heads x V blocks): the
+   fp32 state gradient dS, ``du = Aqk^T dO + kd dS``, ``dS <- exp(G_last) dS + qg^T dO - W^T du``; stores du
+   and every chunk-end dS.
+2. ``_kda_bwd_chunk_grads_kernel`` (parallel over chunks x value heads x K blocks, full V): the gradients of
+   the scan's operands from the chunk-start states S and dS: ``dqg = dO S^T``, ``dkd = u dS^T``,
+   ``dW = -du S^T``, ``dAqk = dO u^T``, ``d exp(G_last) = sum_v S dS``.
+3. ``_kda_bwd_intra_kernel`` (parallel over chunks x value heads): back through the UT transform, the decayed
+   intra-chunk products (factored, or exact for strong decays: a second launch redoes the flagged chunks),
+   the cumulative decays, the floor, the gate and the l2 norm.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_round_tf32,
+                   _kda_row_at, _kda_row_norms_sliced)
+
+
+@triton.jit
+def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV, NCMAX,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
+                         BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    """Reverse scan: du and the chunk-end state gradients dS (stored for ``_kda_bwd_chunk_grads_kernel``)."""
+    iv = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    hv = tl.program_id(2).to(tl.int64)
+    row0 = tl.load(seq_info + n * 3).to(tl.int64)
+    Tn = tl.load(seq_info + n * 3 + 1)
+    cbase = tl.load(seq_info + n * 3 + 2).to(tl.int64)
+    i = tl.arange(0, BT)
+    kk = tl.arange(0, KP)
+    vv = iv * BV + tl.arange(0, BV)
+    mk = kk < K
+    mv = vv < V
+    dt = W.dtype.element_ty
+    s_off = kk[:, None] * V + vv[None, :]
+    ms = mk[:, None] & mv[None, :]
+    dS = tl.zeros([KP, BV], tl.float32)
+    if USE_DHT:
+        dS += tl.load(dht + (n * HV + hv) * K * V + s_off, mask=ms, other=0.0).to(tl.float32)
+    nc = tl.cdiv(Tn, BT)
+    for cc in range(0, NCMAX):
+        c = NCMAX - 1 - cc
+        live = c < nc
+        mr = c * BT + i < Tn
+        rows = row0 + c * BT + i
+        k_off = (rows * HV + hv)[:, None] * K + kk[None, :]
+        v_off = (rows * HV + hv)[:, None] * V + vv[None, :]
+        a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
+        mrk = mr[:, None] & mk[None, :]
+        mrv = mr[:, None] & mv[None, :]
+        w = tl.load(W + k_off, mask=mrk, other=0.0)
+        qg = tl.load(QG + k_off, mask=mrk, other=0.0)
+        kd = tl.load(KD + k_off, mask=mrk, other=0.0)
+        A = tl.load(AQK + a_off, mask=mr[:, None], other=0.0).to(dt)
+        gc = tl.load(GC + ((cbase + c) * HV + hv) * K + kk, mask=mk & live, other=1.0)
+        do = tl.load(DO + v_off, mask=mrv, other=0.0).to(dt)
+        dSd = dS.to(dt)
+        # du = Aqk^T dO + kd dS_end
+        du = tl.dot(tl.trans(A), do, input_precision=PREC) + tl.dot(kd, dSd, input_precision=PREC)
+        dud = du.to(dt)
+        tl.store(DU + v_off, du, mask=mrv)
+        tl.store(DH + ((cbase + c) * HV + hv) * K * V + s_off, dSd, mask=ms & live)
+        # dS_start = exp(G_last) dS_end + qg^T dO - W^T du
+        dS = (dS * gc[:, None] + tl.dot(tl.trans(qg), do, input_precision=PREC)
+              - tl.dot(tl.trans(w), dud, input_precision=PREC))
+    if STORE_DH0:
+        tl.store(DH0 + (n * HV + hv) * K * V + s_off, dS, mask=ms)
+
+
+@triton.jit
+def _kda_bwd_chunk_grads_kernel(HS, DH, VNEW, DO, DU, chunk_info, DQG, DKD, DW, DAQK, DGC, HV,
+                                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr,
+                                BV: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk, value head and K block (parallel), over the full V: the gradients of the scan's
+    operands from the chunk-start state S and the chunk-end state gradient dS (stored by the reverse
+    scan): dqg = dO S^T, dkd = u dS^T, dW = -du S^T, dAqk = dO u^T (K block 0), d exp(G_last) = sum_v S dS."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    kb = tl.program_id(2)
+    row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
+    L = tl.load(chunk_info + c * 3 + 2)
+    i = tl.arange(0, BT)
+    mr = i < L
+    rows = row0 + i
+    kk = kb * BKB + tl.arange(0, BKB)
+    mk = kk < K
+    dt = HS.dtype.element_ty
+    s_base = (c * HV + hv) * K * V
+    dqg = tl.zeros([BT, BKB], tl.float32)
+    dkd = tl.zeros([BT, BKB], tl.float32)
+    dw = tl.zeros([BT, BKB], tl.float32)
+    dgc = tl.zeros([BKB], tl.float32)
+    daqk = tl.zeros([BT, BT], tl.float32)
+    for v0 in range(0, V, BV):
+        vv = v0 + tl.arange(0, BV)
+        mv = vv < V
+        v_off = (rows * HV + hv)[:, None] * V + vv[None, :]
+        m = mr[:, None] & mv[None, :]
+        ms = mk[:, None] & mv[None, :]
+        do = tl.load(DO + v_off, mask=m, other=0.0).to(dt)
+        u = tl.load(VNEW + v_off, mask=m, other=0.0)
+        du = tl.load(DU + v_off, mask=m, other=0.0).to(dt)
+        hs = tl.load(HS + s_base + kk[:, None] * V + vv[None, :], mask=ms, other=0.0)
+        dh = tl.load(DH + s_base + kk[:, None] * V + vv[None, :], mask=ms, other=0.0)
+        dqg += tl.dot(do, tl.trans(hs), input_precision=PREC)
+        dkd += tl.dot(u, tl.trans(dh), input_precision=PREC)
+        dw -= tl.dot(du, tl.trans(hs), input_precision=PREC)
+        dgc += tl.sum(hs.to(tl.float32) * dh.to(tl.float32), 1)
+        if kb == 0:
+            daqk += tl.dot(do, tl.trans(u), input_precision=PREC)
+    k_off = (rows * HV + hv)[:, None] * K + kk[None, :]
+    mrk = mr[:, None] & mk[None, :]
+    tl.store(DQG + k_off, dqg, mask=mrk)
+    tl.store(DKD + k_off, dkd, mask=mrk)
+    tl.store(DW + k_off, dw, mask=mrk)
+    tl.store(DGC + (c * HV + hv) * K + kk, dgc, mask=mk)
+    if kb == 0:
+        tl.store(DAQK + (rows * HV + hv)[:, None] * BT + i[None, :], daqk, mask=mr[:, None])
+
+
+@triton.jit
+def _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr):
+    """The decayed products of the backward factored relative to the middle token (every |Gm| of the
+    slice <= FACTOR_MAX): P1, P3, P2 + P4 (see ``_kda_bwd_pairwise``) and their pair terms of dG,
+    qs P1 - ks (P2 + P4) + Xa P3. dAqk / dA are zero above the diagonal, so no product of two large
+    factors is ever formed for i < j. The row sums (P1, P3) and column sums (P2, P4) of the same pair
+    terms cancel in the reverse cumulative sum of dG: with tf32 products (ROUND_TF32) the factors are
+    rounded to tf32 once and the same rounded values scale both sides, which keeps them consistent."""
+    eP = tl.exp(Gm)
+    eN = tl.exp(-Gm)
+    fa = qs * eP
+    fb = ks * eN
+    fc = Xa * eP
+    if ROUND_TF32:
+        fa = _kda_round_tf32(fa)
+        fb = _kda_round_tf32(fb)
+        fc = _kda_round_tf32(fc)
+    d1 = tl.dot(dAqk, fb, input_precision=DOT_PREC)
+    d2 = tl.dot(tl.trans(dAqk), fa, input_precision=DOT_PREC)
+    d3 = tl.dot(dA, fb, input_precision=DOT_PREC)
+    d4 = tl.dot(tl.trans(dA), fc, input_precision=DOT_PREC)
+    return eP * d1, eP * d3, eN * (d2 + d4), fa * d1 - fb * (d2 + d4) + fc * d3
+
+
+@triton.jit
+def _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                        DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr):
+    """The decayed products of the backward with exact per-channel decays (strong decays, -inf
+    included; no exponent > 0), for one K slice: P1, P3, P2 + P4 and the pair terms of dG
+    (qs P1 - ks (P2 + P4) + Xa P3) with
+    P1_i = sum_j dAqk_ij ks_j E_ij, P2_j = sum_i dAqk_ij qs_i E_ij, P3_i = sum_j dA_ij ks_j E_ij,
+    P4_j = sum_i dA_ij Xa_i E_ij, E_ij = exp(G_i - G_j), i >= j.
+    Off-diagonal 16x16 blocks are factored at the row block's boundary token (as in the prep; the
+    tf32 factors rounded once for both sides, as in ``_kda_bwd_factored``), diagonal blocks are
+    pairwise in fp32."""
+    NB: tl.constexpr = BT // BC
+    blk = i // BC
+    # (runtime loops, not unrolled: this rare path would otherwise add seconds of compile time)
+    Gref = tl.zeros([BT, BK], tl.float32)
+    for sa in range(1, NB):
+        Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
+    eR = tl.exp(G - Gref)                                              # row factor, exponent <= 0
+    fq = qs * eR
+    fx = Xa * eR
+    if ROUND_TF32:
+        fq = _kda_round_tf32(fq)
+        fx = _kda_round_tf32(fx)
+    d1 = tl.zeros([BT, BK], tl.float32)
+    d3 = tl.zeros([BT, BK], tl.float32)
+    P24 = tl.zeros([BT, BK], tl.float32)
+    dGp = tl.zeros([BT, BK], tl.float32)
+    for sa in range(1, NB):
+        ga = _kda_row_at(G, i, sa * BC - 1)
+        # column factor exp(G_ref(a) - G_j) for the columns before row block a (exponent <= 0), else 0
+        cf = tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
+        sel = (blk == sa)[:, None]
+        fb = ks * cf
+        if ROUND_TF32:
+            fb = _kda_round_tf32(fb)
+        r1 = tl.where(sel, tl.dot(dAqk, fb, input_precision=DOT_PREC), 0.0)
+        r3 = tl.where(sel, tl.dot(dA, fb, input_precision=DOT_PREC), 0.0)
+        c24 = (tl.dot(tl.trans(dAqk), tl.where(sel, fq, 0.0), input_precision=DOT_PREC)
+               + tl.dot(tl.trans(dA), tl.where(sel, fx, 0.0), input_precision=DOT_PREC))
+        d1 += r1
+        d3 += r3
+        P24 += cf * c24
+        dGp += fq * r1 + fx * r3 - fb * c24
+    P1 = eR * d1
+    P3 = eR * d3
+    # diagonal blocks: pairwise exp(G_i - G_j), i >= j inside each 16-token block, one block at a time
+    s4 = tl.arange(0, NB)
+    r4 = tl.arange(0, BC)
+    eye = (s4[:, None] == s4[None, :])[:, None, :, None]
+    tri = (r4[:, None] >= r4[None, :])[:, :, None]
+    dq4 = tl.sum(tl.where(eye, tl.reshape(dAqk, (NB, BC, NB, BC)), 0.0), 2)       # (NB, BC, BC)
+    da4 = tl.sum(tl.where(eye, tl.reshape(dA, (NB, BC, NB, BC)), 0.0), 2)
+    G4 = tl.reshape(G, (NB, BC, BK))
+    q4 = tl.reshape(qs, (NB, BC, BK))
+    k4 = tl.reshape(ks, (NB, BC, BK))
+    x4 = tl.reshape(Xa, (NB, BC, BK))
+    for sb in range(0, NB):
+        on = (s4 == sb)[:, None, None]
+        Gs = tl.sum(tl.where(on, G4, 0.0), 0)                                          # (BC, BK)
+        E = tl.exp(tl.where(tri, Gs[:, None, :] - Gs[None, :, :], float("-inf")))        # (BC_i, BC_j, BK)
+        dqs_ = tl.sum(tl.where(on, dq4, 0.0), 0)[:, :, None]
+        das_ = tl.sum(tl.where(on, da4, 0.0), 0)[:, :, None]
+        kE = tl.sum(tl.where(on, k4, 0.0), 0)[None, :, :] * E
+        qE = tl.sum(tl.where(on, q4, 0.0), 0)[:, None, :] * E
+        xE = tl.sum(tl.where(on, x4, 0.0), 0)[:, None, :] * E
+        p1 = tl.sum(dqs_ * kE, 1)
+        p3 = tl.sum(das_ * kE, 1)
+        p2 = tl.sum(dqs_ * qE, 0)
+        p4 = tl.sum(das_ * xE, 0)
+        # place the (BC, BK) results at rows sb*BC ... sb*BC + BC - 1
+        p1 = tl.reshape(tl.where(on, p1[None, :, :], 0.0), (BT, BK))
+        p3 = tl.reshape(tl.where(on, p3[None, :, :], 0.0), (BT, BK))
+        p24 = tl.reshape(tl.where(on, (p2 + p4)[None, :, :], 0.0), (BT, BK))
+        P1 += p1
+        P3 += p3
+        P24 += p24
+        dGp += qs * p1 - ks * p24 + Xa * p3
+    return P1, P3, P24, dGp
+
+
+@triton.jit
+def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
+                            DU, DQG, DKD, DW, DAQK, DGC,
+                            DQ, DK, DV, DB, DG, DALOG, FLAGS,
+                            scale, lower_bound, H, HV,
+                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                            HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                            DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, EXACT: tl.constexpr):
+    """Backward through one 64-token chunk (parallel over chunks x value heads), from the partial
+    gradients of ``_kda_bwd_chunk_grads_kernel``: the UT transform, the decayed
+    intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm.
+
+    Two launches: EXACT=False (every chunk, factored products only: the strong-decay code is compiled
+    out, which keeps registers for the common case) flags the (chunk, head) pairs with a K slice that
+    decays by more than FACTOR_MAX from the middle token; EXACT=True returns at once for unflagged
+    pairs and redoes the flagged ones with the exact per-block products where needed."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    if EXACT:
+        if tl.load(FLAGS + c * HV + hv) == 0:
+            return
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
+    a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
+    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
+    rq = nq * scale
+    T = tl.load(TM + a_off, mask=mr[:, None], other=0.0)
+    db = tl.zeros([BT], tl.float32)
+    dT = tl.zeros([BT, BT], tl.float32)
+    # 1. U = T (beta v): dv = beta T^T dU, dbeta += v . T^T dU, dT += dU (beta v)^T
+    for v0 in range(0, V, BV):
+        vc = v0 + tl.arange(0, BV)
+        m = mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        du = tl.load(DU + v_off + vc[None, :], mask=m, other=0.0)
+        dbv = tl.dot(tl.trans(T), du, input_precision=DOT_PREC)
+        tl.store(DV + v_off + vc[None, :], (b[:, None] * dbv).to(DV.dtype.element_ty), mask=m)
+        db += tl.sum(vs * dbv, 1)
+        dT += tl.dot(du, tl.trans(b[:, None] * vs), input_precision=DOT_PREC)
+    # 2. W = T Kb with Kb = beta exp(G) k: dT += dW Kb^T, K slice by K slice
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)
+        dw = tl.load(DW + g_off + cols[None, :], mask=m, other=0.0)
+        dT += tl.dot(dw, tl.trans(b[:, None] * ks * tl.exp(G)), input_precision=DOT_PREC)
+    # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk lower-triangular
+    dA = -tl.dot(tl.dot(tl.trans(T), dT, input_precision=DOT_PREC), tl.trans(T), input_precision=DOT_PREC)
+    dA = tl.where(i[:, None] > i[None, :], dA, 0.0)
+    dAqk = tl.load(DAQK + a_off, mask=mr[:, None], other=0.0)
+    dAqk = tl.where(i[:, None] >= i[None, :], dAqk, 0.0)
+    # 4. per K slice: through the decayed products, qg, kd, Kb, the cumulative sum, floor and gate
+    dotq = tl.zeros([BT], tl.float32)
+    dotk = tl.zeros([BT], tl.float32)
+    dal = tl.zeros([BT], tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        mc = cols < K
+        m = mr[:, None] & mc[None, :]
+        qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        qs = qr * rq[:, None]
+        ks = kr * rk[:, None]
+        x, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                   HAS_DT_BIAS, FLOOR)
+        G_last = _kda_row_at(G, i, L - 1)
+        eG = tl.exp(G)
+        eL = tl.exp(G_last[None, :] - G)
+        Xa = b[:, None] * ks
+        dqg = tl.load(DQG + g_off + cols[None, :], mask=m, other=0.0)
+        dkd = tl.load(DKD + g_off + cols[None, :], mask=m, other=0.0)
+        dw = tl.load(DW + g_off + cols[None, :], mask=m, other=0.0)
+        dgc = tl.load(DGC + (c * HV + hv) * K + cols, mask=mc, other=0.0)
+        dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
+        Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]
+        fast = tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX
+        if EXACT:
+            if fast:
+                P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
+            else:
+                P1, P3, P24, dGp = _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC,
+                                                       ROUND_TF32)
+        else:
+            if not fast:        # this chunk is redone by the EXACT launch (whatever is written here)
+                tl.store(FLAGS + c * HV + hv, 1)
+            P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
+        dqs = eG * dqg + P1
+        dks = P24 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
+        db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
+        # d/dG of qs e^G, (k_i E_ij k_j), (q_i E_ij k_j), beta k e^G; then to the per-token log decays d_t
+        # (G_i = sum_{s<=i} d_s): a reverse cumulative sum. kd = k e^(G_last - G) and e^(G_last) depend on
+        # d_t through G_last - G_i = sum_{i<s<=L-1} d_s: an exclusive forward sum plus a constant, formed
+        # directly (total minus reverse partial sums would cancel catastrophically near the chunk's end)
+        dG = qs * eG * dqg + dGp + Xa * eG * dKb
+        dG = tl.where(m, dG, 0.0)
+        kdd = ks * eL * dkd
+        dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + (tl.exp(G_last) * dgc)[None, :]
+        dd = tl.where(d > -FLOOR, dd, 0.0)
+        dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
+        tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
+        if GATE != 0:
+            dal += tl.sum(tl.where(m, dd * dA_, 0.0), 1)
+        gq = dqs * rq[:, None]
+        gk = dks * rk[:, None]
+        if L2NORM:
+            dotq += tl.sum(gq * qr, 1)
+            dotk += tl.sum(gk * kr, 1)
+        tl.store(DQ + g_off + cols[None, :], gq, mask=m)
+        tl.store(DK + g_off + cols[None, :], gk, mask=m)
+    tl.store(DB + rows * HV + hv, db, mask=mr)
+    if GATE != 0:
+        tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
+    # 5. l2 norm backward
+    if L2NORM:
+        _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K, BK)
+

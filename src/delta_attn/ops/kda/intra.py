@@ -1,0 +1,275 @@
+"""Intra-chunk stage of KDA (Triton): per chunk and value head, the operands of the state scan.
+
+Per chunk (parallel over chunks x value heads), with G the chunk-local cumulative log decay
+(``gate.py``) and ``D_ij = diag(exp(G_i - G_j))``:
+
+1. the intra-chunk products ``Akk_ij = beta_i k_i . D_ij . k_j`` (i > j) and ``Aqk_ij = q_i . D_ij . k_j``
+   (i >= j), factored as ``exp(G_i - G_ref) exp(G_ref - G_j)`` while every exponent stays in fp32 range,
+   else exactly (pairwise per channel; no exponent is ever > 0, -inf decays included);
+2. the UT transform ``T = (I + Akk)^-1``;
+3. ``U = T (beta v)``, ``W = T (beta exp(G) k)``, ``qg = exp(G) q``, ``kd = exp(G_last - G) k`` and
+   ``exp(G_last)``.
+
+Two kernels, one per use:
+
+* ``_kda_infer_intra_kernel`` (inference prefill, 16- or 32-token chunks): two launches. ``EXACT=False``
+  (every chunk) forms the factored products only, with the strong-decay code compiled out, and flags a
+  chunk whose cumulative decay exceeds ``FACTOR_MAX``; ``EXACT=True`` returns at once for unflagged chunks
+  and redoes the flagged ones pairwise. T is the product ``(I - A)(I + A^2)(I + A^4)...`` (A is nilpotent),
+  a few small dots instead of BT dependent substitution steps; T is not stored.
+* ``_kda_train_intra_kernel`` (training, 64-token chunks of 4 sub-chunks of 16): factored at the chunk's
+  middle token when every |G - G_mid| <= FACTOR_MAX, else off-diagonal 16x16 blocks factored at the
+  sub-chunk boundary (both exponents <= 0) and diagonal blocks pairwise; T by block forward substitution,
+  stored for the backward.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gate import _kda_chunk_decay, _kda_chunk_rows, _kda_load_decay, _kda_row_at, _kda_row_norms_sliced
+
+
+@triton.jit
+def _kda_tri_inverse_dots(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for strictly lower-triangular A (BT = 16, 32 or 64; A^BT = 0):
+    (I + M)(I + M^2)(I + M^4) ... (I + M^(BT/2)), M = -A."""
+    i = tl.arange(0, BT)
+    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    P = -A
+    T = eye + P
+    for s in tl.static_range(5):
+        if BT > (2 << s):
+            P = tl.dot(P, P, input_precision=PREC)
+            T = tl.dot(T, eye + P, input_precision=PREC)
+    return T
+
+
+@triton.jit
+def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(I + A)^-1 for strictly lower-triangular A (BT x BT) by block forward substitution on BC blocks."""
+    NB: tl.constexpr = BT // BC
+    s = tl.arange(0, NB)
+    r = tl.arange(0, BC)
+    eye = s[:, None] == s[None, :]
+    # diagonal blocks D[n] = A[n*BC:(n+1)*BC, n*BC:(n+1)*BC], shape (NB, BC, BC)
+    A4 = tl.reshape(A, (NB, BC, NB, BC))
+    D = tl.sum(tl.where(eye[:, None, :, None], A4, 0.0), 2)
+    # forward substitution on every diagonal block at once: Ti[n] = (I + D[n])^-1
+    Ti = tl.zeros((NB, BC, BC), tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    for rr in tl.static_range(1, BC):
+        arow = tl.sum(tl.where(r[None, :, None] == rr, D, 0.0), 1)           # row rr of D[n], by column
+        t = tl.sum(arow[:, :, None] * Ti, 1)                                  # sum_j D[n]_rr,j Ti[n]_j
+        Ti = tl.where(r[None, :, None] == rr, Ti - t[:, None, :], Ti)
+    Dinv = tl.reshape(tl.where(eye[:, None, :, None], Ti[:, :, None, :], 0.0), (BT, BT))
+    # off-diagonal blocks: T = (I - M + M^2 - ...) Dinv with M = Dinv N nilpotent (Horner form)
+    blk = tl.arange(0, BT) // BC
+    N = tl.where(blk[:, None] > blk[None, :], A, 0.0)
+    M = tl.dot(Dinv, N, input_precision=DOT_PREC)
+    X = Dinv
+    for it in tl.static_range(1, NB):
+        X = Dinv - tl.dot(M, X, input_precision=DOT_PREC)
+    return X
+
+
+@triton.jit
+def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
+                              W, U, QG, KD, AQK, GC, FLAGS,
+                              scale, lower_bound, H, HV,
+                              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                              BV: tl.constexpr, KS: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                              HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                              DOT_PREC: tl.constexpr, EXACT: tl.constexpr, INV_PREC: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    if EXACT:
+        if tl.load(FLAGS + c * HV + hv) == 0:
+            return
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
+    tril = i[:, None] >= i[None, :]
+    # 1. row norms of q and k, K slice by K slice (KS = KP: one slice)
+    sq = tl.zeros([BT], tl.float32)
+    sk = tl.zeros([BT], tl.float32)
+    if L2NORM:
+        for k0 in range(0, K, KS):
+            cols = k0 + tl.arange(0, KS)
+            m = mr[:, None] & (cols[None, :] < K)
+            qx = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kx = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            sq += tl.sum(qx * qx, 1)
+            sk += tl.sum(kx * kx, 1)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        rq = scale / tl.sqrt(sq + 1e-6)
+    else:
+        rk = tl.full([BT], 1.0, tl.float32)
+        rq = tl.full([BT], 1.0, tl.float32) * scale
+    # 2. intra-chunk products with per-channel decays exp(G_i - G_j), i >= j; G = the floored log
+    #    decays cumulated inside the chunk (per K slice: a cumulative sum over rows only)
+    akk = tl.zeros([BT, BT], tl.float32)
+    aqk = tl.zeros([BT, BT], tl.float32)
+    if EXACT:
+        # 2x. exact pairwise products, K slice by K slice (BK)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = mr[:, None] & (cols[None, :] < K)
+            qs_ = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks_ = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                           HAS_DT_BIAS, FLOOR)
+            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
+            E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
+            akk += tl.sum(ks_[:, None, :] * ks_[None, :, :] * E, 2)
+            aqk += tl.sum(qs_[:, None, :] * ks_[None, :, :] * E, 2)
+            tl.store(QG + g_off + cols[None, :], (qs_ * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks_ * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty),
+                     mask=m)
+            tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
+    else:
+        # 2f. factored products exp(G_i) exp(-G_j), valid when every |G| of the chunk is <= FACTOR_MAX;
+        #     otherwise the chunk is flagged (what this launch wrote for it is overwritten by EXACT)
+        bad = 0.0
+        for k0 in range(0, K, KS):
+            cols = k0 + tl.arange(0, KS)
+            m = mr[:, None] & (cols[None, :] < K)
+            qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                           HAS_DT_BIAS, FLOOR)
+            bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
+            eP = tl.exp(G)
+            kn = ks * tl.exp(-G)
+            akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
+            aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
+            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
+            tl.store(QG + g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty),
+                     mask=m)
+            tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
+        fast = bad <= FACTOR_MAX
+        tl.store(FLAGS + c * HV + hv, tl.where(fast, 0, 1).to(tl.int32))
+        if not fast:
+            return
+    # 3. UT transform: T = (I + strictly_lower(beta_i k_i D_ij k_j))^-1; Aqk stored (i >= j)
+    akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
+    aqk = tl.where(tril, aqk, 0.0)
+    T = _kda_tri_inverse_dots(akk, BT, INV_PREC)
+    tl.store(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
+    # 4. U = T (beta v), W = T (beta exp(G) k)
+    for v0 in range(0, V, BV):
+        vc = v0 + tl.arange(0, BV)
+        m = mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
+        tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
+    for k0 in range(0, K, KS):
+        cols = k0 + tl.arange(0, KS)
+        m = mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                       HAS_DT_BIAS, FLOOR)
+        w = tl.dot(T, (b[:, None] * ks) * tl.exp(G), input_precision=DOT_PREC)
+        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
+                           W, U, QG, KD, AQK, GC, TM,
+                           scale, lower_bound, H, HV,
+                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                           BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                           GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr,
+                           FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr):
+    NB: tl.constexpr = BT // BC
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
+    blk = i // BC                                   # sub-chunk of each row
+    # 0. row factors: q_used = rq * q (scale folded in), k_used = rk * k
+    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
+    rq = nq * scale
+    # 1. per K slice: decays, output operands, intra-chunk products
+    akk = tl.zeros([BT, BT], tl.float32)
+    aqk = tl.zeros([BT, BT], tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = mr[:, None] & (cols[None, :] < K)
+        qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)     # chunk-local, <= 0, finite
+        G_last = _kda_row_at(G, i, L - 1)
+        tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
+        tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty), mask=m)
+        tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
+        Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]              # relative to the chunk's middle
+        if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
+            # fast: one reference (the middle token) for every pair. Entries i >= j are exp(G_i - G_j) <= 1
+            # as a product of two factors <= exp(FACTOR_MAX); entries i < j may overflow to inf / NaN and
+            # are discarded by the select (tl.where) of step 2, never multiplied.
+            eP = tl.exp(Gm)
+            kn = ks * tl.exp(-Gm)
+            akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
+            aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
+        else:
+            # safe, off-diagonal blocks: reference G_ref(a) = G at row a*BC - 1 for the rows of sub-chunk a
+            # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
+            Gref = tl.zeros([BT, BK], tl.float32)
+            for sa in range(1, NB):
+                Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
+            eR = tl.exp(G - Gref)                                      # row factor, exponent <= 0
+            kr_ = ks * eR
+            qr_ = qs * eR
+            for sa in range(1, NB):
+                ga = _kda_row_at(G, i, sa * BC - 1)
+                # column factor exp(G_ref(a) - G_j) for the columns before sub-chunk a (exponent <= 0)
+                kc = ks * tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
+                sel = (blk == sa)[:, None]
+                akk += tl.where(sel, tl.dot(kr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
+                aqk += tl.where(sel, tl.dot(qr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
+            # safe, diagonal blocks: exact pairwise exp(G_i - G_j), i >= j, BKD channels at a time
+            s4 = tl.arange(0, NB)
+            r4 = tl.arange(0, BC)
+            tri = (r4[:, None] >= r4[None, :])[None, :, :, None]
+            eye = (s4[:, None] == s4[None, :])[:, None, :, None]
+            for kd0 in range(0, BK, BKD):
+                cd = k0 + kd0 + tl.arange(0, BKD)
+                md = mr[:, None] & (cd[None, :] < K)
+                qd = tl.load(q + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rq[:, None]
+                kd_ = tl.load(k + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rk[:, None]
+                xd_, dd = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cd[None, :], hv, cd, md, K, GATE,
+                                        HAS_DT_BIAS)
+                Gd = tl.cumsum(tl.where(md, tl.maximum(dd, -FLOOR), 0.0), 0)
+                G4 = tl.reshape(Gd, (NB, BC, BKD))
+                q4 = tl.reshape(qd, (NB, BC, BKD))
+                k4 = tl.reshape(kd_, (NB, BC, BKD))
+                E = tl.exp(tl.where(tri, G4[:, :, None, :] - G4[:, None, :, :], float("-inf")))
+                dk4 = tl.sum(k4[:, :, None, :] * k4[:, None, :, :] * E, 3)      # (NB, BC, BC)
+                dq4 = tl.sum(q4[:, :, None, :] * k4[:, None, :, :] * E, 3)
+                # place block n at rows / columns n*BC ... n*BC + BC - 1 of the BT x BT matrices
+                akk += tl.reshape(tl.where(eye, dk4[:, :, None, :], 0.0), (BT, BT))
+                aqk += tl.reshape(tl.where(eye, dq4[:, :, None, :], 0.0), (BT, BT))
+    # 2. UT transform by block forward substitution
+    akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
+    aqk = tl.where(i[:, None] >= i[None, :], aqk, 0.0)
+    a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
+    tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
+    T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
+    tl.store(TM + a_off, T, mask=mr[:, None])          # kept for the backward
+    # 3. U = T (beta v), W = T (beta exp(G) k)
+    for v0 in range(0, V, BV):
+        vc = v0 + tl.arange(0, BV)
+        m = mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
+        tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)
+        w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
+        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+

@@ -1,0 +1,330 @@
+"""Host side of the Triton KDA backend: one pipeline per use, its tile configs and its precision.
+
+* **training**: ``train_forward`` (intra-chunk stage on 64-token chunks keeping T, then the state scan
+  keeping the chunk-start states and u) and ``train_backward`` (reverse scan, per-chunk operand
+  gradients, intra-chunk backward);
+* **inference prefill**: ``infer_forward`` (intra-chunk stage on 16- or 32-token chunks, factored launch
+  plus an exact launch for strongly decaying chunks, then the state scan);
+* **decode**: ``decode_step`` (token by token from a state pool, in place).
+
+Tiles are frozen :class:`~delta_attn.ops._launch.Tiles` chosen by shape in the ``*_tiles`` functions below,
+each with its reason; every launch goes through :func:`~delta_attn.ops._launch.launch`, which falls back to
+smaller tiles when the device's shared memory is too small for the tuned ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+
+from ..._outputs import empty
+from ...backends import sm_count
+from .._launch import Tiles, halving, launch, tiles
+from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
+from .decode import _kda_step_kernel
+from .gate import DECAY_FLOOR
+from .intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
+from .scan import _kda_fwd_scan_kernel
+
+TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
+FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
+
+
+# ------------------------------------------------------------------------------------------------
+# precision
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Precision:
+    """Input precision of the kernels' dots and the storage dtype of the intermediates."""
+    work: torch.dtype      # intermediates (W, U, qg, kd, Aqk, states): bf16 for bf16, else fp32
+    dot: str               # per-chunk dots (intra-chunk products, U / W, backward intra)
+    scan: str              # dots of the state scans and of the per-chunk operand gradients
+    round_tf32: bool       # backward factors rounded to tf32 once (consistent row and column sums)
+
+
+def precision(dtype: torch.dtype, allow_tf32: bool) -> Precision:
+    """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's). fp16: exact per-chunk
+    dots (fp16's range is too narrow for the UT products), tf32 scans on fp32 storage (tf32 keeps fp16's
+    10-bit mantissa). fp32: exact (IEEE) everywhere unless ``allow_tf32``."""
+    if dtype == torch.bfloat16:
+        return Precision(torch.bfloat16, "tf32", "tf32", True)
+    if dtype == torch.float16:
+        return Precision(torch.float32, "ieee", "tf32", False)
+    p = "tf32" if allow_tf32 else "ieee"
+    return Precision(torch.float32, p, p, allow_tf32)
+
+
+# ------------------------------------------------------------------------------------------------
+# index tables and tiles
+# ------------------------------------------------------------------------------------------------
+
+class Chunks(NamedTuple):
+    seq_t: torch.Tensor      # (N, 3) int32: first row, length, first chunk
+    chunk_t: torch.Tensor    # (NC, 3) int32: sequence, first row, length
+    ncmax: int               # the longest sequence's chunk count
+    bt: int                  # chunk length
+
+
+def chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: int) -> Chunks:
+    if cu_seqlens is None:
+        starts = torch.arange(B, dtype=torch.int64) * T
+        lens = torch.full((B,), T, dtype=torch.int64)
+    else:
+        cu = cu_seqlens.to("cpu", torch.int64)
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    nch = (lens + bt - 1) // bt
+    first = torch.cumsum(nch, 0) - nch
+    seq_t = torch.stack([starts, lens, first], 1)
+    seq_id = torch.repeat_interleave(torch.arange(len(lens)), nch)
+    local = torch.arange(int(nch.sum())) - first[seq_id]
+    t0 = starts[seq_id] + local * bt
+    chunk_t = torch.stack([seq_id, t0, torch.clamp(lens[seq_id] - local * bt, max=bt)], 1)
+    ncmax = int(nch.max()) if len(nch) else 0
+    return Chunks(seq_t.to(torch.int32).to(device), chunk_t.to(torch.int32).to(device), ncmax, bt)
+
+
+def max_chunks(B: int, T: int, n_seq: int, varlen: bool, bt: int = TRAIN_CHUNK) -> int:
+    """An upper bound of the chunk count that depends on shapes only (the saved per-chunk tensors are
+    allocated with it, so their shapes are known to torch.compile): sum_i ceil(len_i / bt) <= T // bt + N."""
+    return T // bt + n_seq if varlen else B * triton.cdiv(T, bt)
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(x)
+
+
+def _state_block(K: int, V: int, chains: int, min_programs: int) -> int:
+    """BV of the K x BV fp32 state block a scan program holds: the widest <= 64 (K * BV <= 8192 registers'
+    worth) that still gives ``min_programs`` programs over (sequence, value head) chains x V blocks."""
+    bv = min(_pow2(V), 64, max(16, 8192 // _pow2(K)))
+    while bv > 16 and chains * triton.cdiv(V, bv) < min_programs:
+        bv //= 2
+    return bv
+
+
+def infer_chunk(chains: int, K: int, V: int, device) -> int:
+    """Inference chunk length: 32 when the scan has fewer programs than the GPU has SMs (few long sequences:
+    half the sequential steps), else 16 (measured faster at 8 x 4096 on an H200, docs/PERFORMANCE.md)."""
+    bv = _state_block(K, V, chains, 256)
+    return 32 if chains * triton.cdiv(V, bv) < sm_count(device) else 16
+
+
+def infer_intra_tiles(K: int, V: int, bt: int):
+    KP = _pow2(K)
+    first = tiles("K slices of 32 for the factored dots; exact pairwise tiles of bt x bt x BK", num_warps=4,
+                  KS=max(16, min(32, KP)), BK=min(16 * 256 // (bt * bt), KP), BV=min(64, _pow2(V)))
+    return halving(first, ("KS", "BV"))
+
+
+def scan_tiles(K: int, V: int, chains: int, bt: int, min_programs: int, warps: int, stages: int):
+    first = tiles("state block K x BV in registers; BV narrowed until the grid has enough programs",
+                  num_warps=warps, num_stages=stages, KP=_pow2(K), BV=_state_block(K, V, chains, min_programs))
+    return halving(first, ("BV",))
+
+
+def train_intra_tiles(K: int, V: int):
+    BK = max(16, min(32, _pow2(K)))
+    first = tiles("64-token chunk in K slices of 32; exact diagonal blocks 4 channels at a time", num_warps=4,
+                  BK=BK, BKD=min(4, BK), BV=min(64, _pow2(V)))
+    return halving(first, ("BK", "BV"))
+
+
+def chunk_grads_tiles(K: int, V: int):
+    first = tiles("full K block per program (one pass over V)", num_warps=8, BKB=min(128, _pow2(K)),
+                  BV=min(32, _pow2(V)))
+    return halving(first, ("BKB", "BV"))
+
+
+def bwd_intra_tiles(K: int, V: int):
+    first = tiles("K slices of 16 (the exact path's 16x16xBK tiles)", num_warps=4, BK=16, BV=min(64, _pow2(V)))
+    return halving(first, ("BV",))
+
+
+def step_tiles(K: int, V: int):
+    KP = _pow2(K)
+    first = tiles("measured fastest of BV {16..64} x warps {1..8} for 64 sequences (H200)", num_warps=4,
+                  KP=KP, BV=min(_pow2(V), 64 if KP <= 128 else 32))
+    return halving(first, ("BV",))
+
+
+def _gate_args(A_log, dt_bias, lower_bound, dummy):
+    mode = 0 if A_log is None else (1 if lower_bound is None else 2)
+    return (A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy), \
+        dict(GATE=mode, HAS_DT_BIAS=dt_bias is not None)
+
+
+def _contig(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+# ------------------------------------------------------------------------------------------------
+# forward: intra-chunk stage + state scan
+# ------------------------------------------------------------------------------------------------
+
+class Saved(NamedTuple):
+    """What the training forward keeps for the backward (per-chunk tensors have ``max_chunks`` rows)."""
+    W: torch.Tensor
+    QG: torch.Tensor
+    KD: torch.Tensor
+    AQK: torch.Tensor
+    TM: torch.Tensor
+    GC: torch.Tensor
+    HS: torch.Tensor
+    VNEW: torch.Tensor
+
+
+def _operands(q, v, nc_alloc: int, bt: int, work: torch.dtype, train: bool):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R, dev = B * T, q.device
+    W = torch.empty(R, HV, K, dtype=work, device=dev)
+    QG, KD = torch.empty_like(W), torch.empty_like(W)
+    U = torch.empty(R, HV, V, dtype=work, device=dev)
+    AQK = torch.empty(R, HV, bt, dtype=work, device=dev)
+    GC = torch.empty(nc_alloc, HV, K, dtype=torch.float32, device=dev)
+    TM = torch.empty(R, HV, bt, dtype=torch.float32, device=dev) if train else None
+    return W, QG, KD, U, AQK, GC, TM
+
+
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+             output_final_state, allow_tf32, train: bool):
+    q, k, v, g, beta, initial_state, A_log, dt_bias = _contig(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    prec = precision(q.dtype, allow_tf32)
+    bt = TRAIN_CHUNK if train else infer_chunk(N * HV, K, V, q.device)
+    ch = chunk_tables(B, T, cu_seqlens, q.device, bt)
+    NC = ch.chunk_t.shape[0]
+    nc_alloc = max_chunks(B, T, N, cu_seqlens is not None) if train else NC
+    W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
+    gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
+    common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
+    fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
+                 DOT_PREC=prec.dot, **gate_kw)
+    # 1. intra-chunk stage
+    if NC > 0 and train:
+        launch(_kda_train_intra_kernel, lambda t: (NC, HV),
+               common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
+               dict(fixed, BC=16, INV_PREC=prec.dot), train_intra_tiles(K, V))
+    elif NC > 0:
+        flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
+        for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
+            launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
+                   common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
+                   dict(fixed, EXACT=exact, INV_PREC=prec.dot), infer_intra_tiles(K, V, bt))
+    # 2. state scan and output
+    o = empty((B, T, HV, V), v.dtype, q.device)
+    final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
+    HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device) if train else None
+    VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device) if train else None
+    if N > 0:
+        cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
+        launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
+               (W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, ch.seq_t, o,
+                VNEW if train else q, HS if train else q, final if final is not None else q, HV, ch.ncmax),
+               dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
+                    STORE_H=train, PREC=prec.scan), cand)
+    saved = Saved(W, QG, KD, AQK, TM, GC, HS, VNEW) if train else None
+    return o, final, saved
+
+
+def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                  output_final_state, allow_tf32):
+    """Inference prefill: (o, final_state or None)."""
+    o, final, _ = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                           use_qk_l2norm, output_final_state, allow_tf32, train=False)
+    return o, final
+
+
+def train_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                  output_final_state, allow_tf32):
+    """Training forward: (o, final_state or None, Saved)."""
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                    use_qk_l2norm, output_final_state, allow_tf32, train=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward
+# ------------------------------------------------------------------------------------------------
+
+def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved: Saved, do, dht, scale,
+                   lower_bound, use_qk_l2norm, allow_tf32):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0 or None, dA_log or None, ddt_bias or None)."""
+    q, k, v, g, beta, do, dht, A_log, dt_bias = _contig(q, k, v, g, beta, do, dht, A_log, dt_bias)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R, dev, f32 = B * T, q.device, torch.float32
+    prec = precision(q.dtype, allow_tf32)
+    ch = chunk_tables(B, T, cu_seqlens, dev, TRAIN_CHUNK)
+    N, NC, bt = ch.seq_t.shape[0], ch.chunk_t.shape[0], TRAIN_CHUNK
+    W, QG, KD, AQK, TM, GC, HS, VNEW = saved
+    DU = torch.empty(R, HV, V, dtype=f32, device=dev)
+    DH = torch.empty(HS.shape, dtype=prec.work, device=dev)
+    DQG = torch.empty(R, HV, K, dtype=f32, device=dev)
+    DKD, DW = torch.empty_like(DQG), torch.empty_like(DQG)
+    DAQK = torch.empty(R, HV, bt, dtype=f32, device=dev)
+    DGC = torch.empty(GC.shape, dtype=f32, device=dev)
+    dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
+    # 1. reverse state scan: du and the chunk-end state gradients
+    if N > 0:
+        launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
+               (W, QG, KD, AQK, GC, do, dht if dht is not None else q, ch.seq_t, DU,
+                dh0 if dh0 is not None else q, DH, HV, ch.ncmax),
+               dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
+               scan_tiles(K, V, N * HV, bt, 64, 8, 2))
+    # 2. per-chunk gradients of the scan's operands
+    if NC > 0:
+        launch(_kda_bwd_chunk_grads_kernel, lambda t: (NC, HV, triton.cdiv(K, t.get("BKB"))),
+               (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
+               dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
+    # 3. intra-chunk backward (factored everywhere, then the flagged chunks exactly)
+    dq_h = empty((B, T, HV, K), f32, dev)
+    dk_h = empty((B, T, HV, K), f32, dev)
+    dv = empty((B, T, HV, V), v.dtype, dev)
+    db = empty((B, T, HV), f32, dev)
+    dg = empty((B, T, HV, K), f32, dev)
+    dal = torch.zeros(NC, HV, dtype=f32, device=dev)
+    if NC > 0:
+        gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
+        flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
+        for exact in (False, True):
+            launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
+                   (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
+                                                    db, dg, dal, flags, float(scale), float(lower_bound or 0.0),
+                                                    H, HV),
+                   dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
+                        DOT_PREC=prec.dot, ROUND_TF32=prec.round_tf32, EXACT=exact, **gate_kw),
+                   bwd_intra_tiles(K, V))
+    # GVA: the query / key heads' gradients are the sums over their value heads
+    G = HV // H
+    dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
+    dk = (dk_h.view(B, T, H, G, K).sum(3) if G > 1 else dk_h).to(k.dtype)
+    dA_log = dal.sum(0) if A_log is not None else None
+    ddt = dg.sum((0, 1)).reshape(-1) if dt_bias is not None else None
+    return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, dA_log, ddt
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+# ------------------------------------------------------------------------------------------------
+
+def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
+    """Decode: updates ``state`` (P, HV, K, V) in place, returns o (B, T, HV, V)."""
+    q, k, v, g, beta, state_indices, A_log, dt_bias = _contig(q, k, v, g, beta, state_indices, A_log, dt_bias)
+    if not state.is_contiguous():
+        raise ValueError("state must be a contiguous (P, HV, K, V) pool for backend='triton', got strides "
+                         f"{tuple(state.stride())}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = empty((B, T, HV, V), v.dtype, q.device)
+    if B > 0:
+        gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
+        launch(_kda_step_kernel, lambda t: (triton.cdiv(V, t.get("BV")), B, HV),
+               (q, k, v, g, beta) + gate_ptrs + (state, state_indices if state_indices is not None else q, o,
+                                                 float(scale), float(lower_bound or 0.0), T, H, HV),
+               dict(K=K, V=V, L2NORM=use_qk_l2norm, HAS_IDX=state_indices is not None, **gate_kw), step_tiles(K, V))
+    return o
