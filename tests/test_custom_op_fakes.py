@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import delta_attn  # noqa: F401  (registers the custom ops)
 from delta_attn.ops.diag import triton_impl as diag_impl  # noqa: F401
-from delta_attn.ops.kda import triton_impl as kda_impl  # noqa: F401
+from delta_attn.ops.kda import autograd as kda_ops  # noqa: F401
 
 
 def _strided(*shape, dtype=torch.float32):
@@ -26,7 +26,8 @@ def _meta(outs):
 
 def _fake_run(op, args):
     with FakeTensorMode() as mode:
-        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a      # noqa: E731
+        fargs = [[fake(x) for x in a] if isinstance(a, (list, tuple)) else fake(a) for a in args]
         return _meta(op(*fargs))
 
 
@@ -38,16 +39,18 @@ def _kda_inputs():
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("which", ["kda_chunk_fwd", "kda_chunk_bwd", "kda_step"])
+@pytest.mark.parametrize("which", ["kda_infer", "kda_train", "kda_train_bwd", "kda_step"])
 def test_kda_fakes_match_real_strides(which):
     q, k, v, g, beta = _kda_inputs()
     assert not q.is_contiguous() and not beta.is_contiguous()
     h0 = torch.randn(1, 2, 16, 16)
-    if which == "kda_chunk_fwd":
-        args = (q, k, v, g, beta, h0, None, None, None, 0.25, None, True, True)
-    elif which == "kda_chunk_bwd":
-        args = (q, k, v, g, beta, h0, None, None, None, 0.25, None, True, _strided(1, 5, 2, 16),
-                torch.randn(1, 2, 16, 16))
+    fwd = (q, k, v, g, beta, h0, None, None, None, 0.25, None, True, True, False)
+    if which in ("kda_infer", "kda_train"):
+        args = fwd
+    elif which == "kda_train_bwd":
+        saved = torch.ops.delta_attn.kda_train(*fwd)[2:]
+        args = (q, k, v, g, beta, h0, None, None, None, saved, _strided(1, 5, 2, 16), torch.randn(1, 2, 16, 16),
+                0.25, None, True, False)
     else:
         args = (q, k, v, g, beta, h0.clone(), None, None, None, 0.25, None, True)
     op = getattr(torch.ops.delta_attn, which)

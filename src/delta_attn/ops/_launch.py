@@ -9,7 +9,7 @@ the first candidate runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Sequence, Tuple
 
 import torch
@@ -71,28 +71,33 @@ def _key(kernel, args, fixed: dict) -> tuple:
     return (getattr(kernel, "__name__", None) or kernel.fn.__name__, dtypes, tuple(sorted(fixed.items())))
 
 
+def fit(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candidates: Sequence[Tiles],
+        limit: int) -> Tiles:
+    """The first candidate whose compiled kernel (``kernel.warmup``: compiled, not launched) needs at most
+    ``limit`` bytes of shared memory; a RuntimeError naming every candidate's need when none does."""
+    needs = []
+    for t in candidates:
+        compiled = kernel.warmup(*args, grid=grid(t), **fixed, **dict(t.meta), num_warps=t.num_warps,
+                                 num_stages=t.num_stages)
+        needs.append(int(compiled.metadata.shared))
+        if needs[-1] <= limit:
+            return t
+    name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+    raise RuntimeError(f"{name}: no tile configuration fits the device's {limit} bytes of shared memory "
+                       f"(needed {needs} for {[dict(t.meta) for t in candidates]})")
+
+
 def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candidates: Sequence[Tiles]) -> Tiles:
     """Launch ``kernel[grid(t)](*args, **fixed, **t.meta)`` with the first candidate ``t`` that fits the
-    device's shared memory (GPU), or the first candidate (CPU interpreter). Returns the tiles used."""
+    device's shared memory (GPU; :func:`fit`, cached per specialisation), or the first candidate (CPU
+    interpreter). Returns the tiles used."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     chosen = candidates[0]
     if device.type == "cuda":
-        key = _key(kernel, args, fixed) + (device.index, candidates)
+        key = _key(kernel, args, fixed) + (device.index, tuple(candidates))
         chosen = _FITTED.get(key)
         if chosen is None:
-            limit = _shared_limit(device)
-            needs = []
-            for t in candidates:
-                compiled = kernel.warmup(*args, grid=grid(t), **fixed, **dict(t.meta), num_warps=t.num_warps,
-                                         num_stages=t.num_stages)
-                needs.append(int(compiled.metadata.shared))
-                if needs[-1] <= limit:
-                    chosen = t
-                    break
-            else:
-                raise RuntimeError(f"{key[0]}: no tile configuration fits the device's {limit} bytes of shared "
-                                   f"memory (needed {needs} for {[dict(t.meta) for t in candidates]})")
-            _FITTED[key] = chosen
+            chosen = _FITTED[key] = fit(kernel, grid, args, fixed, candidates, _shared_limit(device))
     kernel[grid(chosen)](*args, **fixed, **dict(chosen.meta), num_warps=chosen.num_warps,
                          num_stages=chosen.num_stages)
     return chosen
