@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .scan import _scan_rows
 from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_round_tf32,
                    _kda_row_at, _kda_row_norms_sliced)
 
@@ -22,8 +23,10 @@ from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_l2no
 @triton.jit
 def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV, NCMAX,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
-                         BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
-    """Reverse scan: du and the chunk-end state gradients dS (stored for ``_kda_bwd_chunk_grads_kernel``)."""
+                         BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """Reverse scan: du and the chunk-end state gradients dS (stored for ``_kda_bwd_chunk_grads_kernel``);
+    ``SPLIT`` = 2 walks each chunk as two row halves (half the tile memory, as the forward scan)."""
     iv = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     hv = tl.program_id(2).to(tl.int64)
@@ -45,28 +48,42 @@ def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV,
     for cc in range(0, NCMAX):
         c = NCMAX - 1 - cc
         live = c < nc
-        mr = c * BT + i < Tn
-        rows = row0 + c * BT + i
-        k_off = (rows * HV + hv)[:, None] * K + kk[None, :]
-        v_off = (rows * HV + hv)[:, None] * V + vv[None, :]
-        a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
-        mrk = mr[:, None] & mk[None, :]
-        mrv = mr[:, None] & mv[None, :]
-        w = tl.load(W + k_off, mask=mrk, other=0.0)
-        qg = tl.load(QG + k_off, mask=mrk, other=0.0)
-        kd = tl.load(KD + k_off, mask=mrk, other=0.0)
-        A = tl.load(AQK + a_off, mask=mr[:, None], other=0.0).to(dt)
         gc = tl.load(GC + ((cbase + c) * HV + hv) * K + kk, mask=mk & live, other=1.0)
-        do = tl.load(DO + v_off, mask=mrv, other=0.0).to(dt)
         dSd = dS.to(dt)
-        # du = Aqk^T dO + kd dS_end
-        du = tl.dot(tl.trans(A), do, input_precision=PREC) + tl.dot(kd, dSd, input_precision=PREC)
-        dud = du.to(dt)
-        tl.store(DU + v_off, du, mask=mrv)
         tl.store(DH + ((cbase + c) * HV + hv) * K * V + s_off, dSd, mask=ms & live)
-        # dS_start = exp(G_last) dS_end + qg^T dO - W^T du
-        dS = (dS * gc[:, None] + tl.dot(tl.trans(qg), do, input_precision=PREC)
-              - tl.dot(tl.trans(w), dud, input_precision=PREC))
+        # du = Aqk^T dO + kd dS_end ; dS_start = exp(G_last) dS_end + qg^T dO - W^T du
+        if SPLIT == 1:
+            rows, mr, k_off, v_off, mrk, mrv = _scan_rows(row0, Tn, c * BT, hv, HV, BT, K, V, kk, vv, mk, mv)
+            A = tl.load(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], mask=mr[:, None], other=0.0).to(dt)
+            do = tl.load(DO + v_off, mask=mrv, other=0.0).to(dt)
+            du = tl.dot(tl.trans(A), do, input_precision=PREC)
+            du += tl.dot(tl.load(KD + k_off, mask=mrk, other=0.0), dSd, input_precision=PREC)
+            tl.store(DU + v_off, du, mask=mrv)
+            dS = dS * gc[:, None] + tl.dot(tl.trans(tl.load(QG + k_off, mask=mrk, other=0.0)), do,
+                                           input_precision=PREC)
+            dS -= tl.dot(tl.trans(tl.load(W + k_off, mask=mrk, other=0.0)), du.to(dt), input_precision=PREC)
+        else:
+            BR: tl.constexpr = BT // 2
+            j = tl.arange(0, BR)
+            ra, ma, ka, va, mka, mva = _scan_rows(row0, Tn, c * BT, hv, HV, BR, K, V, kk, vv, mk, mv)
+            rb, mb, kb, vb, mkb, mvb = _scan_rows(row0, Tn, c * BT + BR, hv, HV, BR, K, V, kk, vv, mk, mv)
+            do_a = tl.load(DO + va, mask=mva, other=0.0).to(dt)
+            do_b = tl.load(DO + vb, mask=mvb, other=0.0).to(dt)
+            a_bb = tl.load(AQK + (rb * HV + hv)[:, None] * BT + BR + j[None, :], mask=mb[:, None], other=0.0).to(dt)
+            dub = tl.dot(tl.trans(a_bb), do_b, input_precision=PREC)
+            dub += tl.dot(tl.load(KD + kb, mask=mkb, other=0.0), dSd, input_precision=PREC)
+            a_aa = tl.load(AQK + (ra * HV + hv)[:, None] * BT + j[None, :], mask=ma[:, None], other=0.0).to(dt)
+            a_ba = tl.load(AQK + (rb * HV + hv)[:, None] * BT + j[None, :], mask=mb[:, None], other=0.0).to(dt)
+            dua = tl.dot(tl.trans(a_aa), do_a, input_precision=PREC) + tl.dot(tl.trans(a_ba), do_b,
+                                                                             input_precision=PREC)
+            dua += tl.dot(tl.load(KD + ka, mask=mka, other=0.0), dSd, input_precision=PREC)
+            tl.store(DU + va, dua, mask=mva)
+            tl.store(DU + vb, dub, mask=mvb)
+            dS = dS * gc[:, None] + tl.dot(tl.trans(tl.load(QG + ka, mask=mka, other=0.0)), do_a,
+                                           input_precision=PREC)
+            dS += tl.dot(tl.trans(tl.load(QG + kb, mask=mkb, other=0.0)), do_b, input_precision=PREC)
+            dS -= tl.dot(tl.trans(tl.load(W + ka, mask=mka, other=0.0)), dua.to(dt), input_precision=PREC)
+            dS -= tl.dot(tl.trans(tl.load(W + kb, mask=mkb, other=0.0)), dub.to(dt), input_precision=PREC)
     if STORE_DH0:
         tl.store(DH0 + (n * HV + hv) * K * V + s_off, dS, mask=ms)
 

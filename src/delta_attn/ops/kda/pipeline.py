@@ -120,9 +120,18 @@ def infer_intra_tiles(K: int, V: int, bt: int):
 
 
 def scan_tiles(K: int, V: int, chains: int, bt: int, min_programs: int, warps: int, stages: int):
+    """The state block K x BV in registers, BV narrowed until the grid has enough programs; when the chunk's
+    K-wide tiles do not fit the shared memory (fp32 work dtype, K > 128, 64-token chunks), each chunk is walked
+    as two row halves (SPLIT 2) before BV is narrowed."""
     first = tiles("state block K x BV in registers; BV narrowed until the grid has enough programs",
-                  num_warps=warps, num_stages=stages, KP=_pow2(K), BV=_state_block(K, V, chains, min_programs))
-    return halving(first, ("BV",))
+                  num_warps=warps, num_stages=stages, KP=_pow2(K), BV=_state_block(K, V, chains, min_programs),
+                  SPLIT=1)
+    out = []
+    for t in halving(first, ("BV",)):
+        out.append(t)
+        if bt >= 32:
+            out.append(t.with_(reason="fits shared memory: the chunk as two row halves", SPLIT=2))
+    return tuple(out)
 
 
 def train_intra_tiles(K: int, V: int):
