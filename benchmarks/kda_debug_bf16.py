@@ -1,15 +1,23 @@
 """Localise the GPU fuzz's illegal addresses (experiment script: deleted once measured).
-    python benchmarks/kda_debug_bf16.py SEED [repeats]   one fuzz configuration, run `repeats` times"""
+    CUDA_LAUNCH_BLOCKING=1 python benchmarks/kda_debug_bf16.py SEED ...   fuzz configurations in one process"""
 import sys
+import traceback
 
 import torch
 
 sys.path.insert(0, "tests")
 import kda_props  # noqa: E402
 
-seed, reps = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1
-c = kda_props.draw(seed, "gpu")
-for r in range(reps):
-    bad = kda_props.check(c, "cuda")
-    torch.cuda.synchronize()
-    print(seed, r, "OK" if not bad else bad[:2], flush=True)
+for arg in sys.argv[1:]:
+    seed, _, dt = arg.partition(":")
+    c = kda_props.draw(int(seed), "gpu")
+    if dt:
+        c = kda_props.Case(**{**c.__dict__, "dtype": dt})
+    try:
+        bad = kda_props.check(c, "cuda")
+        torch.cuda.synchronize()
+        print(arg, "OK" if not bad else bad[:2], flush=True)
+    except Exception:
+        print(arg, "EXCEPTION", c, flush=True)
+        traceback.print_exc()
+        break
