@@ -8,7 +8,15 @@ import torch
 sys.path.insert(0, "tests")
 import kda_props  # noqa: E402
 
-for arg in sys.argv[1:]:
+args = sys.argv[1:]
+if args and args[0] in ("stages1", "rowclamp"):
+    from delta_attn.ops.kda import pipeline
+    real = pipeline.scan_tiles
+    mode = args.pop(0)
+    if mode == "stages1":
+        pipeline.scan_tiles = lambda *a: tuple(t.with_(num_stages=1) for t in real(*a))
+    print("mode", mode, flush=True)
+for arg in args:
     seed, _, dt = arg.partition(":")
     c = kda_props.draw(int(seed), "gpu")
     if dt:
