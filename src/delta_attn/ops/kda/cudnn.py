@@ -184,11 +184,11 @@ class _SwapKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s):
         ctx.dtype = s.dtype
-        return s.transpose(-1, -2).to(torch.float32, memory_format=torch.contiguous_format)
+        return s.transpose(-1, -2).to(torch.float32).contiguous()   # (.to alone keeps a float32 view as it is)
 
     @staticmethod
     def backward(ctx, ds):
-        return ds.transpose(-1, -2).to(ctx.dtype, memory_format=torch.contiguous_format)
+        return ds.transpose(-1, -2).to(ctx.dtype).contiguous()
 
 
 def _dense_cu_seqlens(b: int, t: int, device) -> torch.Tensor:
