@@ -109,8 +109,7 @@ def test_gate_and_backward_reasons(fake_gpu):
     assert len(r) == 1 and "backward takes the log decay g only" in r[0]
     r = reasons(_call(feats={"gva"}, grad=True))
     assert len(r) == 1 and "no GVA" in r[0]
-    r = reasons(_call(grad=True, compiling=True))
-    assert len(r) == 1 and "torch.compile" in r[0]
+    assert reasons(_call(grad=True, compiling=True)) == []       # traced forward + backward: verified on an H200
     assert len(reasons(_call(feats={"qk_l2norm", "gva", "gate_lower_bound"}, grad=True))) == 3
     # the same features without gradients are fine
     assert reasons(_call(feats={"qk_l2norm", "gva", "gate_lower_bound"})) == []
@@ -137,7 +136,10 @@ def test_auto_order_is_unchanged_and_cudnn_is_explained(fake_gpu):
 
 def test_prefer_cudnn_kda_rule(fake_gpu):
     assert CK.prefer_cudnn_kda(_call())
-    assert CK.prefer_cudnn_kda(_call(feats={"varlen", "initial_state", "final_state"}, grad=True))
+    assert CK.prefer_cudnn_kda(_call(feats={"initial_state", "final_state", "gva", "qk_l2norm"}))
+    assert CK.prefer_cudnn_kda(_call(feats={"initial_state", "final_state"}, grad=True))
+    # varlen: a new token total builds a new cuDNN graph (~40 ms), so varlen stays on Triton
+    assert reasons(_call(feats={"varlen"}, grad=True)) == [] and not CK.prefer_cudnn_kda(_call(feats={"varlen"}))
     assert not CK.prefer_cudnn_kda(_call(feats={"qk_l2norm"}, grad=True))
     assert not CK.prefer_cudnn_kda(_call(dtype=torch.float16))
     assert not CK.prefer_cudnn_kda(_call(dims=(64, 64)))

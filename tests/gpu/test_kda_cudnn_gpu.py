@@ -218,9 +218,7 @@ def test_compile_forward_fullgraph():
     torch.testing.assert_close(sc, se, rtol=0, atol=0)
 
 
-def test_compile_backward_fullgraph(monkeypatch):
-    """Decides COMPILE_BACKWARD (refused by the registry until this passed on a GPU)."""
-    monkeypatch.setattr(CK, "COMPILE_BACKWARD", True)
+def test_compile_backward_fullgraph():
     xs, kw = make(2, 160, 2, 2, h0=True, normed=True)
     h0 = kw["initial_state"]
 
