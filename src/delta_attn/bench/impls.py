@@ -91,10 +91,19 @@ def _call_args(op: str, case: Dict, t: Dict):
     raise ValueError(op)
 
 
-def _ours_why_not(backend: str, op: str):
+def _prenormed(args, kw):
+    """The kda call with q and k L2-normalised by the caller (``use_qk_l2norm=False``): how the cuDNN KDA
+    backward must be called. Normalising inside the timed function keeps the row's work the same."""
+    from ..ops.kda.cudnn import prenorm
+    return (prenorm(args[0]), prenorm(args[1])) + tuple(args[2:]), dict(kw, use_qk_l2norm=False)
+
+
+def _ours_why_not(backend: str, op: str, prenormed: bool = False):
     def why(case, device, dtype, grad):
         try:
             args, kw = _probe_args(op, case, device, dtype, grad)
+            if prenormed:
+                args, kw = _prenormed(args, kw)
             with torch.set_grad_enabled(grad):
                 ex = da.explain(_PUBLIC[op], *args, backend=backend, **kw)
         except (ValueError, TypeError) as e:
@@ -104,7 +113,7 @@ def _ours_why_not(backend: str, op: str):
     return why
 
 
-def _ours_bind(backend: str, op: str):
+def _ours_bind(backend: str, op: str, prenormed: bool = False):
     from . import cases
     fn_pub = getattr(da, _PUBLIC[op])
 
@@ -113,7 +122,11 @@ def _ours_bind(backend: str, op: str):
         t = {k: (_leaf(v) if k in grad_names else v) for k, v in t.items()}
         args, kw = _call_args(op, case, t)
         leaves = [t[k] for k in cases.SPEC_INPUTS[op]]
-        if op in ("kda", "diag"):
+        if prenormed:
+            def fn():
+                pargs, pkw = _prenormed(args, kw)
+                return fn_pub(*pargs, backend=backend, **pkw)[0]
+        elif op in ("kda", "diag"):
             fn = lambda: fn_pub(*args, backend=backend, **kw)[0]
         else:
             fn = lambda: fn_pub(*args, backend=backend, **kw)
@@ -133,6 +146,10 @@ def ours(op: str, device: torch.device) -> List[Impl]:
         out.append(Impl(name=f"delta-attn {name}", op=op, family=family, provider="delta-attn",
                         bind=_ours_bind(name, op), why_not=_ours_why_not(name, op),
                         backward=backend.capabilities[reg].backward and not op.endswith("decode")))
+    if op == "kda" and "kda" in BACKENDS["cudnn"].capabilities:
+        # cuDNN's KDA backward takes q/k normalised by the caller: this row does that in PyTorch (timed with it)
+        out.append(Impl(name="delta-attn cudnn (q/k normed in torch)", op=op, family="linear", provider="delta-attn",
+                        bind=_ours_bind("cudnn", op, prenormed=True), why_not=_ours_why_not("cudnn", op, prenormed=True)))
     return out
 
 

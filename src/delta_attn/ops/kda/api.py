@@ -193,3 +193,11 @@ _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat
                head_dims=_triton_head_dims_lazy)
 register("triton", "kda", Capability(impl="delta_attn.ops.kda.autograd:kda", **_TRITON))
 register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.autograd:kda_step", backward=False, **_TRITON))
+
+# backend="cudnn": cuDNN frontend's KDA op (sm_90 engine); what it declares and refuses is in ops/kda/cudnn.py
+from . import cudnn as _cudnn_kda  # noqa: E402 — imports no cudnn package until a call runs
+
+register("cudnn", "kda", Capability(
+    impl="delta_attn.ops.kda.cudnn:kda", dtypes=_cudnn_kda.DTYPES, features=_cudnn_kda.FEATURES,
+    min_compute_capability=_cudnn_kda.SM90, requires=("cudnn",), install_hint=_cudnn_kda.INSTALL_HINT,
+    head_dims=_cudnn_kda.head_dims, check=_cudnn_kda.check))
