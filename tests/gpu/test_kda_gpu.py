@@ -2,6 +2,8 @@
 fp32, every K and V multiple of 16 up to 256, gate forms, GVA, varlen with empty sequences, decays to -1e4 and
 -inf, initial / final states, gradients) against the float64 reference, long sequences, decode from a state pool
 under CUDA-graph capture, and torch.compile running the same kernels as eager."""
+import os
+
 import pytest
 import torch
 
@@ -15,7 +17,13 @@ GPU_CASES = 1000
 @pytest.mark.parametrize("seed", range(GPU_CASES))
 def test_random_configuration(seed):
     case = kda_props.draw(10_000 + seed, "gpu")
-    bad = kda_props.check(case, DEV)
+    try:
+        bad = kda_props.check(case, DEV)
+    except Exception as e:      # noqa: BLE001
+        if "illegal memory access" in str(e):      # the CUDA context is lost: end this worker (xdist replaces it)
+            print(f"ILLEGAL ADDRESS {case}", flush=True)
+            os._exit(3)
+        raise
     assert not bad, f"{case}: " + "; ".join(bad)
 
 
