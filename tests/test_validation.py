@@ -198,3 +198,14 @@ def test_value_checks_can_be_skipped_to_stay_asynchronous(monkeypatch):
     validate_varlen(**kw)                                  # decreasing values: not read, not caught
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
         validate_varlen(**varlen(cu_seqlens_q=torch.tensor([0, 4, 9])))
+
+
+def test_value_checks_are_skipped_under_cuda_graph_capture(monkeypatch):
+    """A host read of state_indices cannot be captured in a CUDA graph: under capture the value checks are off
+    (bad indices then go unchecked, as with DELTA_ATTN_SKIP_VALUE_CHECKS=1); outside capture they run."""
+    from delta_attn import _checks
+    bad = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="state_indices must lie in"):
+        _checks.state_indices(bad, 2, 4, bad.device)
+    monkeypatch.setattr(_checks, "_capturing", lambda: True)
+    _checks.state_indices(bad, 2, 4, bad.device)

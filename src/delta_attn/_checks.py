@@ -104,10 +104,17 @@ def window(window_size) -> Tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def value_checks_enabled() -> bool:
     """Checks that read device values on the host (one sync per call): off while torch.compile
-    traces, or when the user sets DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches asynchronous."""
-    return not _tracing() and os.environ.get("DELTA_ATTN_SKIP_VALUE_CHECKS", "0") in ("", "0")
+    traces, while a CUDA graph is being captured (a host read cannot be captured: the caller validates
+    the indices it captures), or when the user sets DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches
+    asynchronous."""
+    return (not _tracing() and not _capturing()
+            and os.environ.get("DELTA_ATTN_SKIP_VALUE_CHECKS", "0") in ("", "0"))
 
 
 def cu_seqlens_meta(name: str, cu: torch.Tensor, device: torch.device) -> int:
