@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scan import _scan_rows
+from .scan import _scan_program, _scan_rows
 from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_round_tf32,
                    _kda_row_at, _kda_row_norms_sliced)
 
@@ -27,23 +27,12 @@ def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV,
                          SPLIT: tl.constexpr):
     """Reverse scan: du and the chunk-end state gradients dS (stored for ``_kda_bwd_chunk_grads_kernel``);
     ``SPLIT`` = 2 walks each chunk as two row halves (half the tile memory, as the forward scan)."""
-    iv = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    hv = tl.program_id(2).to(tl.int64)
-    row0 = tl.load(seq_info + n * 3).to(tl.int64)
-    Tn = tl.load(seq_info + n * 3 + 1)
-    cbase = tl.load(seq_info + n * 3 + 2).to(tl.int64)
+    hv, row0, Tn, cbase, kk, vv, mk, mv, s_off, ms, st = _scan_program(seq_info, HV, K, V, KP, BV)
     i = tl.arange(0, BT)
-    kk = tl.arange(0, KP)
-    vv = iv * BV + tl.arange(0, BV)
-    mk = kk < K
-    mv = vv < V
     dt = W.dtype.element_ty
-    s_off = kk[:, None] * V + vv[None, :]
-    ms = mk[:, None] & mv[None, :]
     dS = tl.zeros([KP, BV], tl.float32)
     if USE_DHT:
-        dS += tl.load(dht + (n * HV + hv) * K * V + s_off, mask=ms, other=0.0).to(tl.float32)
+        dS += tl.load(dht + st + s_off, mask=ms, other=0.0).to(tl.float32)
     nc = tl.cdiv(Tn, BT)
     for cc in range(0, NCMAX):
         c = NCMAX - 1 - cc
@@ -85,7 +74,7 @@ def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV,
             dS -= tl.dot(tl.trans(tl.load(W + ka, mask=mka, other=0.0)), dua.to(dt), input_precision=PREC)
             dS -= tl.dot(tl.trans(tl.load(W + kb, mask=mkb, other=0.0)), dub.to(dt), input_precision=PREC)
     if STORE_DH0:
-        tl.store(DH0 + (n * HV + hv) * K * V + s_off, dS, mask=ms)
+        tl.store(DH0 + st + s_off, dS, mask=ms)
 
 
 @triton.jit

@@ -19,6 +19,25 @@ _triton_interpreter.patch()
 
 
 @triton.jit
+def _scan_program(seq_info, HV, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):
+    """A scan program's chain (sequence n, value head hv, V block): the sequence's first packed row, length and
+    first chunk, the state block's K and V indices, masks and offsets (s_off into a (K, V) state), and the
+    offset of this chain's (K, V) state in an (N, HV, K, V) tensor."""
+    iv = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    hv = tl.program_id(2).to(tl.int64)
+    row0 = tl.load(seq_info + n * 3).to(tl.int64)
+    Tn = tl.load(seq_info + n * 3 + 1)
+    cbase = tl.load(seq_info + n * 3 + 2).to(tl.int64)
+    kk = tl.arange(0, KP)
+    vv = iv * BV + tl.arange(0, BV)
+    mk = kk < K
+    mv = vv < V
+    s_off = kk[:, None] * V + vv[None, :]
+    return hv, row0, Tn, cbase, kk, vv, mk, mv, s_off, mk[:, None] & mv[None, :], (n * HV + hv) * K * V
+
+
+@triton.jit
 def _scan_rows(row0, Tn, t0, hv, HV, BR: tl.constexpr, K: tl.constexpr, V: tl.constexpr, kk, vv, mk, mv):
     """Rows t0 ... t0 + BR - 1 of a sequence (first packed row row0, length Tn): packed rows, row mask, the
     offsets of the K-wide (W, qg, kd) and V-wide (U, o, u) tiles, and their masks."""
@@ -35,23 +54,12 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
                          BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                          STORE_H: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
-    iv = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    hv = tl.program_id(2).to(tl.int64)
-    row0 = tl.load(seq_info + n * 3).to(tl.int64)
-    Tn = tl.load(seq_info + n * 3 + 1)
-    cbase = tl.load(seq_info + n * 3 + 2).to(tl.int64)
+    hv, row0, Tn, cbase, kk, vv, mk, mv, s_off, ms, st = _scan_program(seq_info, HV, K, V, KP, BV)
     i = tl.arange(0, BT)
-    kk = tl.arange(0, KP)
-    vv = iv * BV + tl.arange(0, BV)
-    mk = kk < K
-    mv = vv < V
     dt = W.dtype.element_ty
-    s_off = kk[:, None] * V + vv[None, :]
-    ms = mk[:, None] & mv[None, :]
     S = tl.zeros([KP, BV], tl.float32)
     if USE_H0:
-        S += tl.load(h0 + (n * HV + hv) * K * V + s_off, mask=ms, other=0.0).to(tl.float32)
+        S += tl.load(h0 + st + s_off, mask=ms, other=0.0).to(tl.float32)
     # NCMAX (host int) = the longest sequence's chunk count; past this sequence's end every load is
     # masked and the iteration leaves S unchanged
     nc = tl.cdiv(Tn, BT)
@@ -102,4 +110,4 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
             S = S * gc[:, None] + tl.dot(tl.trans(tl.load(KD + ka, mask=mka, other=0.0)), uad, input_precision=PREC)
             S += tl.dot(tl.trans(tl.load(KD + kb, mask=mkb, other=0.0)), ubd, input_precision=PREC)
     if STORE_FINAL:
-        tl.store(HT + (n * HV + hv) * K * V + s_off, S, mask=ms)
+        tl.store(HT + st + s_off, S, mask=ms)
