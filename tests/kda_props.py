@@ -116,8 +116,9 @@ def inputs(c: Case, device):
 _GRAD_KW = ("initial_state", "A_log", "dt_bias")
 
 
-def _run(backend: str, xs, kw, grad: bool, seed: int, **opts):
-    """(o, final, grads) of one backend: "triton", "ref64" (float64) or "ref_low" (the input dtype)."""
+def run(backend: str, xs, kw, grad: bool, seed: int, **opts):
+    """(o, final, grads) of a ``da.kda`` backend ("triton", "cudnn", ...) or of the reference: "ref64" (float64)
+    or "ref_low" (the input dtype). The loss weights come from a CPU generator seeded with ``seed``."""
     if backend == "ref64":
         xs = [x.double() for x in xs]
         kw = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in kw.items()}
@@ -125,10 +126,10 @@ def _run(backend: str, xs, kw, grad: bool, seed: int, **opts):
         xs = [x.detach().clone().requires_grad_(True) for x in xs]
         kw = {n: (t.detach().clone().requires_grad_(True) if n in _GRAD_KW else t) for n, t in kw.items()}
     with poison_outputs():
-        if backend == "triton":
-            o, s = da.kda(*xs, **kw, backend="triton", **opts)
-        else:
+        if backend.startswith("ref"):
             o, s = ref.kda(*xs, **kw, upcast=backend == "ref64", **opts)
+        else:
+            o, s = da.kda(*xs, **kw, backend=backend, **opts)
         if not grad:
             return o, s, []
         gen = torch.Generator().manual_seed(seed)
@@ -140,25 +141,24 @@ def _run(backend: str, xs, kw, grad: bool, seed: int, **opts):
     return o, s, [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves, grads)]
 
 
-def check(c: Case, device="cpu") -> List[str]:
-    """The failures of one configuration (empty when it passes)."""
-    xs, kw = inputs(c, device)
-    opts = dict(use_qk_l2norm=c.l2, output_final_state=c.final, scale=c.scale)
-    out = _run("triton", xs, kw, c.grad, c.seed, **opts)
-    r64 = _run("ref64", xs, kw, c.grad, c.seed, **opts)
-    low = _run("ref_low", xs, kw, c.grad, c.seed, **opts)
-    names = ["o", "final_state"]
-    pairs = [(out[0], r64[0], low[0], "fwd")]
-    if c.final:
+def compare(xs, kw, grad: bool, seed: int, backend: str = "triton", **opts):
+    """(failures, outputs of the backend): DESIGN.md's error rule on o, the final state (float32) and every
+    gradient against the float64 reference, with the same recurrence in the input dtype as the baseline."""
+    out = run(backend, xs, kw, grad, seed, **opts)
+    r64 = run("ref64", xs, kw, grad, seed, **opts)
+    low = run("ref_low", xs, kw, grad, seed, **opts)
+    pairs = [("o", out[0], r64[0], low[0], "fwd")]
+    if out[1] is not None:
         if out[1].dtype != torch.float32:
-            return [f"final_state dtype {out[1].dtype}"]
-        pairs.append((out[1], r64[1], low[1], "fwd"))
+            return [f"final_state dtype {out[1].dtype}"], out
+        pairs.append(("final_state", out[1], r64[1], low[1], "fwd"))
     gnames = ["dq", "dk", "dv", "dg", "dbeta"] + ["d_" + n for n in _GRAD_KW if n in kw]
-    names = names[:len(pairs)] + gnames
-    pairs += [(a, b, cc, "grad") for a, b, cc in zip(out[2], r64[2], low[2])]
-    bad = []
-    for name, (a, b, cc, kind) in zip(names, pairs):
-        v = rule(a, b, cc, kind=kind, name=name)
-        if not v.ok:
-            bad.append(v.message)
-    return bad
+    pairs += [(n, a, b, cc, "grad") for n, a, b, cc in zip(gnames, out[2], r64[2], low[2])]
+    bad = [v.message for v in (rule(a, b, cc, kind=kind, name=n) for n, a, b, cc, kind in pairs) if not v.ok]
+    return bad, out
+
+
+def check(c: Case, device="cpu") -> List[str]:
+    """The failures of one configuration on the Triton backend (empty when it passes)."""
+    xs, kw = inputs(c, device)
+    return compare(xs, kw, c.grad, c.seed, use_qk_l2norm=c.l2, output_final_state=c.final, scale=c.scale)[0]

@@ -83,11 +83,13 @@ def one_of(name: str, value, allowed: Sequence) -> None:
 
 
 def number(name: str, value, low: Optional[float] = None, high: Optional[float] = None,
-           high_inclusive: bool = True, doc: str = "") -> float:
+           high_inclusive: bool = True, doc: str = "", finite: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     bad = (low is not None and value < low) or (
         high is not None and (value > high if high_inclusive else value >= high))
+    if finite and value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if bad or value != value:
         rng = doc or f"in [{low}, {high}{']' if high_inclusive else ')'}"
         raise ValueError(f"{name} must be {rng}, got {value}")

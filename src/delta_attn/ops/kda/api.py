@@ -78,9 +78,7 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
     C.shape_equal("beta", beta, (b, t, hv), "(B, T, HV)")
     if scale is None:
         scale = kd ** -0.5
-    scale = C.number("scale", scale)
-    if scale in (float("inf"), float("-inf")):
-        raise ValueError(f"scale must be a finite number, got {scale}")
+    scale = C.number("scale", scale, finite=True)
     C.flag("use_qk_l2norm", use_qk_l2norm)
     if A_log is None:
         if dt_bias is not None:
@@ -144,7 +142,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
     Precision: fp16 / bf16 inputs accumulate in fp32; fp32 inputs give fp32-accurate results (IEEE
     dots) unless ``allow_tf32=True``, which lets the Triton backend use tf32 tensor cores (about 1e-3
-    relative error, several times faster). ``scale`` must be finite.
+    relative error). ``scale`` must be finite.
 
     >>> import torch, delta_attn as da
     >>> q, k = torch.randn(2, 1, 6, 2, 8).unbind(0)

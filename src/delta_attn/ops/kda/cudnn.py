@@ -173,9 +173,8 @@ def _frontend():
 def prenorm(x: torch.Tensor) -> torch.Tensor:
     """q or k normalised as ``use_qk_l2norm=True`` does (``x * rsqrt(sum(x^2) + 1e-6)`` in float32, back to
     the input dtype): what a caller does before a cuDNN KDA call that needs gradients."""
-    from ...reference import L2NORM_EPS
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+    from ...reference import l2norm
+    return l2norm(x.float()).to(x.dtype)
 
 
 class _SwapKV(torch.autograd.Function):

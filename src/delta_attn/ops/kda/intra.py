@@ -73,6 +73,27 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
 
 
 @triton.jit
+def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk,
+                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+                  HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The UT transform applied: U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice."""
+    for v0 in range(0, V, BV):
+        vc = v0 + tl.arange(0, BV)
+        m = mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
+        tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        m = mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                    HAS_DT_BIAS, FLOOR)
+        w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
+        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                               W, U, QG, KD, AQK, GC, FLAGS,
                               scale, lower_bound, H, HV,
@@ -88,22 +109,9 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
                                                                    BT, GATE)
     tril = i[:, None] >= i[None, :]
-    # 1. row norms of q and k, K slice by K slice (KS = KP: one slice)
-    sq = tl.zeros([BT], tl.float32)
-    sk = tl.zeros([BT], tl.float32)
-    if L2NORM:
-        for k0 in range(0, K, KS):
-            cols = k0 + tl.arange(0, KS)
-            m = mr[:, None] & (cols[None, :] < K)
-            qx = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kx = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            sq += tl.sum(qx * qx, 1)
-            sk += tl.sum(kx * kx, 1)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-        rq = scale / tl.sqrt(sq + 1e-6)
-    else:
-        rk = tl.full([BT], 1.0, tl.float32)
-        rq = tl.full([BT], 1.0, tl.float32) * scale
+    # 1. row factors: q_used = rq * q (scale folded in), k_used = rk * k
+    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, KS, L2NORM)
+    rq = nq * scale
     # 2. intra-chunk products with per-channel decays exp(G_i - G_j), i >= j; G = the floored log
     #    decays cumulated inside the chunk (per K slice: a cumulative sum over rows only)
     akk = tl.zeros([BT, BT], tl.float32)
@@ -156,20 +164,8 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     T = _kda_tri_inverse_dots(akk, BT, INV_PREC)
     tl.store(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
     # 4. U = T (beta v), W = T (beta exp(G) k)
-    for v0 in range(0, V, BV):
-        vc = v0 + tl.arange(0, BV)
-        m = mr[:, None] & (vc[None, :] < V)
-        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
-        tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
-    for k0 in range(0, K, KS):
-        cols = k0 + tl.arange(0, KS)
-        m = mr[:, None] & (cols[None, :] < K)
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                       HAS_DT_BIAS, FLOOR)
-        w = tl.dot(T, (b[:, None] * ks) * tl.exp(G), input_precision=DOT_PREC)
-        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+    _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, KS, GATE,
+                  HAS_DT_BIAS, FLOOR, DOT_PREC)
 
 
 @triton.jit
@@ -258,18 +254,5 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
     tl.store(TM + a_off, T, mask=mr[:, None])          # kept for the backward
     # 3. U = T (beta v), W = T (beta exp(G) k)
-    for v0 in range(0, V, BV):
-        vc = v0 + tl.arange(0, BV)
-        m = mr[:, None] & (vc[None, :] < V)
-        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
-        tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                    HAS_DT_BIAS, FLOOR)
-        w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
-        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
-
+    _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, BK, GATE,
+                  HAS_DT_BIAS, FLOOR, DOT_PREC)

@@ -13,6 +13,7 @@ smaller tiles when the device's shared memory is too small for the tuned ones.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -21,7 +22,7 @@ import triton
 
 from ..._outputs import empty
 from ...backends import sm_count
-from .._launch import Tiles, halving, launch, tiles
+from .._launch import halving, launch, tiles
 from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .decode import _kda_step_kernel
 from .gate import DECAY_FLOOR
@@ -42,7 +43,6 @@ class Precision:
     work: torch.dtype      # intermediates (W, U, qg, kd, Aqk, states): bf16 for bf16, else fp32
     dot: str               # per-chunk dots (intra-chunk products, U / W, backward intra)
     scan: str              # dots of the state scans and of the per-chunk operand gradients
-    round_tf32: bool       # backward factors rounded to tf32 once (consistent row and column sums)
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool) -> Precision:
@@ -50,11 +50,11 @@ def precision(dtype: torch.dtype, allow_tf32: bool) -> Precision:
     dots (fp16's range is too narrow for the UT products), tf32 scans on fp32 storage (tf32 keeps fp16's
     10-bit mantissa). fp32: exact (IEEE) everywhere unless ``allow_tf32``."""
     if dtype == torch.bfloat16:
-        return Precision(torch.bfloat16, "tf32", "tf32", True)
+        return Precision(torch.bfloat16, "tf32", "tf32")
     if dtype == torch.float16:
-        return Precision(torch.float32, "ieee", "tf32", False)
+        return Precision(torch.float32, "ieee", "tf32")
     p = "tf32" if allow_tf32 else "ieee"
-    return Precision(torch.float32, p, p, allow_tf32)
+    return Precision(torch.float32, p, p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,6 +112,7 @@ def infer_chunk(chains: int, K: int, V: int, device) -> int:
     return 32 if chains * triton.cdiv(V, bv) < sm_count(device) else 16
 
 
+@functools.lru_cache(maxsize=None)
 def infer_intra_tiles(K: int, V: int, bt: int):
     KP = _pow2(K)
     first = tiles("K slices of 32 for the factored dots; exact pairwise tiles of bt x bt x BK", num_warps=4,
@@ -119,6 +120,7 @@ def infer_intra_tiles(K: int, V: int, bt: int):
     return halving(first, ("KS", "BV"))
 
 
+@functools.lru_cache(maxsize=None)
 def scan_tiles(K: int, V: int, chains: int, bt: int, min_programs: int, warps: int, stages: int):
     """The state block K x BV in registers, BV narrowed until the grid has enough programs; when the chunk's
     K-wide tiles do not fit the shared memory (fp32 work dtype, K > 128, 64-token chunks), each chunk is walked
@@ -134,6 +136,7 @@ def scan_tiles(K: int, V: int, chains: int, bt: int, min_programs: int, warps: i
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
 def train_intra_tiles(K: int, V: int):
     BK = max(16, min(32, _pow2(K)))
     first = tiles("64-token chunk in K slices of 32; exact diagonal blocks 4 channels at a time", num_warps=4,
@@ -141,17 +144,20 @@ def train_intra_tiles(K: int, V: int):
     return halving(first, ("BK", "BV"))
 
 
+@functools.lru_cache(maxsize=None)
 def chunk_grads_tiles(K: int, V: int):
     first = tiles("full K block per program (one pass over V)", num_warps=8, BKB=min(128, _pow2(K)),
                   BV=min(32, _pow2(V)))
     return halving(first, ("BKB", "BV"))
 
 
+@functools.lru_cache(maxsize=None)
 def bwd_intra_tiles(K: int, V: int):
     first = tiles("K slices of 16 (the exact path's 16x16xBK tiles)", num_warps=4, BK=16, BV=min(64, _pow2(V)))
     return halving(first, ("BV",))
 
 
+@functools.lru_cache(maxsize=None)
 def step_tiles(K: int, V: int):
     KP = _pow2(K)
     first = tiles("measured fastest of BV {16..64} x warps {1..8} for 64 sequences (H200)", num_warps=4,
@@ -306,7 +312,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                                                     db, dg, dal, flags, float(scale), float(lower_bound or 0.0),
                                                     H, HV),
                    dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                        DOT_PREC=prec.dot, ROUND_TF32=prec.round_tf32, EXACT=exact, **gate_kw),
+                        DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact, **gate_kw),
                    bwd_intra_tiles(K, V))
     # GVA: the query / key heads' gradients are the sums over their value heads
     G = HV // H
