@@ -22,8 +22,9 @@ import kda_props
 CPU_CASES = 300
 
 
-# Known defect (open, issue "KDA rebuilt"): fp32 training on 64-token chunks with small K (32, 48) exceeds the
-# error rule (up to 2.5x the bound on the final state and gradients). Strict: a fix makes these pass and fail here.
+# Known defect (open, issue "KDA rebuilt"): fp32 training with strong decays exceeds the error rule (up to 2.5x the
+# bound): the fp32 cumulative log decay of a 64-token chunk reaches hundreds and loses absolute precision
+# (benchmarks/results/kda/2026-11-23_h200/report.md). Strict: a fix makes these pass and fail here.
 KNOWN_FP32_SMALL_K = {148: "fp32, K=32, decays -50, 64-token training chunk", 194: "fp32, K=48, d_dt_bias 1.1x over"}
 
 

@@ -109,9 +109,22 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
                                                                    BT, GATE)
     tril = i[:, None] >= i[None, :]
-    # 1. row factors: q_used = rq * q (scale folded in), k_used = rk * k
-    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, KS, L2NORM)
-    rq = nq * scale
+    # 1. row norms of q and k, K slice by K slice (KS = KP: one slice); the scale is folded into rq
+    sq = tl.zeros([BT], tl.float32)
+    sk = tl.zeros([BT], tl.float32)
+    if L2NORM:
+        for k0 in range(0, K, KS):
+            cols = k0 + tl.arange(0, KS)
+            m = mr[:, None] & (cols[None, :] < K)
+            qx = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kx = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            sq += tl.sum(qx * qx, 1)
+            sk += tl.sum(kx * kx, 1)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        rq = scale / tl.sqrt(sq + 1e-6)
+    else:
+        rk = tl.full([BT], 1.0, tl.float32)
+        rq = tl.full([BT], 1.0, tl.float32) * scale
     # 2. intra-chunk products with per-channel decays exp(G_i - G_j), i >= j; G = the floored log
     #    decays cumulated inside the chunk (per K slice: a cumulative sum over rows only)
     akk = tl.zeros([BT, BT], tl.float32)
