@@ -241,3 +241,167 @@ def test_time_budget_skips_rows_not_started():
     case = dict(op="diag", B=1, S=9, H=2, D=4)
     rows = runner.run([Task("kernels", case, _fake("right", lambda o: o), ("fwd",), torch.float32)], "test")
     assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["note"] and rows[0]["ms"] is None
+
+
+# ------------------------------------------------------------------ the crossover is always answered
+
+def test_coarse_to_fine_brackets_first():
+    from delta_attn.bench.suites import coarse_to_fine
+    ks = [1024 * 2 ** i for i in range(8)]
+    assert coarse_to_fine(ks) == [1024, 131072, 8192, 2048, 32768, 4096, 16384, 65536]
+    assert sorted(coarse_to_fine(ks)) == ks
+    assert coarse_to_fine([4, 2]) == [2, 4] and coarse_to_fine([]) == []
+
+
+def test_crossover_order_puts_the_answer_first():
+    from delta_attn.bench import suites
+    s = Settings(device="cpu", dtypes=("bf16",), max_seq=16384, max_linear_seq=65536)
+    tasks = suites.crossover(s)
+    fla = [i for i, t in enumerate(tasks) if t.impl.provider == "fla-core"]
+    fast = [i for i, t in enumerate(tasks) if t.impl.provider != "fla-core"]
+    assert fla and fast and max(fast) < min(fla)        # FLA's minutes of autotuning come last
+    shared = {1024, 2048, 4096, 8192, 16384}
+    for group in ([tasks[i] for i in fast], [tasks[i] for i in fla]):
+        lengths = [t.case["S"] for t in group]
+        first_linear_only = next(i for i, S in enumerate(lengths) if S not in shared)
+        assert all(S in shared for S in lengths[:first_linear_only])
+        assert all(S not in shared for S in lengths[first_linear_only:])
+        seen = list(dict.fromkeys(lengths))
+        assert seen[:3] == [1024, 16384, 4096]
+        # at each length every quadratic row comes before the linear ones
+        for S in shared:
+            fams = [t.impl.family for t in group if t.case["S"] == S]
+            if "quadratic" in fams and "linear" in fams:
+                assert max(i for i, f in enumerate(fams) if f == "quadratic") < fams.index("linear")
+
+
+def _sleepy(name, first_call_s):
+    """A diag implementation whose first call takes ``first_call_s`` seconds (a peer that autotunes)."""
+    import time as _time
+    impl = _fake(name, lambda o: o)
+    bind, calls = impl.bind, []
+
+    def slow_bind(case, t):
+        b = impl_bind_inner(case, t)
+        fn = b.fn
+
+        def call():
+            if not calls:
+                calls.append(1)
+                _time.sleep(first_call_s)
+            return fn()
+        return Bound(fn=call, leaves=b.leaves, spec=b.spec, inputs=b.inputs)
+    impl_bind_inner = bind
+    return Impl(name, impl.op, impl.family, "fla-core", slow_bind, impl.why_not)
+
+
+def test_first_call_limit_stops_a_slow_peer_and_skips_its_later_rows():
+    s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=1, max_reps=1,
+                 first_call_limit_s=0.5)
+    runner = Runner(s, {})
+    slow, good = _sleepy("autotuner", 30.0), _fake("right", lambda o: o)
+    tasks = [Task("crossover", dict(op="diag", B=1, S=S, H=2, D=4), impl, ("fwd",), torch.float32)
+             for S in (8, 16) for impl in (slow, good)]
+    import time as _time
+    t0 = _time.perf_counter()
+    rows = runner.run(tasks, "test")
+    assert _time.perf_counter() - t0 < 10
+    by = {(r["impl"], r["case"]["S"]): r for r in rows}
+    first = by[("autotuner", 8)]
+    assert first["status"] == "skipped" and "--first-call-limit" in first["note"] and first["ms"] is None
+    later = by[("autotuner", 16)]
+    assert later["status"] == "skipped" and "later rows are skipped" in later["note"]
+    assert by[("right", 8)]["status"] == "ok" and by[("right", 16)]["status"] == "ok"
+    md = report.markdown({"suite": "crossover"}, rows, [])
+    assert "rows stopped by --first-call-limit" in md
+
+
+def test_a_row_running_when_the_budget_ends_is_stopped():
+    s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=1, max_reps=1,
+                 time_budget_s=0.5)
+    runner = Runner(s, {})
+    import time as _time
+    runner.deadline = _time.perf_counter() + 0.5
+    rows = runner.run([Task("crossover", dict(op="diag", B=1, S=8, H=2, D=4), _sleepy("autotuner", 30.0), ("fwd",),
+                            torch.float32)], "test")
+    assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["note"]
+
+
+def _xrow(impl, op, family, S, ms, direction="fwd", provider="delta-attn", status="ok", note="", first=None):
+    return {"suite": "crossover", "impl": impl, "op": op, "family": family, "provider": provider, "direction": direction,
+            "dtype": "bf16", "case": {"S": S, "B": max(1, 65536 // S)}, "status": status, "note": note,
+            "ms": ms if status == "ok" else None, "first_call_ms": first, "label": f"S={S}"}
+
+
+def test_answer_section_gives_every_linear_operator_a_crossover_or_a_reason():
+    K = 1024
+    rows = []
+    for S, q in ((K, 1.0), (8 * K, 8.0), (128 * K, 128.0)):
+        rows.append(_xrow("cuDNN (SDPA)", "flash", "quadratic", S, q, provider="torch"))
+        rows.append(_xrow("slow quad", "flash", "quadratic", S, 2 * q, provider="torch"))
+        rows.append(_xrow("delta-attn triton", "kda", "linear", S, 4.0, first=15000.0))      # crosses at 4K
+        rows.append(_xrow("delta-attn triton", "diag", "linear", S, 0.5))                      # always faster
+        rows.append(_xrow("peer", "kda", "linear", S, 1000.0, provider="fla-core"))            # never
+    rows.append(_xrow("FLA chunk_kda", "kda", "linear", K, None, provider="fla-core", status="skipped",
+                      note="stopped after 120 s: the first call ran past the 120 s limit (--first-call-limit)"))
+    md = report.answer_section(rows)
+    lines = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in md.splitlines() if line.startswith("| ") and "---" not in line}
+    assert lines["delta-attn triton [kda]"][0] == "4K" and lines["delta-attn triton [kda]"][1] == "32x"
+    assert lines["delta-attn triton [kda]"][2] == "15.0 s"
+    assert lines["delta-attn triton [diag]"][0] == "≤ 1K" and lines["delta-attn triton [diag]"][1] == "256x"
+    assert lines["peer [kda]"][0] == "> 128K"
+    assert lines["FLA chunk_kda [kda]"][0].startswith("not timed (skipped: stopped after 120 s")
+    assert "Fastest quadratic implementation at S = 128K: fwd: cuDNN (SDPA), 128 ms" in md
+    # ours first, KDA before diagonal
+    names = [n for n in lines if n != "linear operator"]
+    assert names.index("delta-attn triton [kda]") < names.index("peer [kda]") < names.index("delta-attn triton [diag]")
+
+
+@pytest.mark.parametrize("budget", ["0.5", "3"])
+def test_any_budget_still_answers(tmp_path, budget):
+    out = str(tmp_path / "x")
+    assert cli.main(["bench", "crossover", "--device", "cpu", "--tiny", "--out", out, "--no-plots",
+                     "--time-budget", budget, "--impls", "torch"]) == 0
+    run, rows = _read(out)
+    md = open(os.path.join(out, "report.md")).read()
+    answer = md.split("## The answer")[1].split("## Environment")[0]
+    timed = {(r["impl"], r["op"]) for r in rows if r["family"] == "linear" and r["status"] == "ok"}
+    if budget == "0.5":       # far too small: rows were skipped, and the report still says so per operator
+        assert any(r["status"] == "skipped" and "time budget" in r["note"] for r in rows)
+    else:
+        assert timed
+    for impl, op in timed:    # every linear operator timed has a crossover or an honest "> S"
+        line = next(x for x in answer.splitlines() if x.startswith(f"| {impl} [{op}]"))
+        cell = line.split("|")[2].strip()
+        assert cell[0] in "≤>0123456789", line
+    for r in rows:
+        if r["family"] == "linear" and (r["impl"], r["op"]) not in timed and r["impl"] + " [" in answer:
+            assert f"| {r['impl']} [{r['op']}] | not timed (" in answer
+
+
+def test_rates_keep_their_digits():
+    assert report.rate(0.05e12, "FLOP/s") == "50 GFLOP/s"
+    assert report.rate(4247e9, "B/s") == "4.25 TB/s"
+    assert report.rate(None, "B/s") == "-"
+    md = report.ceilings_block({"ceilings": {"copy_gbps": 20.0, "gemm_tflops": 0.04}})
+    assert "40 GFLOP/s" in md and "20 GB/s" in md
+
+
+def test_decode_section_shows_graph_replay_beside_eager():
+    row = {"suite": "decode", "op": "kda_decode", "impl": "delta-attn triton", "status": "ok", "dtype": "bf16",
+           "case": {"B": 64, "H": 16, "D": 128}, "ms": 0.060, "graph_ms": 0.040, "graph_note": "",
+           "bytes": 134e6, "tokens": 64}
+    peer = dict(row, impl="peer", graph_ms=None, graph_note="not capturable: RuntimeError: sync")
+    md = report.decode_section([row, peer], {"copy_gbps": 4000.0})
+    line = next(x for x in md.splitlines() if "delta-attn triton" in x)
+    assert "| 60 | 40 |" in line and "3.35 TB/s" in line and "84%" in line
+    assert "not capturable" in next(x for x in md.splitlines() if "| peer |" in x)
+
+
+def test_bench_all_writes_a_top_level_report(crossover_dir, tmp_path):
+    root = tmp_path / "all"
+    shutil.copytree(crossover_dir, root / "crossover")
+    path = report.write_index(str(root), "delta-attn bench all")
+    md = open(path).read()
+    assert "[crossover/report.md](crossover/report.md)" in md and "linear operator" in md

@@ -6,6 +6,10 @@ import json
 import sys
 from typing import List, Optional
 
+# a row's first call (compile / autotune) may take this long before it is stopped: long enough for our
+# cold compiles and FLA's forward autotuning, short enough that one peer cannot starve the crossover
+FIRST_CALL_LIMIT_S = 120.0
+
 
 def _cmd_env(args) -> int:
     from . import env
@@ -54,18 +58,25 @@ def _cmd_bench(args) -> int:
         s.warmup_ms, s.rep_ms, s.min_reps, s.max_reps, s.max_call_ms = 0.0, 0.0, 1, 1, 3000.0
     # each GPU suite stops starting rows after 540 s so that it ends within 10 minutes (0 = no limit)
     s.time_budget_s = args.time_budget if args.time_budget is not None else (0.0 if tiny else 540.0)
+    s.first_call_limit_s = (args.first_call_limit if args.first_call_limit is not None
+                            else (0.0 if tiny else FIRST_CALL_LIMIT_S))
     for name in ("warmup_ms", "rep_ms", "min_reps", "max_reps", "max_call_ms"):
         v = getattr(args, name)
         if v is not None:
             setattr(s, name, v)
-    suites = list(SUITES[:-1]) if args.suite == "all" else [args.suite]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for suite in suites:
-        out = args.out or os.path.join(".bench-out", f"{suite}-{stamp}")
-        if args.out and len(suites) > 1:
-            out = os.path.join(args.out, suite)
-        path = run_suite(suite, s, out, command="delta-attn " + " ".join(args.argv), plots=not args.no_plots)
-        print(f"delta-attn bench {suite}: wrote {path} (and results.jsonl, results.csv, plots) in {os.path.dirname(path)}")
+    command = "delta-attn " + " ".join(args.argv)
+    if args.suite != "all":
+        out = args.out or os.path.join(".bench-out", f"{args.suite}-{stamp}")
+        path = run_suite(args.suite, s, out, command=command, plots=not args.no_plots)
+        print(f"delta-attn bench {args.suite}: wrote {path} (and results.jsonl, results.csv, plots) in {out}")
+        return 0
+    from .bench.report import write_index
+    root = args.out or os.path.join(".bench-out", f"all-{stamp}")
+    for suite in SUITES[:-1]:
+        path = run_suite(suite, s, os.path.join(root, suite), command=command, plots=not args.no_plots)
+        print(f"delta-attn bench {suite}: wrote {path}")
+    print(f"delta-attn bench all: wrote {write_index(root, command)}")
     return 0
 
 
@@ -102,6 +113,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="rows not started after this many seconds are skipped with a note (default 540 on a GPU, "
                         "so a suite ends within 10 minutes; 0 = no limit)")
+    b.add_argument("--first-call-limit", type=float, metavar="SECONDS",
+                   help=f"stop a row whose first call (compilation, autotuning) runs longer than this, and skip that "
+                        f"implementation's later rows in that direction (default {FIRST_CALL_LIMIT_S:.0f} on a GPU; "
+                        "0 = no limit)")
     b.add_argument("--warmup-ms", type=float, help="warm-up per row (default 25)")
     b.add_argument("--rep-ms", type=float, help="timed calls per row fill this many ms (default 100)")
     b.add_argument("--min-reps", type=int, help="at least this many timed calls (default 3)")

@@ -143,12 +143,15 @@ def ours(op: str, device: torch.device) -> List[Impl]:
         if name == "torch" and device.type == "cuda":
             continue            # the reference path is a specification, not a kernel: not timed on GPUs
         family = "quadratic" if op.startswith("flash") else "linear"
-        out.append(Impl(name=f"delta-attn {name}", op=op, family=family, provider="delta-attn",
+        # cuDNN's KDA is NVIDIA's engine behind delta-attn's adapter: a peer in the ratios, not our kernel
+        provider = "nvidia-cudnn-frontend" if (name == "cudnn" and op.startswith("kda")) else "delta-attn"
+        out.append(Impl(name=f"delta-attn {name}", op=op, family=family, provider=provider,
                         bind=_ours_bind(name, op), why_not=_ours_why_not(name, op),
                         backward=backend.capabilities[reg].backward and not op.endswith("decode")))
     if op == "kda" and "kda" in BACKENDS["cudnn"].capabilities:
         # cuDNN's KDA backward takes q/k normalised by the caller: this row does that in PyTorch (timed with it)
-        out.append(Impl(name="delta-attn cudnn (q/k normed in torch)", op=op, family="linear", provider="delta-attn",
+        out.append(Impl(name="delta-attn cudnn (q/k normed in torch)", op=op, family="linear",
+                        provider="nvidia-cudnn-frontend",
                         bind=_ours_bind("cudnn", op, prenormed=True), why_not=_ours_why_not("cudnn", op, prenormed=True)))
     return out
 

@@ -19,7 +19,7 @@ from . import anchors
 SCHEMA_VERSION = 1
 CSV_FIELDS = ["suite", "op", "impl", "provider", "family", "direction", "dtype", "label", "tokens", "status",
               "ms", "ms_mean", "ms_std", "ms_p20", "ms_p80", "ms_min", "reps", "first_call_ms", "flops", "tflops",
-              "frac_gemm", "bytes", "gbps", "frac_copy", "tokens_per_s", "peak_mem_mb", "gate_max_error",
+              "frac_gemm", "bytes", "gbps", "frac_copy", "tokens_per_s", "peak_mem_mb", "graph_ms", "gate_max_error",
               "gate_bound", "note", "case"]
 
 
@@ -86,6 +86,16 @@ def _f(x, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def rate(x: Optional[float], unit: str) -> str:
+    """A rate with an SI prefix that keeps three significant digits (0.05 TFLOP/s is "50 GFLOP/s")."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{_f(x / scale)} {prefix}{unit}"
+    return f"{_f(x)} {unit}"
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -126,8 +136,12 @@ def ceilings_block(run: Dict) -> str:
     if not c:
         return "_not measured_"
     return _table(["ceiling", "measured", "how"], [
-        ["copy bandwidth (bytes read + written)", f"{_f(c.get('copy_gbps'))} GB/s", c.get("copy", "")],
-        ["dense GEMM rate", f"{_f(c.get('gemm_tflops'))} TFLOP/s", c.get("gemm", "")]])
+        ["copy bandwidth (bytes read + written)", rate(_scaled(c.get("copy_gbps"), 1e9), "B/s"), c.get("copy", "")],
+        ["dense GEMM rate", rate(_scaled(c.get("gemm_tflops"), 1e12), "FLOP/s"), c.get("gemm", "")]])
+
+
+def _scaled(x: Optional[float], factor: float) -> Optional[float]:
+    return None if x is None else x * factor
 
 
 # ------------------------------------------------------------------------------------------ crossover
@@ -166,7 +180,103 @@ def crossover_point(lin: Dict[int, float], quad: Dict[int, float]) -> Tuple[Opti
 def _fmt_len(x: Optional[float]) -> str:
     if x is None:
         return "-"
-    return f"{x / 1024:.1f}K" if x >= 1024 else f"{x:.0f}"
+    if x >= 10 * 1024:
+        return f"{x / 1024:.0f}K"
+    return f"{x / 1024:.1f}K".replace(".0K", "K") if x >= 1024 else f"{x:.0f}"
+
+
+def crossover_text(x: Optional[float], how: str) -> str:
+    """A crossover as a reader wants it: "6.9K", "≤ 1.0K" (faster from the shortest common length),
+    "> 128K" (not reached up to the longest common length), or why there is none."""
+    if how.startswith("faster at every"):
+        return f"≤ {_fmt_len(x)}"
+    if how.startswith("not reached"):
+        return f"> {_fmt_len(float(how.split('S = ')[1].split()[0]))}"
+    if x is None:
+        return how
+    return _fmt_len(x)
+
+
+HEADLINE_S = 131072     # the answer quotes each linear operator's speed-up at 128K tokens
+
+
+def _linear_impls(rows: List[Dict]) -> List[Tuple[str, str]]:
+    """(impl, op) of the linear rows: KDA before diagonal, ours (delta-attn's own kernels) first."""
+    found = OrderedDict.fromkeys((r["impl"], r["op"], r["provider"]) for r in rows if r["family"] == "linear")
+    ordered = sorted(found, key=lambda k: (k[1] != "kda", k[1], k[2] != "delta-attn"))
+    return [(impl, op) for impl, op, _ in ordered]
+
+
+def _why_not_timed(rows: List[Dict], impl: str, op: str) -> str:
+    notes = [r for r in rows if r["impl"] == impl and r["op"] == op and r["status"] != "ok"]
+    return f"not timed ({notes[0]['status']}: {notes[0]['note'][:90]})" if notes else "not timed"
+
+
+def answer_section(rows: List[Dict]) -> str:
+    """The crossover suite's answer: for each linear operator (ours and the peers) and direction, the
+    length past which it beats the best quadratic implementation, and its speed-up at 128K."""
+    rows = [r for r in rows if r["suite"] == "crossover"]
+    if not rows:
+        return ""
+    out = []
+    dirs = [d for d in ("fwd", "fwd+bwd", "bwd") if any(r["direction"] == d for r in rows)]
+    for dtype in sorted({r["dtype"] for r in rows}):
+        rs = [r for r in rows if r["dtype"] == dtype]
+        quad = {d: _best_quadratic(rs, d, dtype) for d in dirs}
+        head = ["linear operator"] + [f"crossover S, {d}" for d in dirs] + \
+               [f"speed-up at {_fmt_len(HEADLINE_S)}, {d}" for d in dirs] + ["slowest first call"]
+        lines = []
+        for impl, op in _linear_impls(rs):
+            mine = [r for r in rs if r["impl"] == impl and r["op"] == op]
+            if not any(r["status"] == "ok" for r in mine):
+                lines.append([f"{impl} [{op}]", _why_not_timed(rs, impl, op)] + [""] * (2 * len(dirs) - 1) + ["-"])
+                continue
+            cross, speed = [], []
+            for d in dirs:
+                lin = {r["case"]["S"]: r["ms"] for r in mine if r["direction"] == d and r["status"] == "ok"}
+                q = {S: v[0] for S, v in quad[d].items()}
+                cross.append(crossover_text(*crossover_point(lin, q)) if lin else "not timed")
+                common = sorted(set(lin) & set(q))
+                if HEADLINE_S in lin and HEADLINE_S in q:
+                    speed.append(f"{_f(q[HEADLINE_S] / lin[HEADLINE_S])}x")
+                elif common:
+                    speed.append(f"not timed at {_fmt_len(HEADLINE_S)} ({_f(q[common[-1]] / lin[common[-1]])}x at "
+                                 f"{_fmt_len(common[-1])})")
+                else:
+                    speed.append("-")
+            first = [r["first_call_ms"] for r in mine if r.get("first_call_ms") is not None]
+            lines.append([f"{impl} [{op}]"] + cross + speed + [f"{max(first) / 1e3:.1f} s" if first else "-"])
+        out.append(f"**{dtype}**, against the fastest quadratic implementation measured at each length:\n")
+        out.append(_table(head, lines))
+        best = []
+        for d in dirs:
+            if HEADLINE_S in quad[d]:
+                ms, name = quad[d][HEADLINE_S]
+                best.append(f"{d}: {name}, {_f(ms)} ms")
+        if best:
+            out.append(f"\nFastest quadratic implementation at S = {_fmt_len(HEADLINE_S)}: " + "; ".join(best) + ".")
+        out.append("")
+    return "\n".join(out)
+
+
+def first_calls_section(rows: List[Dict]) -> str:
+    """Each implementation's slowest first call (compilation, autotuning), and the rows it cost."""
+    per: "OrderedDict[str, List[Dict]]" = OrderedDict()
+    for r in rows:
+        per.setdefault(r["impl"] + (f" [{r['op']}]" if r["family"] == "linear" else ""), []).append(r)
+    lines = []
+    for name, rs in per.items():
+        first = [r["first_call_ms"] for r in rs if r.get("first_call_ms") is not None]
+        stopped = [r for r in rs if "--first-call-limit" in (r.get("note") or "")]
+        if not first and not stopped:
+            continue
+        lines.append([name, f"{max(first) / 1e3:.1f} s" if first else "-", f"{sum(first) / 1e3:.1f} s" if first else "-",
+                      str(len(stopped)) if stopped else "0"])
+    if not lines:
+        return ""
+    return ("### First calls (compilation and autotuning, wall clock; not in the timed medians)\n" +
+            _table(["implementation", "slowest first call", "all first calls", "rows stopped by --first-call-limit"],
+                   lines) + "\n")
 
 
 def crossover_section(rows: List[Dict]) -> str:
@@ -203,7 +313,7 @@ def crossover_section(rows: List[Dict]) -> str:
                 x, how = crossover_point(s, quad_ms)
                 common = sorted(set(s) & set(quad_ms))
                 last = (f"{_f(quad_ms[common[-1]] / s[common[-1]])}x at S = {common[-1]}" if common else "-")
-                xl.append([f"{impl} [{op}]", _fmt_len(x), how, last])
+                xl.append([f"{impl} [{op}]", crossover_text(x, how), how, last])
             if xl:
                 out.append(f"\n**Crossover, {direction}, {dtype}**: the sequence length past which each linear "
                            "operator is faster than the best quadratic one measured at that length.\n")
@@ -254,9 +364,9 @@ _OP_TITLE = {"flash": "Flash attention", "flash_varlen": "Flash attention, packe
 def _primary(r: Dict) -> Tuple[str, str]:
     """(rate, fraction of the ceiling) shown for a row: TFLOP/s for attention, GB/s otherwise."""
     if r.get("tflops") is not None and r["op"] in ("flash", "flash_varlen"):
-        return f"{_f(r['tflops'])} TFLOP/s", _pct(r.get("frac_gemm"))
+        return rate(r["tflops"] * 1e12, "FLOP/s"), _pct(r.get("frac_gemm"))
     if r.get("gbps") is not None:
-        return f"{_f(r['gbps'])} GB/s", _pct(r.get("frac_copy"))
+        return rate(r["gbps"] * 1e9, "B/s"), _pct(r.get("frac_copy"))
     return "-", "-"
 
 
@@ -315,10 +425,13 @@ def matrix_section(rows: List[Dict]) -> str:
             + "\n")
 
 
-def decode_section(rows: List[Dict]) -> str:
+def decode_section(rows: List[Dict], ceilings: Optional[Dict] = None) -> str:
+    """Decode rows: eager time beside the CUDA-graph replay time (how servers run a step); the rates are
+    those of the replay where the step could be captured."""
     rs = [r for r in rows if r["suite"] == "decode" and r["status"] == "ok"]
     if not rs:
         return ""
+    copy = (ceilings or {}).get("copy_gbps")
     lines = []
     for r in rs:
         c = r["case"]
@@ -329,13 +442,15 @@ def decode_section(rows: List[Dict]) -> str:
             per_seq, what = c["H"] * c["D"] * c["D"] * 4, "KDA state (fp32)"
         else:
             per_seq, what = c["H"] * c["D"] * 4, "diagonal state (fp32)"
-        ok = r["status"] == "ok"
-        lines.append([str(c["B"]), what, r["impl"], _f(r["ms"] * 1e3, 4) if ok else r["status"],
-                      _f(r["tokens_per_s"]) if ok else "-", _f(r["gbps"]) if ok else "-",
-                      _pct(r.get("frac_copy")) if ok else "-", _bytes(per_seq)])
-    return ("### Decode: one new token per sequence (rows that did not run are listed below)\n" +
-            _table(["batch", "memory read per token", "implementation", "µs per step", "tokens/s", "GB/s", "of copy",
-                    "bytes per sequence"], lines) + "\n")
+        ms = r.get("graph_ms") or r["ms"]
+        gbps = r["bytes"] / (ms / 1e3) / 1e9
+        graph = _f(r["graph_ms"] * 1e3, 4) if r.get("graph_ms") else (r.get("graph_note") or "-")[:60]
+        lines.append([str(c["B"]), what, r["impl"], _f(r["ms"] * 1e3, 4), graph, _f(r["tokens"] / (ms / 1e3)),
+                      rate(gbps * 1e9, "B/s"), _pct(gbps / copy) if copy else "-", _bytes(per_seq)])
+    return ("### Decode: one new token per sequence (rows that did not run are listed below)\n"
+            "Rates are those of the CUDA-graph replay where the step could be captured, else of the eager call.\n\n" +
+            _table(["batch", "memory read per token", "implementation", "eager µs", "graph replay µs", "tokens/s",
+                    "bytes/s", "of copy", "bytes per sequence"], lines) + "\n")
 
 
 def _bytes(n: float) -> str:
@@ -405,6 +520,12 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
     if run.get("tiny"):
         parts += ["> Tiny CPU mode: reference and Triton-interpreter paths at toy sizes. These times say nothing "
                   "about GPU speed; the run checks that every artifact is produced.", ""]
+    if suite == "crossover":
+        parts += ["## The answer: where linear attention overtakes quadratic attention", "",
+                  "Crossover S: the sequence length (B = tokens / S, causal) past which the linear operator is faster "
+                  "than every quadratic implementation measured at that length; \"≤\" = faster from the shortest "
+                  "common length, \">\" = not reached up to the longest. Speed-up: the fastest quadratic "
+                  "implementation's time over the linear operator's.", "", answer_section(rows)]
     parts += ["## Environment", "", env_block(run), "", "## Ceilings (measured at the start of this run)", "",
               ceilings_block(run), ""]
     compare = None
@@ -416,8 +537,9 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
     if suite == "matrix":
         parts.append(matrix_section(rows))
     if suite == "decode":
-        parts.append(decode_section(rows))
+        parts.append(decode_section(rows, run.get("ceilings")))
     parts.append(rows_section(rows, h200, compare))
+    parts.append(first_calls_section(rows))
     parts += ["## Rows that did not run", "", not_run_section(rows), ""]
     if old is not None:
         parts += ["## Comparison with an earlier run", "", compare_section(rows, old[1], old[0]), ""]
@@ -451,4 +573,26 @@ def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) 
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:
         f.write(markdown(run, rows, pngs, old))
+    return path
+
+
+def write_index(root: str, command: str) -> str:
+    """``bench all``: the top-level report.md of ``root``, one section per suite folder below it, the
+    crossover answer first."""
+    parts = ["# delta-attn bench all", "", f"Command: `{command}`", ""]
+    folders = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "results.jsonl")))
+    folders.sort(key=lambda d: d != "crossover")
+    for d in folders:
+        run, rows = read_jsonl(os.path.join(root, d, "results.jsonl"))
+        counts = defaultdict(int)
+        for r in rows:
+            counts[r["status"]] += 1
+        parts += [f"## {run.get('suite', d)}", "",
+                  f"[{d}/report.md]({d}/report.md): {_f(run.get('duration_s'))} s, rows: " +
+                  (", ".join(f"{n} {st}" for st, n in sorted(counts.items())) or "none") + ".", ""]
+        if run.get("suite") == "crossover":
+            parts += [answer_section(rows), ""]
+    path = os.path.join(root, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
     return path

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import contextlib
-
 import gc
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -42,6 +43,11 @@ class Settings:
     max_linear_seq: int = 1048576
     gate: bool = True
     time_budget_s: float = 0.0       # > 0: rows not started by then are skipped (the suite ends in time)
+    # > 0: a row (its first call: compilation, autotuning) is stopped after this many seconds, and so is
+    # any row still running when the time budget ends; the implementation's later rows in that direction
+    # are skipped. Bounds a peer whose autotuning would otherwise starve every other row.
+    first_call_limit_s: float = 0.0
+    graphs: bool = True              # decode rows on a GPU are also timed as CUDA-graph replays
     # backward rows: "accumulate" = from the second call on the gradients add into the leaves' .grad
     # (triton.testing.do_bench's default, the protocol of ANCHORS.md: measured to reproduce its FLA
     # figures within 2 %, benchmarks/results/anchor_protocol_h200_2026-11-21); "fresh" = .grad reset to
@@ -64,6 +70,33 @@ class Task:
     directions: Sequence[str]
     dtype: torch.dtype
     series: str = ""                  # rows of one series predict each other's time (budget rule)
+
+
+class RowTimeout(BaseException):
+    """Raised (from SIGALRM) in a row that ran past its limit. A BaseException, so that no library's
+    ``except Exception`` around its autotuning swallows it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: Optional[float]):
+    """Raise :class:`RowTimeout` in the block after ``seconds`` of wall clock (None / <= 0: no limit).
+    SIGALRM only exists on POSIX main threads; elsewhere the block runs unbounded."""
+    usable = (seconds is not None and seconds > 0 and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise RowTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class Progress:
@@ -129,7 +162,8 @@ class Runner:
         self.ceilings = ceilings
         self.rows: List[Dict] = []
         self._gates: Dict[Tuple, GateResult] = {}
-        self._last: Dict[Tuple, Tuple[float, float]] = {}     # series key -> (work, ms)
+        self._measured: Dict[Tuple, Dict[float, float]] = {}   # series key -> {work: ms}
+        self._stalled: Dict[Tuple, str] = {}                   # (impl, direction) -> why its rows stop
         self.deadline: Optional[float] = None                 # perf_counter() time after which rows are skipped
         self.t0 = time.perf_counter()                         # rows record when they ended (elapsed_s)
 
@@ -144,7 +178,7 @@ class Runner:
                "ms": None, "ms_mean": None, "ms_std": None, "ms_p20": None, "ms_p80": None, "ms_min": None,
                "reps": None, "first_call_ms": None, "flops": None, "tflops": None, "frac_gemm": None,
                "bytes": None, "gbps": None, "frac_copy": None, "tokens_per_s": None, "peak_mem_mb": None,
-               "gate": None}
+               "graph_ms": None, "graph_note": "", "gate": None}
         row.update(extra)
         return row
 
@@ -157,78 +191,105 @@ class Runner:
 
     # ---------------------------------------------------------------- one (impl, case)
     def run_task(self, task: Task, progress: Optional[Progress] = None) -> None:
-        impl, case, dev, dt = task.impl, task.case, self.device, task.dtype
-        bound = None
+        impl, dev = task.impl, self.device
         base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        state = {"bound": None}     # the inputs bound once, shared by the task's directions
         try:
             for direction in task.directions:
-                if self.deadline is not None and time.perf_counter() > self.deadline:
+                stalled = self._stalled.get((impl.name, direction))
+                if stalled:
+                    self._emit(self._row(task, direction, "skipped", stalled), progress)
+                    continue
+                left = None if self.deadline is None else self.deadline - time.perf_counter()
+                if left is not None and left <= 0:
                     self._emit(self._row(task, direction, "skipped",
                                          f"suite time budget of {self.s.time_budget_s:.0f} s reached (--time-budget)"),
                                progress)
                     continue
-                if case.get("over_budget"):
-                    self._emit(self._row(task, direction, "skipped",
-                                         f"KV cache of {case['over_budget'] / 1e9:.0f} GB exceeds the memory budget"),
-                               progress)
-                    continue
-                grad = direction != "fwd"
-                if grad and not impl.backward:
-                    self._emit(self._row(task, direction, "unavailable", "no backward pass (inference operator)"), progress)
-                    continue
-                why = impl.why_not(case, dev, dt, grad)
-                if why:
-                    self._emit(self._row(task, direction, "unavailable", why), progress)
-                    continue
-                skey = (task.series or task.suite, impl.name, case["op"], direction, str(dt))
-                w = cases.work(case)
-                last = self._last.get(skey)
-                if last is not None and w > last[0]:
-                    predicted = last[1] * w / last[0]
-                    if predicted > self.s.max_call_ms:
-                        self._emit(self._row(task, direction, "skipped",
-                                             f"predicted {predicted:.0f} ms per call > budget {self.s.max_call_ms:.0f} ms "
-                                             f"(--max-call-ms)"), progress)
-                        continue
-                gate, warm_ms = None, None
-                if self.s.gate:
-                    gk = gate_key(impl, case, dt, grad, tiny=self.s.tiny)
-                    gate = self._gates.get(gk)
-                    if gate is None:
-                        if bound is None:
-                            bound = self._bind(task, direction, progress)
-                            if bound is None:
-                                return
-                        warm_ms = self._warm(bound, grad)
-                        try:
-                            gate = run_gate(impl, case, dev, dt, grad, self.s.seed, tiny=self.s.tiny)
-                        except Exception as e:  # noqa: BLE001 - every failure becomes a row
-                            if is_unavailable_error(e):
-                                self._emit(self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"[:400]),
-                                           progress)
-                                continue
-                            gate = GateResult(False, f"raised {type(e).__name__}: {str(e)[:300]}")
-                        self._gates[gk] = gate
-                        _free(dev)
-                    if not gate.ok:
-                        self._emit(self._row(task, direction, "FAILED", "correctness gate: " + gate.message,
-                                             gate={"ok": False, "message": gate.message}), progress)
-                        continue
-                if bound is None:
-                    bound = self._bind(task, direction, progress)
-                    if bound is None:
+                limits = [x for x in (self.s.first_call_limit_s or None, left) if x is not None]
+                limit = min(limits) if limits else None
+                t0 = time.perf_counter()
+                try:
+                    with time_limit(limit):
+                        row, keep_going = self._run_direction(task, direction, state, base_mem)
+                    self._emit(row, progress)
+                    if not keep_going:
                         return
-                row = self._time(task, direction, bound, gate, base_mem, warm_ms)
-                if row["status"] == "ok":
-                    self._last[skey] = (w, row["ms"])
-                self._emit(row, progress)
+                except RowTimeout:
+                    state["bound"] = None
+                    _free(dev)
+                    _sync(dev)
+                    spent = time.perf_counter() - t0
+                    if left is not None and limit == left:
+                        note = f"stopped after {spent:.0f} s: the suite time budget of {self.s.time_budget_s:.0f} s ended"
+                    else:
+                        note = (f"stopped after {spent:.0f} s: the first call (compilation / autotuning) ran past the "
+                                f"{self.s.first_call_limit_s:.0f} s limit (--first-call-limit)")
+                        self._stalled[(impl.name, direction)] = note + "; this implementation's later rows are skipped"
+                    self._emit(self._row(task, direction, "skipped", note), progress)
         finally:
-            del bound
+            state["bound"] = None
             _free(dev)
 
-    def _bind(self, task: Task, direction: str, progress):
-        """The implementation bound to inputs of the timed size; None (and a skipped row) when they do
-        not fit in memory."""
+    def _predicted_ms(self, skey: Tuple, w: float) -> Optional[float]:
+        """The time of a call of work ``w``, scaled from the largest smaller one measured in its series."""
+        below = [x for x in self._measured.get(skey, {}) if x < w]
+        if not below:
+            return None
+        x = max(below)
+        return self._measured[skey][x] * w / x
+
+    def _run_direction(self, task: Task, direction: str, state: Dict, base_mem: int) -> Tuple[Dict, bool]:
+        """One row of ``task`` (emitted by the caller, outside the time limit), and False when the
+        inputs do not fit in memory (the task's other rows cannot run either)."""
+        impl, case, dev, dt = task.impl, task.case, self.device, task.dtype
+        if case.get("over_budget"):
+            return self._row(task, direction, "skipped",
+                             f"KV cache of {case['over_budget'] / 1e9:.0f} GB exceeds the memory budget"), True
+        grad = direction != "fwd"
+        if grad and not impl.backward:
+            return self._row(task, direction, "unavailable", "no backward pass (inference operator)"), True
+        why = impl.why_not(case, dev, dt, grad)
+        if why:
+            return self._row(task, direction, "unavailable", why), True
+        skey = (task.series or task.suite, impl.name, case["op"], direction, str(dt))
+        w = cases.work(case)
+        predicted = self._predicted_ms(skey, w)
+        if predicted is not None and predicted > self.s.max_call_ms:
+            return self._row(task, direction, "skipped", f"predicted {predicted:.0f} ms per call > budget "
+                             f"{self.s.max_call_ms:.0f} ms (--max-call-ms)"), True
+        gate, warm_ms = None, None
+        if self.s.gate:
+            gk = gate_key(impl, case, dt, grad, tiny=self.s.tiny)
+            gate = self._gates.get(gk)
+            if gate is None:
+                if state["bound"] is None:
+                    state["bound"] = self._bind(task)
+                    if state["bound"] is None:
+                        return self._row(task, direction, "skipped", "out of memory allocating the inputs"), False
+                warm_ms = self._warm(state["bound"], grad)
+                try:
+                    gate = run_gate(impl, case, dev, dt, grad, self.s.seed, tiny=self.s.tiny)
+                except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                    if is_unavailable_error(e):
+                        return self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"[:400]), True
+                    gate = GateResult(False, f"raised {type(e).__name__}: {str(e)[:300]}")
+                self._gates[gk] = gate
+                _free(dev)
+            if not gate.ok:
+                return self._row(task, direction, "FAILED", "correctness gate: " + gate.message,
+                                 gate={"ok": False, "message": gate.message}), True
+        if state["bound"] is None:
+            state["bound"] = self._bind(task)
+            if state["bound"] is None:
+                return self._row(task, direction, "skipped", "out of memory allocating the inputs"), False
+        row = self._time(task, direction, state["bound"], gate, base_mem, warm_ms)
+        if row["status"] == "ok":
+            self._measured.setdefault(skey, {})[w] = row["ms"]
+        return row, True
+
+    def _bind(self, task: Task):
+        """The implementation bound to inputs of the timed size; None when they do not fit in memory."""
         try:
             t = cases.make_inputs(task.case, self.device, task.dtype, seed=self.s.seed)
             bound = task.impl.bind(task.case, t)
@@ -236,7 +297,6 @@ class Runner:
             return bound
         except torch.cuda.OutOfMemoryError:
             _free(self.device)
-            self._emit(self._row(task, direction, "skipped", "out of memory allocating the inputs"), progress)
             return None
 
     def _warm(self, b, grad: bool) -> Optional[float]:
@@ -274,6 +334,7 @@ class Runner:
                 x.grad = None
         before = clear if self.s.grads == "fresh" else None
 
+        graph = {}
         try:
             with b.context():
                 if dev.type == "cuda":
@@ -289,6 +350,8 @@ class Runner:
                         call = b.fn
                         est = estimate_ms(call, dev) if self.s.rep_ms > 0 else None
                         timing = self._measure(call, est, None)
+                        if self.s.graphs and dev.type == "cuda" and case["op"].endswith("decode"):
+                            graph = self._graph_timing(call)
                 else:
                     with torch.enable_grad():
                         out = b.fn()
@@ -320,9 +383,30 @@ class Runner:
             tb = traceback.format_exc(limit=2).strip().splitlines()[-1]
             return self._row(task, direction, "FAILED", f"raised at the timed size: {tb}"[:400])
         return self._row(task, direction, "ok", "", **self._metrics(task, direction, b, out, leaves, timing),
-                         first_call_ms=warm_ms if warm_ms is not None else first, peak_mem_mb=peak,
+                         first_call_ms=warm_ms if warm_ms is not None else first, peak_mem_mb=peak, **graph,
                          gate=None if gate is None else {"ok": True, "message": gate.message,
                                                          "max_error": gate.max_error, "bound": gate.bound})
+
+    def _graph_timing(self, call) -> Dict:
+        """``call`` captured once in a CUDA graph and timed as replays (how servers run a decode step:
+        no host launch cost), by the same protocol as the eager rows. A call that cannot be captured
+        gets a note instead of a time."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):      # warm-up on a side stream, as torch.cuda.graphs asks
+                call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            graph.replay()
+            torch.cuda.synchronize()
+            t = self._measure(graph.replay, None, None)
+            return {"graph_ms": t.median_ms}
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is a note, not a failure
+            torch.cuda.synchronize()
+            return {"graph_note": f"not capturable: {type(e).__name__}: {e}"[:300]}
 
     def _measure(self, call, est, before):
         return measure(call, self.device, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms,

@@ -60,21 +60,55 @@ def crossover_lengths(s: Settings) -> Dict[str, List[int]]:
     return {"quadratic": quad, "linear": lin}
 
 
+def coarse_to_fine(lengths: List[int]) -> List[int]:
+    """The lengths in the order that brackets the crossover soonest: both ends first, then the
+    midpoint of every interval, level by level (1K, 128K, 8K, 2K, 32K, 4K, 16K, 64K)."""
+    xs = sorted(set(lengths))
+    if len(xs) <= 2:
+        return xs
+    out, level = [xs[0], xs[-1]], [(0, len(xs) - 1)]
+    while level:
+        nxt = []
+        for lo, hi in level:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                out.append(xs[mid])
+                nxt += [(lo, mid), (mid, hi)]
+        level = nxt
+    return out
+
+
+def _slow_to_start(impl: I.Impl) -> bool:
+    """Peers whose first call autotunes for minutes on a cold machine (FLA's Triton autotuners):
+    they run after every other row has given the crossover its lengths."""
+    return impl.provider == "fla-core"
+
+
 def crossover(s: Settings) -> List[Task]:
+    """Ordered so that a crossover is computable as early as possible under any time budget:
+    implementations that start fast (ours, cuDNN, FA2) before the ones that autotune for minutes;
+    within those, lengths coarse to fine, the lengths shared with the quadratic operators before
+    the linear-only ones; at each length the quadratic rows before the linear ones, so that a
+    linear row always has a quadratic row to be compared with."""
     h, d, tokens = s.heads, s.head_dim, s.tokens
     lengths = crossover_lengths(s)
     dirs = _dirs(s, ("fwd", "fwd+bwd"))
+    shared = coarse_to_fine(lengths["quadratic"])
+    order = shared + coarse_to_fine([x for x in lengths["linear"] if x not in shared])
     tasks = []
     for dname in s.dtypes:
         dt = DTYPES[dname]
-        # KDA first: FLA's chunk_kda compiles for minutes, so that happens early and the time budget
-        # (--time-budget), if ever reached, cuts the longest attention rows instead
-        for op, family in (("kda", "linear"), ("diag", "linear"), ("flash", "quadratic")):
-            # SDPA's memory-efficient kernel and FLA's token-by-token fused_recurrent_hgrn (4-15x slower than
-            # chunk_hgrn) are never the best; delta-attn's sdpa backend runs the same FA2 kernel as the
-            # "FA2 (SDPA flash)" row: all three are left to the kernels suite to save time
-            for impl in _impls(op, s, exclude=("mem-efficient", "delta-attn sdpa", "fused_recurrent")):
-                for S in lengths[family]:
+        # SDPA's memory-efficient kernel and FLA's token-by-token fused_recurrent_hgrn (4-15x slower than
+        # chunk_hgrn) are never the best; delta-attn's sdpa backend runs the same FA2 kernel as the
+        # "FA2 (SDPA flash)" row: all three are left to the kernels suite to save time
+        excluded = ("mem-efficient", "delta-attn sdpa", "fused_recurrent")
+        impls = [(op, family, impl) for op, family in (("flash", "quadratic"), ("kda", "linear"), ("diag", "linear"))
+                 for impl in _impls(op, s, exclude=excluded)]
+        for slow in (False, True):
+            for S in order:
+                for op, family, impl in impls:
+                    if _slow_to_start(impl) != slow or S not in lengths[family]:
+                        continue
                     case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
                     if op != "flash":
                         case.pop("Hk"), case.pop("causal")
