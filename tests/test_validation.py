@@ -95,7 +95,10 @@ CASES = [
     ("unknown backend", lambda kw: da.flash_attn_func(kw["q"], kw["k"], kw["v"], backend="cuda"), attn(), ValueError,
      r"backend must be one of"),
     # --- varlen
-    ("cu int64", call_varlen, varlen(cu_seqlens_q=torch.tensor([0, 4, 9])), TypeError, r"cu_seqlens_q must be int32"),
+    ("cu float", call_varlen, varlen(cu_seqlens_q=torch.tensor([0., 4., 9.])), TypeError,
+     r"cu_seqlens_q must be int32 or int64, got torch.float32"),
+    ("cu beyond int32", call_varlen, varlen(cu_seqlens_q=torch.tensor([0, 2 ** 32, 9])), ValueError,
+     r"cu_seqlens_q values must fit int32"),
     ("cu 2-D", call_varlen, varlen(cu_seqlens_k=torch.tensor([[0, 4, 9]], dtype=I32)), ValueError, r"cu_seqlens_k must be 1-D"),
     ("cu start", call_varlen, varlen(cu_seqlens_q=torch.tensor([1, 4, 9], dtype=I32)), ValueError, r"cu_seqlens_q must start at 0"),
     ("cu decreasing", call_varlen, varlen(cu_seqlens_q=torch.tensor([0, 6, 5, 9], dtype=I32),
@@ -196,8 +199,8 @@ def test_value_checks_can_be_skipped_to_stay_asynchronous(monkeypatch):
     from delta_attn.ops.flash.api import validate_varlen
     kw = varlen(cu_seqlens_q=torch.tensor([0, 6, 5, 9], dtype=I32), cu_seqlens_k=torch.tensor([0, 6, 5, 9], dtype=I32))
     validate_varlen(**kw)                                  # decreasing values: not read, not caught
-    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
-        validate_varlen(**varlen(cu_seqlens_q=torch.tensor([0, 4, 9])))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32 or int64"):
+        validate_varlen(**varlen(cu_seqlens_q=torch.tensor([0., 4., 9.])))
 
 
 def test_value_checks_are_skipped_under_cuda_graph_capture(monkeypatch):

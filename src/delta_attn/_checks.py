@@ -119,12 +119,16 @@ def value_checks_enabled() -> bool:
             and os.environ.get("DELTA_ATTN_SKIP_VALUE_CHECKS", "0") in ("", "0"))
 
 
+INT32_MAX = 2 ** 31 - 1
+
+
 def cu_seqlens_meta(name: str, cu: torch.Tensor, device: torch.device) -> int:
-    """cu_seqlens is an int32 1-D tensor with >= 2 entries on ``device``. Returns the sequence count."""
+    """cu_seqlens is an int32 or int64 1-D tensor with >= 2 entries on ``device``. Returns the
+    sequence count. (Any stride: :func:`as_int32` gives the kernels their contiguous int32 copy.)"""
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        raise TypeError(f"{name} must be an int32 or int64 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be {_dtype_names(INDEX_DTYPES)}, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D with at least 2 entries (batch + 1), got shape {tuple(cu.shape)}")
     if cu.device != device:
@@ -134,8 +138,12 @@ def cu_seqlens_meta(name: str, cu: torch.Tensor, device: torch.device) -> int:
 
 def cu_seqlens_values(name: str, values: List[int], total: int, max_seqlen: Optional[int] = None,
                       max_seqlen_name: str = "max_seqlen") -> None:
-    """The host copy of cu_seqlens starts at 0, is non-decreasing, ends at ``total``, and
+    """The host copy of cu_seqlens fits int32, starts at 0, is non-decreasing, ends at ``total``, and
     ``max_seqlen`` (when given) is >= the longest sequence."""
+    outside = [x for x in values if not -INT32_MAX - 1 <= x <= INT32_MAX]
+    if outside:
+        raise ValueError(f"{name} values must fit int32 (at most {INT32_MAX}): the kernels read int32 "
+                         f"offsets, got {outside[0]}")
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -148,17 +156,43 @@ def cu_seqlens_values(name: str, values: List[int], total: int, max_seqlen: Opti
                          f"got {max_seqlen}")
 
 
+def as_int32(cu: torch.Tensor) -> torch.Tensor:
+    """The form every backend receives: a contiguous int32 tensor (``cu`` itself when it already is one;
+    call after the values are checked, an int64 value beyond int32 would wrap)."""
+    return cu.to(torch.int32).contiguous()
+
+
 def max_seqlen(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
-def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> int:
-    """Every check of one cu_seqlens (linear ops). Returns the number of sequences."""
+def cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+    """Every check of one cu_seqlens (linear ops). Returns ``(cu as contiguous int32, number of sequences)``."""
     n = cu_seqlens_meta(name, cu, device)
     if value_checks_enabled():
         cu_seqlens_values(name, cu.tolist(), total)
-    return n
+    return as_int32(cu), n
+
+
+def cu_seqlens_pair(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q, max_k,
+                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Every check of flash varlen's ``cu_seqlens_q`` / ``cu_seqlens_k`` / ``max_seqlen_q`` / ``max_seqlen_k``
+    (one device-to-host copy for both). Returns ``(cu_q, cu_k, N)`` as contiguous int32; one tensor passed
+    for both stays one tensor (backends take ``cu_q is cu_k`` to mean equal lengths)."""
+    n = cu_seqlens_meta("cu_seqlens_q", cu_q, device)
+    n_k = cu_seqlens_meta("cu_seqlens_k", cu_k, device)
+    max_seqlen("max_seqlen_q", max_q)
+    max_seqlen("max_seqlen_k", max_k)
+    if n_k != n:
+        raise ValueError(f"cu_seqlens_k must describe as many sequences as cu_seqlens_q ({n}), got {n_k}")
+    if value_checks_enabled():
+        values = torch.cat([cu_q, cu_k]).tolist()     # one device-to-host copy (int32 + int64 promotes)
+        cu_seqlens_values("cu_seqlens_q", values[:n + 1], total_q, max_q, "max_seqlen_q")
+        cu_seqlens_values("cu_seqlens_k", values[n + 1:], total_k, max_k, "max_seqlen_k")
+    same = cu_k is cu_q
+    cu_q = as_int32(cu_q)
+    return cu_q, (cu_q if same else as_int32(cu_k)), n
 
 
 def state(name: str, s: Optional[torch.Tensor], expected: Tuple[int, ...], device: torch.device,

@@ -36,6 +36,25 @@ def _series(rows: List[Dict], x_of, y_of) -> "OrderedDict[str, list]":
     return out
 
 
+def bar_labels(rows: List[Dict]) -> List[str]:
+    """One label per row of ``ceiling_fraction.png``, each naming its op and each unique:
+    ``impl [op] | case | direction`` (``| dtype`` when the rows mix dtypes; a label still repeated gets
+    ``#2``, ``#3``, ... in row order). KDA and diagonal rows of one implementation and case differ by op."""
+    dtypes = {r.get("dtype") for r in rows}
+    labels = []
+    for r in rows:
+        lab = f"{r['impl']} [{r['op']}] | {r['label']} | {r['direction']}"
+        if len(dtypes) > 1:
+            lab += f" | {r.get('dtype')}"
+        labels.append(lab)
+    seen: Dict[str, int] = {}
+    out = []
+    for lab in labels:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if seen[lab] == 1 else f"{lab} #{seen[lab]}")
+    return out
+
+
 def _len_label(x, _pos=None) -> str:
     if x >= 2 ** 20:
         return f"{x / 2 ** 20:g}M"
@@ -124,7 +143,7 @@ def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
     ok = [r for r in rows if r["status"] == "ok" and (r.get("frac_gemm") is not None or r.get("frac_copy") is not None)]
     if ok and suite in ("kernels", "crossover", "decode", "matrix"):
         ok = ok[:60] if suite != "kernels" else ok
-        labels = [f"{r['impl']} | {r['label']} | {r['direction']}" for r in ok]
+        labels = bar_labels(ok)
         vals = [100 * (r["frac_gemm"] if r.get("frac_gemm") is not None and r["op"] in ("flash", "flash_varlen")
                        else r["frac_copy"]) for r in ok]
         colors = ["tab:blue" if r["op"] in ("flash", "flash_varlen") else "tab:orange" for r in ok]

@@ -52,7 +52,7 @@ def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlen
     if cu_seqlens is not None:
         if b != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {b}")
-        n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)
+        cu_seqlens, n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)   # int32, contiguous
     C.state("initial_state", initial_state, (n, h, d), q.device, "(N, H, D) float32")
     return DiagArgs(q, k, v, g, initial_state, output_final_state, cu_seqlens, n)
 

@@ -137,16 +137,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     C.dim_equal("token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
     device = q.device
-    n = C.cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, device)
-    n_k = C.cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, device)
-    C.max_seqlen("max_seqlen_q", max_seqlen_q)
-    C.max_seqlen("max_seqlen_k", max_seqlen_k)
-    if n_k != n:
-        raise ValueError(f"cu_seqlens_k must describe as many sequences as cu_seqlens_q ({n}), got {n_k}")
-    if C.value_checks_enabled():
-        values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()     # one device-to-host copy
-        C.cu_seqlens_values("cu_seqlens_q", values[:n + 1], q.shape[tdim], max_seqlen_q, "max_seqlen_q")
-        C.cu_seqlens_values("cu_seqlens_k", values[n + 1:], k.shape[tdim], max_seqlen_k, "max_seqlen_k")
+    cu_seqlens_q, cu_seqlens_k, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[tdim], k.shape[tdim],
+                                                      max_seqlen_q, max_seqlen_k, device)   # int32, contiguous
     common = _common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), layout, n)
@@ -187,7 +179,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over a packed batch of sequences of different lengths.
 
     ``layout="thd"``: q (total_q, Hq, D), k/v (total_k, Hk, D) as flash-attn; ``"htd"``: (H, total, D).
-    ``cu_seqlens_q/k`` int32 (N + 1,) cumulative lengths starting at 0. Returns out in q's layout,
+    ``cu_seqlens_q/k`` int32 or int64 (N + 1,) cumulative lengths starting at 0. Returns out in q's layout,
     or ``(out, softmax_lse (Hq, total_q), None)`` when ``return_attn_probs``.
 
     >>> import torch, delta_attn as da

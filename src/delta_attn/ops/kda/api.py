@@ -110,7 +110,7 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
     if cu_seqlens is not None:
         if b != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {b}")
-        n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)
+        cu_seqlens, n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)   # int32, contiguous
     C.state("initial_state", initial_state, (n, hv, kd, vd), q.device, "(N, HV, K, V) float32")
     return KDAArgs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, n, use_qk_l2norm,
                    A_log, dt_bias, lower_bound, allow_tf32=allow_tf32)
