@@ -260,8 +260,14 @@ def test_crossover_order_puts_the_answer_first():
     fla = [i for i, t in enumerate(tasks) if t.impl.provider == "fla-core"]
     fast = [i for i, t in enumerate(tasks) if t.impl.provider != "fla-core"]
     assert fla and fast and max(fast) < min(fla)        # FLA's minutes of autotuning come last
+    # FLA's forward rows at every length before any of its backward autotuning
+    fla_dirs = [tasks[i].directions for i in fla]
+    assert all(len(d) == 1 for d in fla_dirs)
+    assert max(i for i, d in enumerate(fla_dirs) if d == ("fwd",)) < fla_dirs.index(("fwd+bwd",))
     shared = {1024, 2048, 4096, 8192, 16384}
-    for group in ([tasks[i] for i in fast], [tasks[i] for i in fla]):
+    passes = [[tasks[i] for i in fast]] + [[tasks[i] for i in fla if tasks[i].directions == (d,)]
+                                           for d in ("fwd", "fwd+bwd")]
+    for group in passes:
         lengths = [t.case["S"] for t in group]
         first_linear_only = next(i for i, S in enumerate(lengths) if S not in shared)
         assert all(S in shared for S in lengths[:first_linear_only])

@@ -173,7 +173,7 @@ def test_kernel_variants_many_tiles():
              (C(16, 64, 8, 1, kind="rows", hold=True), C(16, 64, 8, 1, kind="rows")),
              (C(16, 128, 8, 2, True, kind="rows", hold=True), C(32, 32, 8, 1)),
              # re-read forward (hold=False), window 4; 32-row rows kernels are left out: with varlen
-             # they take 30-90 s each to compile (sm_90a, benchmarks/results/diag_h200.md)
+             # they take 30-90 s each to compile (sm_90a, docs/PERFORMANCE.md)
              (C(16, 64, 4, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"))]
     for (q, k, v, g), h0, c in _variant_cases():
         n = h0.shape[0]

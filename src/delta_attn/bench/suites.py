@@ -86,8 +86,8 @@ def _slow_to_start(impl: I.Impl) -> bool:
 
 def crossover(s: Settings) -> List[Task]:
     """Ordered so that a crossover is computable as early as possible under any time budget:
-    implementations that start fast (ours, cuDNN, FA2) before the ones that autotune for minutes;
-    within those, lengths coarse to fine, the lengths shared with the quadratic operators before
+    implementations that start fast (ours, cuDNN, FA2) before the ones that autotune for minutes
+    (those one direction at a time); within those, lengths coarse to fine, the lengths shared with the quadratic operators before
     the linear-only ones; at each length the quadratic rows before the linear ones, so that a
     linear row always has a quadratic row to be compared with."""
     h, d, tokens = s.heads, s.head_dim, s.tokens
@@ -104,7 +104,10 @@ def crossover(s: Settings) -> List[Task]:
         excluded = ("mem-efficient", "delta-attn sdpa", "fused_recurrent")
         impls = [(op, family, impl) for op, family in (("flash", "quadratic"), ("kda", "linear"), ("diag", "linear"))
                  for impl in _impls(op, s, exclude=excluded)]
-        for slow in (False, True):
+        # the slow starters run one direction over every length before the next: their forward,
+        # tuned once, is then timed everywhere before a backward autotuning can use up the budget
+        passes = [(False, dirs)] + [(True, (x,)) for x in dirs]
+        for slow, pass_dirs in passes:
             for S in order:
                 for op, family, impl in impls:
                     if _slow_to_start(impl) != slow or S not in lengths[family]:
@@ -112,7 +115,7 @@ def crossover(s: Settings) -> List[Task]:
                     case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
                     if op != "flash":
                         case.pop("Hk"), case.pop("causal")
-                    tasks.append(Task("crossover", case, impl, dirs, dt, series="crossover"))
+                    tasks.append(Task("crossover", case, impl, pass_dirs, dt, series="crossover"))
     return tasks
 
 

@@ -181,7 +181,7 @@ register("sdpa", "flash_varlen", Capability(
     check=_check_sdpa))
 
 # ---------------------------------------------------------------------------------------------
-# auto policy (measurements: docs/DISPATCH.md, benchmarks/results/dispatch_h200.md)
+# auto policy (measurements: docs/DISPATCH.md)
 # ---------------------------------------------------------------------------------------------
 
 

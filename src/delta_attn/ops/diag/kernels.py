@@ -246,13 +246,9 @@ def _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD: tl.
 
 
 @triton.jit
-def _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD: tl.constexpr, W: tl.constexpr, LOOKBACK: tl.constexpr):
+def _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD: tl.constexpr, W: tl.constexpr):
     """The state entering tile j (decoupled look-back over the chain's earlier tiles)."""
-    if LOOKBACK:
-        s_in = _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
-    else:   # (timing diagnostic only: wrong results)
-        s_in = tl.zeros(chan.shape, tl.float32)
-    return s_in
+    return _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
 
 
 @triton.jit
@@ -279,7 +275,7 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
                      H: tl.constexpr, D: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                      LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                     EVEN: tl.constexpr, Q_EARLY: tl.constexpr, LOOKBACK: tl.constexpr):
+                     EVEN: tl.constexpr, Q_EARLY: tl.constexpr):
     N_DB: tl.constexpr = (D + BD - 1) // BD
     HD: tl.constexpr = H * D
     n_work = n_tiles * (H * N_DB)
@@ -288,7 +284,7 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
     # 1. the tile of this program (time order within a chain = program id order). The body sits in a
     #    loop that runs once: this shape compiles to 128 registers at 32x32 / 1 warp instead of 132
     #    straight-line (16 instead of 15 programs per SM), measured 8 % faster on the H200
-    #    (benchmarks/results/diag_h200.md, A/B in one process)
+    #    (docs/PERFORMANCE.md, A/B in one process)
     t = tl.program_id(0)
     while t < n_work:
         j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
@@ -302,7 +298,7 @@ def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
                                                BT, BD)
         if Q_EARLY:
             qr = _ld(q + base + off, m, EVEN)
-        s_in = _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD, W, LOOKBACK)
+        s_in = _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD, W)
         if not Q_EARLY:
             qr = _ld(q + base + off, m, EVEN)
         # 4. the inclusive state published, o and the final states written
@@ -317,7 +313,7 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
                      H: tl.constexpr, D: tl.constexpr,
                      HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                     EVEN: tl.constexpr, KV_EARLY: tl.constexpr, LOOKBACK: tl.constexpr):
+                     EVEN: tl.constexpr, KV_EARLY: tl.constexpr):
     HD: tl.constexpr = H * D
     # 1. the tile of this program, from the end of each chain
     j, h, db = _tile_of(tl.program_id(0), n_tiles, H, D, BD, True)
@@ -358,10 +354,7 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
         carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
 
     # 5. look back to the right for the carry, publish the inclusive value (ds at the first row)
-    if LOOKBACK:
-        x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-    else:   # (timing diagnostic only: wrong results)
-        x_in = tl.zeros([BD], tl.float32)
+    x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
     ds_r = ra * x_in[None, :] + rb
     tl.store(wptr, _pack(tl.zeros_like(ds_r), ds_r), mask=first)
     ds = tl.flip(ds_r, 0)   # back to time order
@@ -516,7 +509,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                           EVEN: tl.constexpr, HOLD: tl.constexpr, Q_EARLY: tl.constexpr,
-                          FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                          FAST_EXP: tl.constexpr, SPLIT: tl.constexpr = 1,
                           STORE_CARRIES: tl.constexpr = False):
     """Forward, "rows" variant (DiagConfig(kind="rows"); the default forwards). The time scan never
     crosses threads: a program owns BD channels of the flattened (H * D) channel axis (a block may span
@@ -588,10 +581,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         lead = cmask
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(tile_a, tile_b), mask=lead)
-    if LOOKBACK:
-        s_in = _lookback_walk(ws, j, chan, lead, HD, n_tiles, False, W)
-    else:   # (timing diagnostic only: wrong results)
-        s_in = tl.zeros(chan.shape, tl.float32)
+    s_in = _lookback_walk(ws, j, chan, lead, HD, n_tiles, False, W)
     tl.store(wptr, _pack(tl.zeros_like(tile_b), tile_a * s_in + tile_b), mask=lead)
     if SPLIT > 1:
         s_seg, s_end = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
@@ -635,7 +625,7 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
                           H: tl.constexpr, D: tl.constexpr,
                           HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                          EVEN: tl.constexpr, FAST_EXP: tl.constexpr, LOOKBACK: tl.constexpr):
+                          EVEN: tl.constexpr, FAST_EXP: tl.constexpr):
     """Backward, "rows" variant (DiagConfig(kind="rows"); the default backward): as the forward's
     rows variant, a program owns BD channels of the flattened H * D axis and walks rows; no data
     crosses threads. Tiles from the end of each chain (the look-back runs to the right):
@@ -686,10 +676,7 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
     # 2. publish the aggregate, look back to the right, publish the inclusive ds of the first row
     wptr = ws_b + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(ra, rb), mask=cmask)
-    if LOOKBACK:
-        x_in = _lookback_walk(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-    else:   # (timing diagnostic only: wrong results)
-        x_in = tl.zeros([BD], tl.float32)
+    x_in = _lookback_walk(ws_b, j, chan, cmask, HD, n_tiles, True, W)
     tl.store(wptr, _pack(tl.zeros_like(rb), ra * x_in + rb), mask=cmask)
 
     # 3. states from the forward's carry, then the gradients row by row

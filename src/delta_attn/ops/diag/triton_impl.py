@@ -11,10 +11,7 @@ channel every ``BT`` or ``BT / split`` tokens).
 """
 from __future__ import annotations
 
-import functools
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -56,10 +53,10 @@ class DiagConfig:
 
 
 # Defaults: the fastest correct configs measured on the H200, bf16, H=16, D=128
-# (benchmarks/results/diag_h200.md):
+# (docs/PERFORMANCE.md):
 # - forward: the rows kernel with split tiles, 64 rows x 64 channels walked as 4 segments of 16 rows on
 #   4 warps, q loaded before the look-back, prefixes held in registers, look-back window 4: 0.191 ms at
-#   1x32768 (82 % of copy; `diag_bench.py --split-ab`, fourth session); the tile kernel (32x32, one warp)
+#   1x32768 (82 % of copy); the tile kernel (32x32, one warp)
 #   0.277 ms and the 16x64 rows forward 0.290 ms in the same run. Few tiles of a chain in flight is
 #   what made the look-back cheap (0.17 ms without it);
 # - training: the same forward writing its states every 16 rows (the segments' ends) as the carries of
@@ -76,20 +73,7 @@ def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
     """(forward without gradient, training forward, backward)."""
     if triton_interpreter_on():
         return INTERP_FWD_CONFIG, INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
-    path = os.environ.get("DELTA_ATTN_DIAG_TUNED")
-    if path:
-        return _tuned_configs(path)
     return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
-
-
-@functools.lru_cache(maxsize=4)
-def _tuned_configs(path: str) -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
-    """The configs of a file written by benchmarks/diag_bench.py ({"fwd": training forward, "bwd": ...,
-    "fwd_inference": ...}), read once per path (not on every call)."""
-    with open(path) as fh:
-        tuned = json.load(fh)
-    train = DiagConfig(**tuned["fwd"])
-    return DiagConfig(**tuned.get("fwd_inference", tuned["fwd"])), train, DiagConfig(**tuned["bwd"])
 
 
 def _sm_count(device: torch.device) -> int:
@@ -120,10 +104,6 @@ def _log_n(n: int) -> int:
     return max(1, math.ceil(math.log2(max(n, 1))) + 1)
 
 
-# timing diagnostic only (benchmarks): skip the look-back, i.e. give wrong results
-_lookback = True
-
-
 def _even(cu_seqlens, t_seq: int, total: int, d: int, bt: int, bd: int) -> bool:
     """No boundary masks needed and every tile inside one sequence (fixed length, T % BT == 0)."""
     return cu_seqlens is None and t_seq % bt == 0 and total % bt == 0 and d % bd == 0
@@ -151,7 +131,7 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
     # two warps could leave its loop on one copy's reduction while another copy is still walking
     warps = min(cfg.warps, max(1, bd * cfg.split // 32))
     meta = dict(meta, **extra, H=h, D=d, IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n), BT=cfg.bt, BD=bd,
-                W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, width, cfg.bt, bd), LOOKBACK=_lookback,
+                W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, width, cfg.bt, bd),
                 num_warps=warps)
     kernel[(programs,)](*args, **meta)
 

@@ -53,7 +53,7 @@ def _cfg(bm, bn, warps, stages, extra=None):
 _TMA = {"USE_TMA": True}
 _PIPE_TMA = {"PIPE": True, "USE_TMA": True}
 # (BLOCK_M, BLOCK_N, warps, stages[, extra meta]) per head-dim class, from the H200 sweeps in
-# benchmarks/results/flash_h200.md; the first entry is what DELTA_ATTN_AUTOTUNE=0 runs.
+# docs/PERFORMANCE.md; the first entry is what DELTA_ATTN_AUTOTUNE=0 runs.
 # The forward tries K/V loads through TMA descriptors ("USE_TMA"), warp specialisation of the
 # unmasked loop ("WS") and the loop software-pipelined by one key block ("PIPE") as tuning choices.
 # Measured (sweep of 2026-11-21 03:14): PIPE with TMA is the fastest D=128 forward on all four issue
@@ -80,9 +80,6 @@ _DQ_CONFIGS = {
 _FWD_META = {"USE_TMA": False, "WS": False, "PIPE": False}      # defaults of the forward's tuning meta-parameters
 _INTERP_FWD = dict(BLOCK_M=16, BLOCK_N=16, **{**_FWD_META, "PIPE": True})
 _INTERP_BWD = dict(BLOCK_M=16, BLOCK_N=16)
-
-# TMA descriptors allowed at all (the sweep turns this off to compare)
-FWD_TMA = True
 
 _FLAGS = ["IS_VARLEN", "SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "HAS_WL", "HAS_WR", "HEAD_DIM"]
 
@@ -249,7 +246,7 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_lse_strides(lse, layout), *L.alibi_strides)
     _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
             dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
-                 TMA_OK=FWD_TMA and not triton_interpreter_on() and _tma_ok(k, v)))
+                 TMA_OK=not triton_interpreter_on() and _tma_ok(k, v)))
     return out, lse
 
 
