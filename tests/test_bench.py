@@ -411,3 +411,17 @@ def test_bench_all_writes_a_top_level_report(crossover_dir, tmp_path):
     path = report.write_index(str(root), "delta-attn bench all")
     md = open(path).read()
     assert "[crossover/report.md](crossover/report.md)" in md and "linear operator" in md
+
+
+def test_kernels_suite_runs_the_slow_starters_last_one_direction_at_a_time():
+    from delta_attn.bench import suites
+    tasks = suites.kernels(Settings(device="cpu", dtypes=("bf16",)))
+    slow = [i for i, t in enumerate(tasks) if t.impl.provider == "fla-core"]
+    assert slow and min(slow) == len(tasks) - len(slow)
+    dirs = [tasks[i].directions for i in slow]
+    assert all(len(d) == 1 for d in dirs) and dirs.index(("fwd+bwd",)) > max(
+        i for i, d in enumerate(dirs) if d == ("fwd",))
+    # nothing lost: every (impl, case, direction) of the plain order is still there once
+    key = lambda t, d: (t.impl.name, str(t.case), d)
+    assert sorted(key(t, d) for t in tasks for d in t.directions) == sorted(
+        set(key(t, d) for t in tasks for d in t.directions))

@@ -84,10 +84,21 @@ def _slow_to_start(impl: I.Impl) -> bool:
     return impl.provider == "fla-core"
 
 
+def slow_starters_last(tasks: List[Task]) -> List[Task]:
+    """``tasks`` with the slow starters' rows moved after all others, one direction at a time (their
+    forward, tuned once, is then timed at every shape before a backward autotuning can use up the
+    budget); the order is otherwise kept."""
+    fast = [t for t in tasks if not _slow_to_start(t.impl)]
+    slow = [t for t in tasks if _slow_to_start(t.impl)]
+    directions = list(dict.fromkeys(d for t in slow for d in t.directions))
+    return fast + [Task(t.suite, t.case, t.impl, (d,), t.dtype, t.series)
+                   for d in directions for t in slow if d in t.directions]
+
+
 def crossover(s: Settings) -> List[Task]:
     """Ordered so that a crossover is computable as early as possible under any time budget:
     implementations that start fast (ours, cuDNN, FA2) before the ones that autotune for minutes
-    (those one direction at a time); within those, lengths coarse to fine, the lengths shared with the quadratic operators before
+    (``slow_starters_last``); within those, lengths coarse to fine, the lengths shared with the quadratic operators before
     the linear-only ones; at each length the quadratic rows before the linear ones, so that a
     linear row always has a quadratic row to be compared with."""
     h, d, tokens = s.heads, s.head_dim, s.tokens
@@ -104,19 +115,15 @@ def crossover(s: Settings) -> List[Task]:
         excluded = ("mem-efficient", "delta-attn sdpa", "fused_recurrent")
         impls = [(op, family, impl) for op, family in (("flash", "quadratic"), ("kda", "linear"), ("diag", "linear"))
                  for impl in _impls(op, s, exclude=excluded)]
-        # the slow starters run one direction over every length before the next: their forward,
-        # tuned once, is then timed everywhere before a backward autotuning can use up the budget
-        passes = [(False, dirs)] + [(True, (x,)) for x in dirs]
-        for slow, pass_dirs in passes:
-            for S in order:
-                for op, family, impl in impls:
-                    if _slow_to_start(impl) != slow or S not in lengths[family]:
-                        continue
-                    case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
-                    if op != "flash":
-                        case.pop("Hk"), case.pop("causal")
-                    tasks.append(Task("crossover", case, impl, pass_dirs, dt, series="crossover"))
-    return tasks
+        for S in order:
+            for op, family, impl in impls:
+                if S not in lengths[family]:
+                    continue
+                case = {"op": op, "B": max(1, tokens // S), "S": S, "H": h, "Hk": h, "D": d, "causal": True}
+                if op != "flash":
+                    case.pop("Hk"), case.pop("causal")
+                tasks.append(Task("crossover", case, impl, dirs, dt, series="crossover"))
+    return slow_starters_last(tasks)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -137,7 +144,7 @@ def kernel_cases(s: Settings) -> Dict[str, List[Dict]]:
         (128, 32768, True), (64, 4096, False), (64, 16384, True)]
     kda = [(8, 4096), (1, 32768)] if s.quick else [(8, 4096), (1, 32768), (64, 1024), (1, 131072)]
     diag = [(8, 4096)] if s.quick else [(8, 4096), (1, 32768)]
-    # KDA first (see crossover); the report orders the tables by operator, not by run order
+    # KDA first; the slow starters (FLA) run last (slow_starters_last); the report orders the tables by operator
     return {
         "kda": [dict(B=b, S=t, H=16, D=128) for b, t in kda],
         "kda_decode": [dict(B=64, H=16, D=128)],
@@ -161,7 +168,7 @@ def kernels(s: Settings) -> List[Task]:
                     c["max_seqlen"] = max(c["seqlens"])
                 for impl in _impls(op, s):
                     tasks.append(Task("kernels", c, impl, dirs, dt, series=f"kernels:{op}:{c.get('D')}"))
-    return tasks
+    return slow_starters_last(tasks)
 
 
 # ------------------------------------------------------------------------------------------ matrix
