@@ -54,6 +54,7 @@ def _cmd_bench(args) -> int:
                  tokens=args.tokens if not tiny else min(args.tokens, 32), heads=args.heads if not tiny else 2,
                  head_dim=args.head_dim if not tiny else 16, max_seq=args.max_seq, max_linear_seq=args.max_linear_seq,
                  grads=args.grads)
+    s.resources = args.resources   # issue 20: per-kernel resource report
     if args.quick:
         s.warmup_ms, s.rep_ms, s.max_call_ms = 10.0, 40.0, 1500.0
     if tiny:
@@ -130,6 +131,15 @@ def _add_bench(sub) -> None:
                    help="backward rows: gradients add into .grad from the second call on (default; do_bench's "
                         "protocol, as ANCHORS.md) or are reset before every call (the backward kernels alone)")
     b.add_argument("--no-gate", action="store_true", help="skip the correctness gate (rows say so)")
+    # issue 20: per-kernel resource report (bench/resources.py)
+    b.add_argument("--resources", dest="resources", action="store_const", const="full", default="auto",
+                   help="add every row's kernels to results.jsonl and report.md: Triton kernels' config, registers, "
+                        "spills, shared memory, grid, occupancy, plus every kernel's name and device time through the "
+                        "PyTorch profiler (peers' too), and a roofline. Default: on in the kernels suite without the "
+                        "profiler (the Triton launch hooks watch the untimed first call only: no extra run); off "
+                        "elsewhere")
+    b.add_argument("--no-resources", dest="resources", action="store_const", const="off",
+                   help="collect no kernel figures (the roofline table stays: it is arithmetic on the row)")
     b.add_argument("--no-plots", action="store_true")
     b.set_defaults(func=_cmd_bench)
     r = sub.add_parser("report", help="re-render report.md, results.csv and plots of a results folder")

@@ -540,6 +540,8 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         parts.append(decode_section(rows, run.get("ceilings")))
     parts.append(rows_section(rows, h200, compare))
     parts.append(first_calls_section(rows))
+    from .resources import resources_section   # issue 20: kernels per row and roofline
+    parts.append(resources_section(rows, run))
     parts += ["## Rows that did not run", "", not_run_section(rows), ""]
     if old is not None:
         parts += ["## Comparison with an earlier run", "", compare_section(rows, old[1], old[0]), ""]
@@ -567,6 +569,8 @@ def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) 
     if plots:
         from . import plots as P
         pngs = P.make_plots(out_dir, run, rows)
+        from .resources import roofline_plot, wanted   # issue 20: roofline.png
+        pngs += [os.path.basename(p) for p in [wanted(run, rows) and roofline_plot(out_dir, run, rows)] if p]
     old = None
     if compare_dir is not None:
         old = (compare_dir, read_jsonl(os.path.join(compare_dir, "results.jsonl"))[1])
