@@ -425,3 +425,46 @@ def test_kernels_suite_runs_the_slow_starters_last_one_direction_at_a_time():
     key = lambda t, d: (t.impl.name, str(t.case), d)
     assert sorted(key(t, d) for t in tasks for d in t.directions) == sorted(
         set(key(t, d) for t in tasks for d in t.directions))
+
+
+WATCHDOG_SCRIPT = r"""
+import signal, sys, time, torch
+import delta_attn.bench as B
+from delta_attn.bench import suites
+from delta_attn.bench.impls import Bound, Impl
+from delta_attn.bench.runner import Settings, Task
+
+def bind(case, t):
+    x = t["q"].detach().requires_grad_(False)
+    def stuck():                       # native code that no signal interrupts: SIGALRM blocked
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        time.sleep(60)
+        return x
+    return Bound(fn=stuck, leaves=[], spec=lambda L, up: x, inputs=[x])
+
+impl = Impl("stuck peer", "diag", "linear", "fla-core", bind, lambda c, d, t, g: None)
+suites.build = lambda suite, s, **kw: [Task("crossover", dict(op="diag", B=1, S=8, H=2, D=4), impl, ("fwd",),
+                                            torch.float32)]
+B.WATCHDOG_GRACE_S = 1.0
+s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=1, max_reps=1,
+             time_budget_s=2.0, gate=False)
+B.run_suite("crossover", s, sys.argv[1], plots=False)
+print("NOT REACHED")
+"""
+
+
+def test_watchdog_ends_a_run_stuck_in_native_code(tmp_path):
+    import subprocess
+    import sys
+    import time as _time
+    out = str(tmp_path / "stuck")
+    t0 = _time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG_SCRIPT, out], capture_output=True, text=True, timeout=120)
+    took = _time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "NOT REACHED" not in proc.stdout and "stopped the process" in proc.stderr
+    assert took < 40        # budget 2 s + grace 1 s + start-up and report, not the 60 s sleep
+    run, rows = _read(out)
+    assert run["interrupted"] and "ended" in run["stopped"] and run["duration_s"] < 30
+    assert rows[-1]["status"] == "skipped" and rows[-1]["note"].startswith("abandoned")
+    assert os.path.exists(os.path.join(out, "report.md"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Optional
@@ -19,6 +20,10 @@ from .runner import Settings
 from .suites import SUITES
 
 __all__ = ["Settings", "SUITES", "run_suite"]
+
+# after the time budget ends, a row still running in native code gets this long before the process
+# writes its report and stops (bench/__init__.run_suite's watchdog)
+WATCHDOG_GRACE_S = 15.0
 
 
 def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[str] = None,
@@ -57,8 +62,44 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
         sink.flush()
 
     runner = Runner(settings, ceilings, on_row=on_row)
+    finishing = threading.Lock()
+
+    def finish() -> str:
+        """The final results.jsonl (run record with duration and crossover points), then the report."""
+        run["duration_s"] = time.perf_counter() - t0
+        rows = list(runner.rows)
+        if suite == "crossover":
+            run["crossover"] = report.crossover_summary(rows)
+        report.write_jsonl(path, run, rows)
+        return report.render(out_dir, plots=plots)
+
+    def hard_stop() -> None:
+        """The time budget's backstop. A row is stopped at the budget's end by SIGALRM, but a signal only
+        lands between Python bytecodes: a row stuck in native code (a compiler, a peer's autotuning) could
+        run on. WATCHDOG_GRACE_S later this thread writes the report of the rows measured and ends the
+        process, so that a plain run always ends in time."""
+        if not finishing.acquire(blocking=False):
+            return
+        current = runner.current
+        if current is not None:
+            task, direction = current
+            runner.rows.append(runner._row(task, direction, "skipped",
+                                           f"abandoned: still running {WATCHDOG_GRACE_S:.0f} s after the time budget "
+                                           f"of {settings.time_budget_s:.0f} s ended; the suite stopped here"))
+        run["interrupted"] = True
+        run["stopped"] = (f"the process was ended {WATCHDOG_GRACE_S:.0f} s after the time budget, with a row still "
+                          "running in native code")
+        out = finish()
+        print(f"delta-attn bench {suite}: time budget ended with a row stuck in native code; wrote {out} and "
+              "stopped the process (any later suite of `bench all` did not run)", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    watchdog = None
     if settings.time_budget_s > 0:
         runner.deadline = t0 + settings.time_budget_s
+        watchdog = threading.Timer(settings.time_budget_s + WATCHDOG_GRACE_S, hard_stop)
+        watchdog.daemon = True
+        watchdog.start()
     previous = _sigterm_raises_interrupt()
     try:
         runner.run(tasks, desc=f"bench {suite}")
@@ -67,14 +108,13 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
         print(f"delta-attn bench {suite}: interrupted; writing the {len(runner.rows)} rows measured so far",
               file=sys.stderr, flush=True)
     finally:
-        sink.close()
         _restore_sigterm(previous)
-    run["duration_s"] = time.perf_counter() - t0
-    rows = runner.rows
-    if suite == "crossover":
-        run["crossover"] = report.crossover_summary(rows)
-    report.write_jsonl(path, run, rows)
-    return report.render(out_dir, plots=plots)
+    if not finishing.acquire(blocking=False):     # the watchdog is writing the report and ends the process
+        threading.Event().wait()
+    if watchdog is not None:
+        watchdog.cancel()
+    sink.close()
+    return finish()
 
 
 def _sigterm_raises_interrupt():

@@ -168,6 +168,7 @@ class Runner:
         self._measured: Dict[Tuple, Dict[float, float]] = {}   # series key -> {work: ms}
         self._stalled: Dict[Tuple, str] = {}                   # (impl, direction) -> why its rows stop
         self.deadline: Optional[float] = None                 # perf_counter() time after which rows are skipped
+        self.current: Optional[Tuple[Task, str]] = None       # the row running now (the watchdog names it)
         self.t0 = time.perf_counter()                         # rows record when they ended (elapsed_s)
 
     # ---------------------------------------------------------------- rows
@@ -197,7 +198,7 @@ class Runner:
     def run_task(self, task: Task, progress: Optional[Progress] = None) -> None:
         impl, dev = task.impl, self.device
         base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-        state = {"bound": None}     # the inputs bound once, shared by the task's directions
+        state = {"bound": None, "used": False}   # the inputs bound once, shared by the task's directions
         try:
             for direction in task.directions:
                 stalled = self._stalled.get((impl.name, direction))
@@ -210,16 +211,20 @@ class Runner:
                                          f"suite time budget of {self.s.time_budget_s:.0f} s reached (--time-budget)"),
                                progress)
                     continue
+                state["used"] = True
                 limits = [x for x in (self.s.first_call_limit_s or None, left) if x is not None]
                 limit = min(limits) if limits else None
                 t0 = time.perf_counter()
+                self.current = (task, direction)
                 try:
                     with time_limit(limit):
                         row, keep_going = self._run_direction(task, direction, state, base_mem)
+                    self.current = None
                     self._emit(row, progress)
                     if not keep_going:
                         return
                 except RowTimeout:
+                    self.current = None
                     state["bound"] = None
                     _free(dev)
                     _sync(dev)
@@ -232,8 +237,9 @@ class Runner:
                         self._stalled[(impl.name, direction)] = note + "; this implementation's later rows are skipped"
                     self._emit(self._row(task, direction, "skipped", note), progress)
         finally:
-            state["bound"] = None
-            _free(dev)
+            if state["bound"] is not None or state["used"]:
+                state["bound"] = None
+                _free(dev)
 
     def _predicted_ms(self, skey: Tuple, w: float) -> Optional[float]:
         """The time of a call of work ``w``, scaled from the largest smaller one measured in its series."""
