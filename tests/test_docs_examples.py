@@ -13,8 +13,9 @@ import pytest
 
 import delta_attn as da
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-FILES = ["MIGRATION.md"]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+FILES = ["MIGRATION.md", "../README.md"]     # relative to docs/
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
 

@@ -512,7 +512,8 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         counts[r["status"]] += 1
     parts = [f"# delta-attn bench {suite}", ""]
     if run.get("interrupted"):
-        parts += ["> **Interrupted**: this report holds only the rows measured before the run was stopped.", ""]
+        parts += ["> **Interrupted**: this report holds only the rows measured before the run was stopped" +
+                  (f" ({run['stopped']})" if run.get("stopped") else "") + ".", ""]
     parts += [
              f"Command: `{run.get('command', '')}`  ",
              f"Started {run.get('started', '?')} UTC, took {_f(run.get('duration_s'))} s; rows: " +
