@@ -303,7 +303,7 @@ def _sleepy(name, first_call_s):
 
 def test_first_call_limit_stops_a_slow_peer_and_skips_its_later_rows():
     s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=1, max_reps=1,
-                 first_call_limit_s=0.5)
+                 first_call_limit_s=4.0)       # rows of the good implementation take well under this
     runner = Runner(s, {})
     slow, good = _sleepy("autotuner", 30.0), _fake("right", lambda o: o)
     tasks = [Task("crossover", dict(op="diag", B=1, S=S, H=2, D=4), impl, ("fwd",), torch.float32)
@@ -311,7 +311,7 @@ def test_first_call_limit_stops_a_slow_peer_and_skips_its_later_rows():
     import time as _time
     t0 = _time.perf_counter()
     rows = runner.run(tasks, "test")
-    assert _time.perf_counter() - t0 < 10
+    assert _time.perf_counter() - t0 < 25
     by = {(r["impl"], r["case"]["S"]): r for r in rows}
     first = by[("autotuner", 8)]
     assert first["status"] == "skipped" and "--first-call-limit" in first["note"] and first["ms"] is None
@@ -364,7 +364,7 @@ def test_answer_section_gives_every_linear_operator_a_crossover_or_a_reason():
     assert names.index("delta-attn triton [kda]") < names.index("peer [kda]") < names.index("delta-attn triton [diag]")
 
 
-@pytest.mark.parametrize("budget", ["0.5", "3"])
+@pytest.mark.parametrize("budget", ["0.5", "30"])
 def test_any_budget_still_answers(tmp_path, budget):
     out = str(tmp_path / "x")
     assert cli.main(["bench", "crossover", "--device", "cpu", "--tiny", "--out", out, "--no-plots",
