@@ -86,6 +86,12 @@ CASES = [
     ("window below -1", call_attn, attn(window_size=(-2, 0)), ValueError, r"window_size entries must be >= -1"),
     ("window not pair", call_attn, attn(window_size=3), TypeError, r"window_size must be a pair"),
     ("softcap negative", call_attn, attn(softcap=-1.0), ValueError, r"softcap must be >= 0"),
+    ("softcap inf", call_attn, attn(softcap=float("inf")), ValueError, r"softcap must be a finite number >= 0"),
+    ("softcap nan", call_attn, attn(softcap=float("nan")), ValueError, r"softcap must be a finite number"),
+    ("scale inf", call_attn, attn(softmax_scale=float("inf")), ValueError, r"softmax_scale must be a finite number, got inf"),
+    ("scale -inf", call_attn, attn(softmax_scale=float("-inf")), ValueError, r"softmax_scale must be a finite number, got -inf"),
+    ("scale nan", call_attn, attn(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite number, got nan"),
+    ("scale type", call_attn, attn(softmax_scale="0.1"), TypeError, r"softmax_scale must be a number"),
     ("dropout 1", call_attn, attn(dropout_p=1.0), ValueError, r"dropout_p must be in \[0.0, 1.0\)"),
     ("dropout negative", call_attn, attn(dropout_p=-0.1), ValueError, r"dropout_p"),
     ("dropout type", call_attn, attn(dropout_p="0.1"), TypeError, r"dropout_p must be a number"),
@@ -110,6 +116,9 @@ CASES = [
     ("max_seqlen type", call_varlen, varlen(max_seqlen_k=5.0), TypeError, r"max_seqlen_k must be an int"),
     ("varlen rank", call_varlen, varlen(q=torch.randn(1, 9, 4, 16)), ValueError, r"q must be 3-D"),
     ("unknown layout", call_varlen, varlen(layout="bshd"), ValueError, r"layout must be one of 'thd', 'htd'"),
+    ("varlen scale inf", call_varlen, varlen(softmax_scale=float("inf")), ValueError, r"softmax_scale must be a finite number"),
+    ("varlen scale nan", call_varlen, varlen(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite number"),
+    ("varlen softcap inf", call_varlen, varlen(softcap=float("inf")), ValueError, r"softcap must be a finite number"),
     ("varlen alibi batch", call_varlen, varlen(alibi_slopes=torch.rand(3, 4)), ValueError, r"alibi_slopes must have shape"),
     # --- KDA
     ("kda q rank", call_kda, kda_args(q=torch.randn(5, 2, 8)), ValueError, r"q must be 4-D"),
@@ -182,6 +191,39 @@ def test_good_inputs_pass_validation():
     call_kda_step(kda_args())
     call_diag(diag_args())
     call_diag_step(diag_args())
+
+
+@pytest.mark.parametrize("scale", [-0.3, -10.0, 1e-30, 7])
+def test_any_finite_softmax_scale_is_accepted(scale):
+    """DESIGN: any finite scale (negative, tiny, an int) runs and gives a finite result."""
+    assert torch.isfinite(call_attn(attn(softmax_scale=scale))).all()
+    assert torch.isfinite(call_varlen(varlen(softmax_scale=scale, softcap=2.5))).all()
+
+
+@pytest.mark.parametrize("bad", [dict(softmax_scale=float("inf")), dict(softmax_scale=float("nan"))])
+def test_layers_forward_scale_through_the_shared_check(bad):
+    """The nn layers and the transformers integration pass softmax_scale / softcap to flash_attn_func /
+    flash_attn_varlen_func, whose shared check refuses a non-finite value by name."""
+    import delta_attn.nn as dnn
+    name = next(iter(bad))
+    attn_layer = dnn.MultiheadAttention(32, num_heads=2, backend="torch", **bad)
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        attn_layer(torch.randn(2, 5, 32))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):      # padded: the varlen path
+        attn_layer(torch.randn(2, 5, 32), attention_mask=torch.tensor([[1] * 5, [0, 1, 1, 1, 1]]))
+    xattn = dnn.GQACrossAttention(32, num_heads=2, num_kv_heads=1, backend="torch", **bad)
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        xattn(torch.randn(2, 5, 32), torch.randn(2, 3, 32))
+
+
+def test_number_check_words():
+    from delta_attn import _checks as C
+    assert C.number("x", 3) == 3.0 and C.number("x", -2.5, finite=True) == -2.5
+    with pytest.raises(ValueError, match=r"x must be a number, not NaN, got nan"):
+        C.number("x", float("nan"))
+    with pytest.raises(ValueError, match=r"x must be a finite number in \[0, 1\], got inf"):
+        C.number("x", float("inf"), 0, 1, finite=True)
+    C.number("x", float("inf"))                       # without finite=True, inf stays allowed
 
 
 def test_validation_runs_before_any_backend(monkeypatch):

@@ -84,15 +84,18 @@ def one_of(name: str, value, allowed: Sequence) -> None:
 
 def number(name: str, value, low: Optional[float] = None, high: Optional[float] = None,
            high_inclusive: bool = True, doc: str = "", finite: bool = False) -> float:
+    """``value`` is an int or float (not bool), never NaN, within [low, high] (or [low, high) when not
+    ``high_inclusive``) and, with ``finite``, not +-inf. ``doc`` words the range in the error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    bad = (low is not None and value < low) or (
+    not_finite = value != value or value in (float("inf"), float("-inf"))
+    bad = value != value or (finite and not_finite) or (low is not None and value < low) or (
         high is not None and (value > high if high_inclusive else value >= high))
-    if finite and value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    if bad or value != value:
-        rng = doc or f"in [{low}, {high}{']' if high_inclusive else ')'}"
-        raise ValueError(f"{name} must be {rng}, got {value}")
+    if bad:
+        rng = doc or ("" if low is None and high is None else f"in [{low}, {high}{']' if high_inclusive else ')'}")
+        if finite and not_finite:
+            rng = "a finite number" + (f" {rng}" if rng else "")
+        raise ValueError(f"{name} must be {rng or 'a number, not NaN'}, got {value}")
     return float(value)
 
 

@@ -91,10 +91,10 @@ def _common(q, k, v, hq, hk, batch, dropout_p, softmax_scale, causal, window_siz
     C.positive_dim("q heads", hq)
     C.heads_divide("q heads", hq, "k heads", hk)
     dropout_p = C.number("dropout_p", dropout_p, 0.0, 1.0, high_inclusive=False)
-    softcap = C.number("softcap", softcap, 0.0, doc=">= 0 (0 disables it)")
+    softcap = C.number("softcap", softcap, 0.0, doc=">= 0 (0 disables it)", finite=True)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
-    softmax_scale = C.number("softmax_scale", softmax_scale)
+    softmax_scale = C.number("softmax_scale", softmax_scale, finite=True)     # any finite scale, negative too
     causal = C.flag("causal", causal)
     C.flag("deterministic", deterministic)
     C.flag("return_attn_probs", return_attn_probs)
