@@ -51,10 +51,46 @@ def test_reasons_for_missing_op_and_device():
 
 def test_triton_backend_accepts_cpu_only_under_interpreter(monkeypatch):
     rule = backends._triton_device_rule
+    cpu = torch.device("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert rule(fake_call(device=torch.device("cpu")))
+    assert rule(fake_call(device=cpu, dtype=torch.float16))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert rule(fake_call(device=torch.device("cpu"))) == []
+    assert rule(fake_call(device=cpu, dtype=torch.float16)) == []
+    # the interpreter's tl.dot is wrong on bf16: the ops whose kernels use it declare so, on CPU only
+    for op in ("flash", "flash_varlen", "kda"):
+        why = rule(fake_call(op=op, device=cpu))
+        assert len(why) == 1 and "interpreter" in why[0] and "bfloat16" in why[0] and "Triton " in why[0], why
+    for op in ("diag", "diag_step", "kda_step"):
+        assert rule(fake_call(op=op, device=cpu)) == []
+    assert rule(fake_call()) == []                       # bf16 on a GPU
+
+
+def test_device_specific_capability_replaces_the_general_one_on_its_device(fake_gpu):
+    b = Backend("fake", "a test backend")
+    b.register("flash", Capability(impl="builtins:len", dtypes=(torch.float16,)))
+    b.register("flash", Capability(impl="builtins:len", device_types=("cpu",), dtypes=(torch.float32,),
+                                   features=frozenset({"causal"})), device_type="cpu")
+    cpu = fake_call(device=torch.device("cpu"), dtype=torch.float32)
+    assert b.not_supported_reasons(cpu) == []
+    assert any("supports float16, got float32" in r for r in b.not_supported_reasons(fake_call(dtype=torch.float32)))
+    assert b.not_supported_reasons(fake_call(dtype=torch.float16, needs_grad=False)) == ["does not support causal"]
+    assert b.device_types("flash") == ("cuda", "cpu")
+    assert "runs on cuda/cpu tensors, got mps" in b.not_supported_reasons(fake_call(device=torch.device("mps")))
+    assert b.implementation("flash") is len
+    with pytest.raises(ValueError, match="same implementation"):
+        b.register("flash", Capability(impl="builtins:max", device_types=("cpu",)), device_type="cpu")
+    with pytest.raises(ValueError, match="must list 'cpu'"):
+        b.register("flash", Capability(impl="builtins:len"), device_type="cpu")
+
+
+def test_sdpa_declares_its_cpu_kernel_separately_from_its_cuda_kernels():
+    sdpa = backends.BACKENDS["sdpa"]
+    for op in ("flash", "flash_varlen"):
+        cpu, cuda = sdpa.capability(op, "cpu"), sdpa.capability(op, "cuda")
+        assert cpu.device_types == ("cpu",) and cuda.device_types == ("cuda",) and cpu.impl == cuda.impl
+        assert torch.float32 in cpu.dtypes and torch.float64 in cpu.dtypes
+        assert not cpu.features & {"softcap", "alibi", "dropout", "head_dim_v"}
+    assert not sdpa.capability("flash_varlen", "cpu").traceable      # the host loop over cu_seqlens
 
 
 def test_explicit_backend_raises_one_error_with_all_reasons(monkeypatch):
@@ -70,13 +106,18 @@ def test_explicit_backend_raises_one_error_with_all_reasons(monkeypatch):
 def test_auto_walks_the_policy_and_explains(monkeypatch):
     q = torch.randn(1, 4, 2, 16)
     ex = da.explain(da.flash_attn_func, q, q, q, causal=True)
-    assert ex.chosen == "torch" and ex.requested == "auto"
+    # on CPU, PyTorch SDPA's CPU kernel comes first; the reference path comes last
+    assert ex.chosen == "sdpa" and ex.requested == "auto"
     names = [n for n, _ in ex.considered]
-    assert names.index("torch") == len(names) - 1        # the reference path comes last
+    assert names[0] == "sdpa" and names.index("torch") == len(names) - 1
     text = str(ex)
-    assert "chosen: torch" in text
-    for name, reasons in ex.considered[:-1]:
+    assert "chosen: sdpa" in text and "cpu: PyTorch SDPA's CPU kernel first" in text
+    assert "torch: could run it, lower in the policy order" in text
+    for name, reasons in ex.considered[1:-1]:
         assert reasons and f"{name}: passed over" in text
+    # softcap: only the reference computes it on CPU, and explain() says why the others cannot
+    ex = da.explain(da.flash_attn_func, q, q, q, causal=True, softcap=2.0)
+    assert ex.chosen == "torch" and "sdpa: passed over — does not support softcap" in str(ex)
     # a custom policy reorders, and explain() reflects it
     monkeypatch.setitem(backends._POLICIES, "flash", lambda call: ("torch",))
     assert da.explain("flash_attn_func", q, q, q).considered[0][0] == "torch"

@@ -2,8 +2,11 @@
 
 A *backend* (``torch``, ``triton``, ``cudnn``, ``sdpa``) declares, for each operator it implements,
 a :class:`Capability`: device types, dtypes, head dims, optional features, minimum compute
-capability and the Python package it needs. :meth:`Backend.not_supported_reasons` turns a
-:class:`Call` (what one call of an operator asks for) into readable reasons.
+capability and the Python package it needs. A backend whose kernels differ per device declares one
+capability per device type for an operator (``register(..., device_type="cpu")``: ``sdpa`` runs
+PyTorch's FlashAttention-2 / memory-efficient kernels on CUDA and its CPU flash kernel on CPU).
+:meth:`Backend.not_supported_reasons` turns a :class:`Call` (what one call of an operator asks
+for) into readable reasons.
 
 Dispatch: an explicit backend runs the call or raises :class:`UnsupportedError` listing all its
 reasons; ``"auto"`` walks the operator's policy order (:func:`auto_order`) and takes the first
@@ -14,11 +17,13 @@ so ``import delta_attn`` compiles no kernel and imports no optional package.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import types
 import warnings
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
@@ -106,6 +111,14 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@lru_cache(maxsize=None)
+def _triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
@@ -115,6 +128,8 @@ class Backend:
         self.name = name
         self.description = description
         self.capabilities: Dict[str, Capability] = {}
+        # (op, device type) -> the capability for calls on that device type, in place of capabilities[op]
+        self.device_capabilities: Dict[Tuple[str, str], Capability] = {}
         self._device_rule = device_rule
         self._loaded: Dict[str, Callable] = {}
         # the same functions as attributes, read by select(): torch.compile snapshots a dict when the
@@ -122,15 +137,41 @@ class Backend:
         # missing), whereas it reads an object's attribute when asked
         self.loaded = types.SimpleNamespace()
 
-    def register(self, op: str, capability: Capability) -> None:
+    def register(self, op: str, capability: Capability, device_type: Optional[str] = None) -> None:
+        """Declare ``capability`` for ``op``; with ``device_type``, for calls on that device type only
+        (it replaces the general capability there). Every capability of one operator names the same
+        implementation, which dispatches on the device itself."""
         if op not in OPS:
             raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
-        self.capabilities[op] = capability
+        if device_type is not None and device_type not in capability.device_types:
+            raise ValueError(f"a capability registered for {device_type} tensors must list {device_type!r} "
+                             f"in device_types, got {capability.device_types}")
+        others = [c.impl for (o, d), c in self.device_capabilities.items() if o == op and d != device_type]
+        if device_type is not None and op in self.capabilities:
+            others.append(self.capabilities[op].impl)
+        if any(impl != capability.impl for impl in others):
+            raise ValueError(f"{self.name}/{op}: every capability of one operator names the same implementation "
+                             f"(it dispatches on the device), got {capability.impl} and "
+                             f"{', '.join(sorted(set(others)))}")
+        if device_type is None:
+            self.capabilities[op] = capability
+        else:
+            self.device_capabilities[(op, device_type)] = capability
         self._loaded.pop(op, None)
         self.loaded.__dict__.pop(op, None)
 
+    def capability(self, op: str, device_type: str) -> Optional[Capability]:
+        """The capability that governs calls of ``op`` on ``device_type`` tensors (None: not implemented)."""
+        return self.device_capabilities.get((op, device_type), self.capabilities.get(op))
+
+    def device_types(self, op: str) -> Tuple[str, ...]:
+        """Every device type some capability of ``op`` accepts, in declaration order."""
+        caps = ([self.capabilities[op]] if op in self.capabilities else []) + \
+            [c for (o, _), c in self.device_capabilities.items() if o == op]
+        return tuple(dict.fromkeys(d for c in caps for d in c.device_types))
+
     def not_supported_reasons(self, call: Call) -> List[str]:
-        cap = self.capabilities.get(call.op)
+        cap = self.capability(call.op, call.device.type)
         if cap is None:
             return [f"has no implementation of {call.op}"]
         reasons: List[str] = []
@@ -140,7 +181,7 @@ class Backend:
         if self._device_rule is not None:
             reasons += self._device_rule(call)
         elif call.device.type not in cap.device_types:
-            reasons.append(f"runs on {'/'.join(cap.device_types)} tensors, got {call.device.type}")
+            reasons.append(f"runs on {'/'.join(self.device_types(call.op))} tensors, got {call.device.type}")
         if call.device.type == "cuda" and not torch.cuda.is_available():
             reasons.append("no CUDA GPU visible")
         if cap.min_compute_capability is not None and call.device.type == "cuda":
@@ -168,17 +209,29 @@ class Backend:
     def implementation(self, op: str) -> Callable:
         fn = self._loaded.get(op)
         if fn is None:
-            module, _, attr = self.capabilities[op].impl.partition(":")
+            cap = self.capabilities.get(op) or next(c for (o, _), c in self.device_capabilities.items() if o == op)
+            module, _, attr = cap.impl.partition(":")
             fn = getattr(importlib.import_module(module), attr)
             self._loaded[op] = fn
             setattr(self.loaded, op, fn)
         return fn
 
 
+# Operators whose Triton kernels multiply with tl.dot. The Triton interpreter (TRITON_INTERPRET=1) returns
+# garbage for tl.dot on bfloat16 operands (seen on Triton 3.6, measured on 3.9.0; the gated diagonal scans and
+# the KDA decode step, which have no tl.dot, are right in bf16), so those run bf16 on CUDA GPUs only.
+# tests/test_backend_capabilities.py checks that the installed Triton still has the bug.
+INTERPRETER_BF16_DOT_OPS = frozenset({"flash", "flash_varlen", "kda"})
+
+
 def _triton_device_rule(call: Call) -> List[str]:
     if call.device.type == "cuda":
         return []
     if call.device.type == "cpu" and triton_interpreter_on():
+        if call.dtype == torch.bfloat16 and call.op in INTERPRETER_BF16_DOT_OPS:
+            return [f"the Triton interpreter (TRITON_INTERPRET=1, Triton {_triton_version()}) computes tl.dot on "
+                    f"bfloat16 operands wrongly, so bfloat16 {call.op} runs on CUDA GPUs only (use float16 or "
+                    f"float32 on CPU)"]
         return []
     return [f"runs on cuda tensors (or cpu tensors with TRITON_INTERPRET=1), got {call.device.type}"]
 
@@ -191,9 +244,32 @@ BACKENDS: Dict[str, Backend] = {
 }
 
 
-def register(backend: str, op: str, capability: Capability) -> None:
-    """Declare that ``backend`` implements ``op`` with ``capability``."""
-    BACKENDS[backend].register(op, capability)
+def register(backend: str, op: str, capability: Capability, device_type: Optional[str] = None) -> None:
+    """Declare that ``backend`` implements ``op`` with ``capability`` (on ``device_type`` tensors only, if given)."""
+    BACKENDS[backend].register(op, capability, device_type)
+
+
+# ---------------------------------------------------------------------------------------------
+# sdpa on CPU: PyTorch's CPU flash kernel (ops/sdpa.py). Its CUDA capabilities (FlashAttention-2, the
+# memory-efficient kernel) are declared with cuDNN's in ops/cudnn.py. The CPU kernel takes any head dim
+# (q/k and v equal), GQA, every float dtype, an additive mask and returns the LSE; ops/sdpa.py builds
+# the mask for causal / windows aligned bottom-right (DESIGN.md) and writes the rows that see no key.
+# The varlen path loops over the sequences on the host (cu_seqlens read once), which torch.compile
+# cannot trace.
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpa_cpu_check(call: Call) -> List[str]:
+    from .ops import sdpa       # imported on first use (ops import this module)
+    return sdpa.cpu_reasons(call)
+
+
+_SDPA_CPU = dict(impl="delta_attn.ops.sdpa:attention", device_types=("cpu",),
+                 dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), check=_sdpa_cpu_check)
+register("sdpa", "flash", Capability(features=frozenset({"causal", "window", "gqa", "sq_ne_sk"}), **_SDPA_CPU),
+         device_type="cpu")
+register("sdpa", "flash_varlen", Capability(features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}),
+                                            traceable=False, **_SDPA_CPU), device_type="cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,16 +277,24 @@ def register(backend: str, op: str, capability: Capability) -> None:
 # ---------------------------------------------------------------------------------------------
 
 # Default preference per operator, fastest first. The measurements behind each order are in
-# docs/DISPATCH.md; an operator may install a finer policy with set_auto_policy.
+# docs/DISPATCH.md; an operator may install a finer policy with set_auto_policy. The attention policy
+# (ops/cudnn.py) orders CUDA calls by its measurements and takes this order for the others (CPU tensors):
+# PyTorch SDPA's CPU kernel first (forward 4-18x faster than the reference at S = 256-2048, DISPATCH.md),
+# the Triton kernels next (CPU tensors only under TRITON_INTERPRET=1, the test mode), the reference last.
 _DEFAULT_ORDER: Dict[str, Tuple[str, ...]] = {
-    "flash": ("cudnn", "triton", "sdpa", "torch"),
-    "flash_varlen": ("triton", "cudnn", "sdpa", "torch"),
+    "flash": ("sdpa", "triton", "cudnn", "torch"),
+    "flash_varlen": ("sdpa", "triton", "cudnn", "torch"),
     "kda": ("triton", "torch"),
     "kda_step": ("triton", "torch"),
     "diag": ("triton", "torch"),
     "diag_step": ("triton", "torch"),
 }
 _POLICIES: Dict[str, Callable[[Call], Sequence[str]]] = {}
+# what explain() says about the default order of an operator on CPU tensors
+_CPU_WHY: Dict[str, str] = {
+    op: "cpu: PyTorch SDPA's CPU kernel first (4-18x faster than the reference, docs/DISPATCH.md), the Triton "
+        "interpreter next, the reference where neither computes the call"
+    for op in ("flash", "flash_varlen")}
 
 
 def set_auto_policy(op: str, policy: Callable[[Call], Sequence[str]]) -> None:
@@ -259,6 +343,8 @@ def explain_call(call: Call, backend: str = "auto") -> Explanation:
     describe = getattr(_POLICIES.get(call.op), "describe", None) if backend == "auto" else None
     if describe is not None:
         ex.policy_note = describe(call)
+    if backend == "auto" and call.device.type == "cpu" and call.op in _CPU_WHY:
+        ex.policy_note = "; ".join(n for n in (ex.policy_note, _CPU_WHY[call.op]) if n)
     for name in names:
         reasons = BACKENDS[name].not_supported_reasons(call)
         ex.considered.append((name, reasons))
