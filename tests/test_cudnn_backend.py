@@ -108,8 +108,8 @@ def test_explicit_backend_error_lists_reasons():
     assert "backend 'cudnn' cannot run" in msg and "runs on cuda tensors, got cpu" in msg
     assert "does not support softcap" in msg and "float32" in msg
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    with pytest.raises(UnsupportedError, match="sdpa"):
-        da.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5, backend="sdpa")
+    with pytest.raises(UnsupportedError, match="sdpa"):      # softcap: no SDPA kernel computes it
+        da.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5, softcap=5.0, backend="sdpa")
 
 
 def test_bounds_mapping():
