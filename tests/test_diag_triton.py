@@ -341,3 +341,24 @@ def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
     assert ws4.shape[0] == 6 and bool((ws4 < 0).all())
     c4 = (ws4[:5] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     torch.testing.assert_close(c4, c3, rtol=1e-5, atol=1e-5)
+
+
+def test_step_with_a_strided_state_indices_view_touches_only_its_slots():
+    """A strided state_indices view (every other element of a longer tensor) updates exactly the
+    slots it names, as its contiguous copy does (the kernel reads idx + b)."""
+    import delta_attn as da
+    torch.manual_seed(3)
+    b, h, d, pool = 3, 2, 16, 8
+    q, k, v = (torch.randn(b, 1, h, d) for _ in range(3))
+    g = -torch.rand(b, 1, h, d)
+    base = torch.randn(pool, h, d)
+    wide = torch.tensor([5, 0, 1, 0, 6, 0], dtype=torch.int32)
+    idx = wide[::2]                                     # [5, 1, 6], stride 2
+    assert idx.stride(0) == 2
+    s_view, s_copy = base.clone(), base.clone()
+    o1 = da.gated_diag_step(q, k, v, g, s_view, state_indices=idx, backend="triton")
+    o2 = da.gated_diag_step(q, k, v, g, s_copy, state_indices=idx.contiguous(), backend="torch")
+    torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_view, s_copy, rtol=1e-5, atol=1e-5)
+    untouched = [i for i in range(pool) if i not in (5, 1, 6)]
+    assert torch.equal(s_view[untouched], base[untouched])

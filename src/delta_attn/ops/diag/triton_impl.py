@@ -211,7 +211,10 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
 
 
 def diag_step(q, k, v, g, state, state_indices=None):
-    """Decode: the recurrence over q.shape[1] new tokens per sequence; ``state`` updated in place."""
+    """Decode: the recurrence over q.shape[1] new tokens per sequence; ``state`` updated in place.
+    ``state_indices`` may be a strided view: the kernel reads ``idx + b``, so it gets a unit-stride copy."""
+    if state_indices is not None:
+        state_indices = state_indices.contiguous()
     b, t, h, d = q.shape
     o = empty(q.shape, q.dtype, q.device)
     if b == 0 or t == 0:
