@@ -468,3 +468,15 @@ def test_watchdog_ends_a_run_stuck_in_native_code(tmp_path):
     assert run["interrupted"] and "ended" in run["stopped"] and run["duration_s"] < 30
     assert rows[-1]["status"] == "skipped" and rows[-1]["note"].startswith("abandoned")
     assert os.path.exists(os.path.join(out, "report.md"))
+
+
+@pytest.mark.parametrize("field, value", [("first_call_limit_s", -1.0), ("time_budget_s", float("nan")),
+                                          ("rep_ms", -5.0), ("resources", "everything")])
+def test_settings_refuse_values_that_would_mean_something_else(field, value):
+    with pytest.raises(ValueError, match=field.split("_s")[0] if field != "resources" else "resources"):
+        Settings(**{field: value})
+    s = Settings(device="cpu", tiny=True)
+    setattr(s, field, value)            # the CLI sets fields after construction: run_suite checks again
+    from delta_attn.bench import run_suite
+    with pytest.raises(ValueError, match=field if field != "resources" else "resources"):
+        run_suite("ceilings", s, "/tmp/never-written")

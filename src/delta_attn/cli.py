@@ -54,7 +54,7 @@ def _cmd_bench(args) -> int:
                  tokens=args.tokens if not tiny else min(args.tokens, 32), heads=args.heads if not tiny else 2,
                  head_dim=args.head_dim if not tiny else 16, max_seq=args.max_seq, max_linear_seq=args.max_linear_seq,
                  grads=args.grads)
-    s.resources = args.resources   # issue 20: per-kernel resource report
+    s.resources = args.resources
     if args.quick:
         s.warmup_ms, s.rep_ms, s.max_call_ms = 10.0, 40.0, 1500.0
     if tiny:
@@ -131,7 +131,7 @@ def _add_bench(sub) -> None:
                    help="backward rows: gradients add into .grad from the second call on (default; do_bench's "
                         "protocol, as ANCHORS.md) or are reset before every call (the backward kernels alone)")
     b.add_argument("--no-gate", action="store_true", help="skip the correctness gate (rows say so)")
-    # issue 20: per-kernel resource report (bench/resources.py)
+    # per-kernel resource report (bench/resources.py)
     b.add_argument("--resources", dest="resources", action="store_const", const="full", default="auto",
                    help="add every row's kernels to results.jsonl and report.md: Triton kernels' config, registers, "
                         "spills, shared memory, grid, occupancy, plus every kernel's name and device time through the "

@@ -35,6 +35,7 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     from . import report, suites
     from .runner import Runner, measure_ceilings
 
+    settings.check()
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; one of {', '.join(SUITES)}")
     os.makedirs(out_dir, exist_ok=True)

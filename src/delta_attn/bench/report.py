@@ -541,7 +541,7 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         parts.append(decode_section(rows, run.get("ceilings")))
     parts.append(rows_section(rows, h200, compare))
     parts.append(first_calls_section(rows))
-    from .resources import resources_section   # issue 20: kernels per row and roofline
+    from .resources import resources_section   # kernels per row and roofline
     parts.append(resources_section(rows, run))
     parts += ["## Rows that did not run", "", not_run_section(rows), ""]
     if old is not None:
@@ -570,7 +570,7 @@ def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) 
     if plots:
         from . import plots as P
         pngs = P.make_plots(out_dir, run, rows)
-        from .resources import roofline_plot, wanted   # issue 20: roofline.png
+        from .resources import roofline_plot, wanted   # roofline.png
         pngs += [os.path.basename(p) for p in [wanted(run, rows) and roofline_plot(out_dir, run, rows)] if p]
     old = None
     if compare_dir is not None:

@@ -1,4 +1,4 @@
-"""Per-kernel resource report of a bench row (issue 20): the Triton kernels a row launches with their
+"""Per-kernel resource report of a bench row: the Triton kernels a row launches with their
 configuration, registers, spills, shared memory, grid and occupancy; the row's place on the roofline
 of the ceilings measured in the same run; the peers' kernels named through the PyTorch profiler.
 

@@ -17,7 +17,7 @@ from . import cases, models
 from .gate import GateResult, gate_key, is_unavailable_error, run_gate
 from .impls import Impl
 from .timer import _flush_buffer, estimate_ms, measure
-from . import resources as _resources   # issue 20: per-kernel resource report (bench/resources.py)
+from . import resources as _resources   # per-kernel resource report
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -43,7 +43,7 @@ class Settings:
     max_seq: int = 131072
     max_linear_seq: int = 1048576
     gate: bool = True
-    resources: str = "auto"          # issue 20: auto (kernels suite: Triton launches) | off | triton | full
+    resources: str = "auto"          # auto (kernels suite: Triton launches) | off | triton | full
     time_budget_s: float = 0.0       # > 0: rows not started by then are skipped (the suite ends in time)
     # > 0: a row (its first call: compilation, autotuning) is stopped after this many seconds, and so is
     # any row still running when the time budget ends; the implementation's later rows in that direction
@@ -57,8 +57,19 @@ class Settings:
     grads: str = "accumulate"
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Refuse settings that would silently mean something else (run again by run_suite, since the
+        CLI sets some fields after construction)."""
         if self.grads not in ("accumulate", "fresh"):
             raise ValueError(f"grads must be 'accumulate' or 'fresh', got {self.grads!r}")
+        if self.resources not in ("auto", "off", "triton", "full"):
+            raise ValueError(f"resources must be 'auto', 'off', 'triton' or 'full', got {self.resources!r}")
+        for name in ("time_budget_s", "first_call_limit_s", "warmup_ms", "rep_ms"):
+            value = getattr(self, name)
+            if not value >= 0:          # also refuses NaN
+                raise ValueError(f"{name} must be >= 0 (0 = none), got {value!r}")
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -164,7 +175,7 @@ class Runner:
         self.ceilings = ceilings
         self.rows: List[Dict] = []
         self._gates: Dict[Tuple, GateResult] = {}
-        self._res = _resources.RowResources(settings, ceilings, self.device)   # issue 20
+        self._res = _resources.RowResources(settings, ceilings, self.device)
         self._measured: Dict[Tuple, Dict[float, float]] = {}   # series key -> {work: ms}
         self._stalled: Dict[Tuple, str] = {}                   # (impl, direction) -> why its rows stop
         self.deadline: Optional[float] = None                 # perf_counter() time after which rows are skipped
@@ -187,7 +198,7 @@ class Runner:
         return row
 
     def _emit(self, row: Dict, progress: Optional[Progress]) -> None:
-        self._res.annotate(row)   # issue 20: kernels, kernels_note, resources, roofline
+        self._res.annotate(row)   # kernels, kernels_note, resources, roofline
         self.rows.append(row)
         if self.on_row is not None:
             self.on_row(row)
@@ -346,7 +357,7 @@ class Runner:
 
         graph = {}
         try:
-            # issue 20: the untimed first call is watched (Triton launches; --resources: the profiler too)
+            # the untimed first call is watched (Triton launches; --resources: the profiler too)
             with b.context(), self._res.first_call(task, direction) as cap:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
@@ -356,7 +367,7 @@ class Runner:
                         out = b.fn()
                         _sync(dev)
                         first = (time.perf_counter() - t0) * 1e3
-                        cap.stop()   # issue 20
+                        cap.stop()
                         if not bool(torch.isfinite(out).all()):
                             return self._row(task, direction, "FAILED", "non-finite output at the timed size")
                         call = b.fn
@@ -370,18 +381,18 @@ class Runner:
                         gen = torch.Generator(device=dev)
                         gen.manual_seed(self.s.seed + 3)
                         dout = torch.randn(out.shape, generator=gen, device=dev, dtype=torch.float32).to(out.dtype)
-                        cap.mark("bwd")   # issue 20: launches from here on are the backward's
+                        cap.mark("bwd")   # launches from here on are the backward's
                         if direction == "bwd":
                             out.backward(dout, retain_graph=True)
                             _sync(dev)
                             first = (time.perf_counter() - t0) * 1e3
-                            cap.stop()   # issue 20
+                            cap.stop()
                             call = lambda: out.backward(dout, retain_graph=True)
                         else:
                             out.backward(dout)
                             _sync(dev)
                             first = (time.perf_counter() - t0) * 1e3
-                            cap.stop()   # issue 20
+                            cap.stop()
                             call = lambda: b.fn().backward(dout)
                         bad = [i for i, x in enumerate(leaves) if x.grad is not None and not bool(torch.isfinite(x.grad).all())]
                         if bad:
