@@ -333,6 +333,11 @@ def _fa2_scores(q, k, cu_q, cu_k, max_k, is_causal, window_size_left, window_siz
     if is_causal:
         wr = 0
     wl, wr = (-1 if w >= max_k else w for w in (wl, wr))
+    # set_params_fprop: the missing bound of a local window becomes max_seqlen_k
+    if wl < 0 <= wr:
+        wl = max_k
+    elif wr < 0 <= wl:
+        wr = max_k
     g = q.shape[1] // k.shape[1]
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for (q0, q1), (k0, k1) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
@@ -384,6 +389,14 @@ def _fa2_standin_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dro
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _fa2(args):
+    """The sdpa backend's CUDA FA2 path: the contract preparation, then the kernel wrapper."""
+    from delta_attn.ops import sdpa
+    from delta_attn.ops.flash.contract import prepare
+    args, done = prepare(args)
+    return done if done is not None else sdpa._flash(args)
+
+
 @pytest.fixture
 def fa2_standin(monkeypatch):
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _fa2_standin, raising=False)
@@ -395,16 +408,17 @@ def fa2_standin(monkeypatch):
     (dict(softmax_scale=-0.6), 9, 23),
     (dict(window_size=(0, -1), softmax_scale=-0.6), 9, 23),
     (dict(window_size=(0, -1)), 23, 9),
+    (dict(window_size=(0, -1)), 257, 97),                 # FA2 turns the open right bound into max_seqlen_k
+    (dict(window_size=(3, 100)), 300, 97),                # FA2 drops a bound >= max_seqlen_k
     (dict(causal=True), 23, 9),                           # the first 14 rows see no key
     (dict(causal=True, window_size=(2, 1), softmax_scale=0.0), 23, 9),
     (dict(), 5, 0),                                       # no key at all
 ])
 def test_fa2_wrapper_dense_computes_the_contract(fa2_standin, kw, sq, sk):
-    from delta_attn.ops import sdpa
     from delta_attn.ops.flash.api import validate_dense
     q, k, v = _dense(sq, sk, 4, 2, 16, torch.float16)
     q, k, v = q.repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)
-    out, lse = sdpa._flash(validate_dense(q, k, v, **kw))
+    out, lse = _fa2(validate_dense(q, k, v, **kw))
     o64, l64 = reference.attention(q.double(), k.double(), v.double(), **kw)
     olo, llo = reference.attention(q, k, v, upcast=False, **kw)
     assert check(out, o64, olo).ok, check(out, o64, olo).message
@@ -415,13 +429,12 @@ def test_fa2_wrapper_dense_computes_the_contract(fa2_standin, kw, sq, sk):
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(causal=True, softmax_scale=-1.1),
                                 dict(window_size=(0, -1))])
 def test_fa2_wrapper_varlen_computes_the_contract(fa2_standin, kw, layout):
-    from delta_attn.ops import sdpa
     from delta_attn.ops.flash.api import validate_varlen
     lq, lk = (0, 7, 12, 3, 5), (4, 0, 5, 3, 9)
     cu_q, cu_k = _cu(lq, "cpu"), _cu(lk, "cpu")
     shp = (lambda t, h: (t, h, 16)) if layout == "thd" else (lambda t, h: (h, t, 16))
     q, k, v = (torch.randn(shp(t, h)).half() for t, h in ((sum(lq), 4), (sum(lk), 2), (sum(lk), 2)))
-    out, lse = sdpa._flash(validate_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), layout=layout, **kw))
+    out, lse = _fa2(validate_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), layout=layout, **kw))
     o64, l64 = reference.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, layout=layout, **kw)
     olo, llo = reference.attention_varlen(q, k, v, cu_q, cu_k, layout=layout, upcast=False, **kw)
     assert check(out, o64, olo).ok, check(out, o64, olo).message
@@ -431,7 +444,6 @@ def test_fa2_wrapper_varlen_computes_the_contract(fa2_standin, kw, layout):
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fa2_wrapper_gradients(fa2_standin, varlen):
     """The backward is fed the wrapper's out / lse (zeros / +inf on rows that see no key): dq is zero there."""
-    from delta_attn.ops import sdpa
     from delta_attn.ops.flash.api import validate_dense, validate_varlen
     kw = dict(causal=True, softmax_scale=-0.8)
     if varlen:
@@ -448,7 +460,7 @@ def test_fa2_wrapper_gradients(fa2_standin, varlen):
         def ref(*a, upcast):
             return reference.attention(*a, upcast=upcast, **kw)
         args = validate_dense(*xs, **kw)
-    out, _ = sdpa._flash(args)
+    out, _ = _fa2(args)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, xs, dout)
     r64 = [t.detach().double().requires_grad_() for t in xs]

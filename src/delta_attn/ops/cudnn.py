@@ -697,6 +697,9 @@ def _dense_graph(a: AttnArgs):
 
 def attention(a: "AttnArgs"):
     """``backend="cudnn"`` implementation of flash / flash_varlen."""
+    a, done = prepare(a)          # scale > 0 (cuDNN masks with -inf before it scales); no rows / no keys
+    if done is not None:
+        return done
     if a.varlen is not None:
         return _ragged(a)
     if dense_needs_graph(a.call().features):
@@ -705,3 +708,4 @@ def attention(a: "AttnArgs"):
 
 
 from .flash.api import AttnArgs  # noqa: E402  (type used above; api does not import this module)
+from .flash.contract import prepare  # noqa: E402

@@ -53,7 +53,7 @@ from .. import reference
 from ..backends import Call, UnsupportedError
 from .flash.api import AttnArgs
 
-_INF = float("inf")
+from .flash.contract import INF as _INF, lse_dtype as _lse_dtype, no_keys, prepare
 
 # ---------------------------------------------------------------------------------------------
 # capability helpers (pure Python; used by the registry in ops/cudnn.py and backends.py)
@@ -106,17 +106,10 @@ def _excludes_nothing(sq: int, sk: int, wl: int, wr: int) -> bool:
     return (wl < 0 or wl >= sk - 1) and (wr < 0 or wr >= sq - 1)
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _no_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A dense call whose rows all see no key (Sk = 0) or that has no rows: zeros and lse = +inf, in
-    the autograd graph of q, k and v (sums over an empty dimension are exact zeros: zero gradients)."""
+    """A dense call whose rows all see no key: zeros and lse = +inf (contract.no_keys)."""
     b, sq, hq, _ = q.shape
-    zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
-    out = zero.to(v.dtype).expand(b, sq, hq, v.shape[-1]).contiguous()
-    return out, torch.full((b, hq, sq), _INF, dtype=_lse_dtype(q.dtype), device=q.device)
+    return no_keys(q, k, v, (b, sq, hq, v.shape[-1]), (b, hq, sq))
 
 
 def _pad_top(out: torch.Tensor, lse: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -125,16 +118,6 @@ def _pad_top(out: torch.Tensor, lse: torch.Tensor, n: int) -> Tuple[torch.Tensor
     out = torch.cat([out.new_zeros(b, n, h, dv), out], 1)
     lse = torch.cat([lse.new_full((b, h, n), _INF), lse], 2)
     return out, lse
-
-
-def _positive_scale(q: torch.Tensor, scale: float) -> Tuple[torch.Tensor, float]:
-    """(q', scale') with scale' > 0 and scale' * q' = scale * q (the kernels' -inf masks and FA2's row
-    maxima assume a positive scale)."""
-    if scale > 0:
-        return q, scale
-    if scale < 0:
-        return -q, -scale
-    return q * 0, 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +150,7 @@ def _cpu_dense(q, k, v, scale: float, wl: int, wr: int) -> Tuple[torch.Tensor, t
 
 def _cpu(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     wl, wr = a.window
-    q, scale = _positive_scale(a.q, a.softmax_scale)
-    k, v = a.k, a.v
+    q, scale, k, v = a.q, a.softmax_scale, a.k, a.v
     if q.dtype in (torch.float16, torch.bfloat16):
         # fp16 / bf16 run in float32: one rounding of out and of each gradient (the kernel's half-precision
         # backward rounds per query head before it sums GQA groups: 3.5x the error of the fp16 reference
@@ -248,9 +230,20 @@ class SdpaFlashFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
+def _flash_max_k(max_q: int, max_k: int, wl: int, wr: int) -> int:
+    """The ``max_seqlen_k`` FA2 is given. FA2 (flash_api.cpp) drops a window bound >= max_seqlen_k and
+    replaces a missing bound of a local window by max_seqlen_k: query i of a sequence (lq, lk) then sees
+    keys up to ``i + lk - lq + max_seqlen_k``, short of the last key once ``lq > max_seqlen_k + 1``
+    (window (0, -1) with Sq = 257, Sk = 97 cut every row's keys). Passing ``max(max_k, max_q)`` makes
+    both substitutions exact (a bound >= max(lq, lk) hides nothing); the kernel reads each sequence's
+    own lengths from cu_seqlens, so only the backward's grid grows by blocks that exit at once."""
+    local = wl >= 0 or wr > 0
+    return max(max_k, max_q) if local else max_k
+
+
 def _flash(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     wl, wr = a.window
-    q, scale = _positive_scale(a.q, a.softmax_scale)
+    q, scale = a.q, a.softmax_scale
     if a.varlen is None:
         b, sq, hq, d = q.shape
         sk, hk = a.k.shape[1], a.k.shape[2]
@@ -264,7 +257,7 @@ def _flash(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
         v = a.v.reshape(b * sk, hk, a.v.shape[3])
         cu_q = _cu_for_dense(b, m, q.device)
         cu_k = cu_q if sk == m else _cu_for_dense(b, sk, q.device)
-        out, lse = SdpaFlashFunction.apply(q, k, v, cu_q, cu_k, m, sk, scale, wl, wr, None)
+        out, lse = SdpaFlashFunction.apply(q, k, v, cu_q, cu_k, m, _flash_max_k(m, sk, wl, wr), scale, wl, wr, None)
         out = out.view(b, m, hq, -1)
         lse = lse.view(hq, b, m).permute(1, 0, 2)
         return _pad_top(out, lse, n) if n else (out, lse)
@@ -276,7 +269,7 @@ def _flash(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     if vl.cu_seqlens_k is not vl.cu_seqlens_q:       # equal lengths: every row sees its own key
         empty = varlen_empty_rows(vl.cu_seqlens_q, vl.cu_seqlens_k, q.shape[0], wr)
     out, lse = SdpaFlashFunction.apply(q, k, v, vl.cu_seqlens_q, vl.cu_seqlens_k, vl.max_seqlen_q,
-                                       vl.max_seqlen_k, scale, wl, wr, empty)
+                                       _flash_max_k(vl.max_seqlen_q, vl.max_seqlen_k, wl, wr), scale, wl, wr, empty)
     if vl.layout == "htd":
         out = out.transpose(0, 1)
     return out, lse
@@ -288,7 +281,7 @@ def _flash(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _efficient(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _positive_scale(a.q, a.softmax_scale)
+    q, scale = a.q, a.softmax_scale
     b, sq, hq, _ = q.shape
     sk = a.k.shape[1]
     n = empty_top_rows(sq, sk, a.window[1])
@@ -308,6 +301,9 @@ def _efficient(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def attention(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """``backend="sdpa"`` implementation of flash / flash_varlen."""
+    a, done = prepare(a)
+    if done is not None:
+        return done
     if a.q.device.type == "cpu":
         return _cpu(a)
     if a.q.dtype == torch.float32:

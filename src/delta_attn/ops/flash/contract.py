@@ -1,0 +1,71 @@
+"""What a fused attention backend (``sdpa``, ``cudnn``) needs before its kernel to compute the contract.
+
+Both kernels families mask with -inf *before* they scale and take row maxima on raw scores, so a
+scale <= 0 turns masked scores into +inf / NaN; and neither runs a call with no query rows or no
+keys (FA2 rejects a zero total, cuDNN's ragged offsets need a nonzero step). :func:`prepare` turns
+every call into one the kernel computes exactly, or answers it here:
+
+* ``softmax_scale < 0`` runs as ``(-q, |scale|)`` (``scale · q kᵀ = |scale| · (−q) kᵀ``, negation is
+  exact, autograd carries the sign to dq); ``softmax_scale == 0`` as ``(0 · q, 1)``: uniform weights
+  over the visible keys.
+* No query rows, or no keys at all: out zeros and lse +inf (rows that see no key, DESIGN.md), built
+  inside the autograd graph of q, k and v so their gradients are exact zeros.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from .api import AttnArgs
+
+INF = float("inf")
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def positive_scale(q: torch.Tensor, scale: float) -> Tuple[torch.Tensor, float]:
+    """(q', scale') with scale' > 0 and scale' · q' = scale · q."""
+    if scale > 0:
+        return q, scale
+    if scale < 0:
+        return -q, -scale
+    return q * 0, 1.0
+
+
+def no_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_shape, lse_shape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zeros of ``out_shape`` and +inf of ``lse_shape``, in the autograd graph of q, k and v (sums over an
+    empty dimension are exact zeros: zero gradients)."""
+    zero = q.reshape(-1)[:0].sum() + k.reshape(-1)[:0].sum() + v.reshape(-1)[:0].sum()
+    out = zero.to(v.dtype).expand(*out_shape).contiguous()
+    return out, torch.full(lse_shape, INF, dtype=lse_dtype(q.dtype), device=q.device)
+
+
+def trivial(a: AttnArgs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(out, lse) of a call with no query rows or no keys; None for every other call."""
+    if a.varlen is None:
+        b, sq, hq, _ = a.q.shape
+        if b and sq and a.k.shape[1]:
+            return None
+        return no_keys(a.q, a.k, a.v, (b, sq, hq, a.v.shape[-1]), (b, hq, sq))
+    tdim = 0 if a.varlen.layout == "thd" else 1
+    tq, tk = a.q.shape[tdim], a.k.shape[tdim]
+    if tq and tk:
+        return None
+    hq = a.heads[0]
+    shape = (tq, hq, a.v.shape[-1]) if tdim == 0 else (hq, tq, a.v.shape[-1])
+    return no_keys(a.q, a.k, a.v, shape, (hq, tq))
+
+
+def prepare(a: AttnArgs) -> Tuple[AttnArgs, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """(the call with a positive scale, the answer when no kernel needs to run)."""
+    done = trivial(a)
+    if done is not None:
+        return a, done
+    q, scale = positive_scale(a.q, a.softmax_scale)
+    if scale != a.softmax_scale:
+        a = dataclasses.replace(a, q=q, softmax_scale=scale)
+    return a, None
