@@ -161,3 +161,91 @@ def test_every_d128_forward_config_varlen_window(cfg, monkeypatch, poisoned):
                 reflow = (o, l)
     for g, r, lo, n in zip((out, lse), ref64, reflow, ("out", "lse")):
         assert_close(g, r, lo, kind="fwd", name=n)
+
+
+# --- issue 15: keys past Sk in a tile while a row's visible scores are very negative -------------------------
+def _aligned(shapes, dtype, shift=2.0):
+    """q near -u and k near +u (u = shift per channel): every score is about -scale * shift^2 * D."""
+    q = -shift + 0.3 * torch.randn(shapes[0], device=DEV)
+    k = shift + 0.3 * torch.randn(shapes[1], device=DEV)
+    return [t.to(dtype).requires_grad_() for t in (q, k, torch.randn(shapes[2], device=DEV))]
+
+
+# (dtype, Sq, Sk, D, inputs, options): Sk = 1 or one key past a 64-key tile (Sk = 65, 129); scores near
+# -45 overflow fp16 in p = exp(0 - lse) at a zero-loaded key past Sk, scores near -150 overflow fp32 (bf16)
+SHORT_TILE_CASES = [
+    (torch.float16, 17, 1, 64, "randn", dict(softmax_scale=-10.0)),           # the issue's shape
+    (torch.bfloat16, 17, 1, 128, "aligned", dict(softmax_scale=0.3)),
+    (torch.float16, 1025, 65, 128, "aligned", dict()),
+    (torch.bfloat16, 1025, 129, 128, "aligned", dict(softmax_scale=0.3, window_size=(-1, 7))),
+    (torch.float16, 300, 65, 64, "aligned", dict(causal=True)),
+    (torch.float16, 300, 97, 64, "aligned", dict(softmax_scale=0.3, softcap=40.0)),
+    (torch.bfloat16, 300, 70, 256, "aligned", dict(softmax_scale=0.15, alibi_slopes="H")),
+]
+
+
+def _short_tile_ids(c):
+    return f"{str(c[0])[6:]}-{c[1]}x{c[2]}-D{c[3]}-{c[4]}-" + "-".join(f"{k}={v}" for k, v in sorted(c[5].items()))
+
+
+@pytest.mark.parametrize("case", SHORT_TILE_CASES, ids=_short_tile_ids)
+def test_short_key_tile_very_negative_scores(case, poisoned):
+    dtype, sq, sk, d, mode, kw = case
+    hq, hk = 4, 2
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "H":
+        kw["alibi_slopes"] = torch.rand(hq, device=DEV) * 0.5
+    shapes = [(1, sq, hq, d), (1, sk, hk, d), (1, sk, hk, d)]
+    q, k, v = _aligned(shapes, dtype) if mode == "aligned" else _inputs(shapes, dtype)
+    out, lse, _ = da.flash_attn_func(q, k, v, return_attn_probs=True, backend="triton", **kw)
+    assert int((lse < -12).sum()) > 0, "the case must hold rows with very negative scores"
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    for n, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), f"{n} holds {int((~torch.isfinite(g)).sum())} non-finite values"
+    rkw = {n: kw[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes") if n in kw}
+    res = _ref(reference.attention, (q, k, v), do, **rkw)
+    if sk == 1:
+        # one key: p = 1 in every row, so the true dq and dk are exactly 0 (so is the fp16 reference's error);
+        # ours keeps the fp32 rounding of dP - delta times |softmax_scale| and a sum of |q| or |k| (~1e-4),
+        # far below a wrong p (~|softmax_scale| |dP| |k| ~ 100)
+        for g, r, lo, n in zip((out, lse, *grads), res["64"], res["low"], ("out", "lse", "dq", "dk", "dv")):
+            assert_close(g, r, lo, kind="grad" if n.startswith("d") else "fwd", name=n,
+                         floor=1e-3 if n in ("dq", "dk") else None)
+    else:
+        _check((out, lse, *grads), res)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_zero_and_one_length_sequences_very_negative_scores(dtype, causal, poisoned):
+    lq, lk = [0, 1, 1000, 1, 3, 129, 2], [0, 1, 1001, 1, 0, 1, 65]
+    hq, hk, d = 4, 2, 128
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v = _aligned([(sum(lq), hq, d), (sum(lk), hk, d), (sum(lk), hk, d)], dtype)
+    kw = dict(causal=causal, softmax_scale=0.3)          # scores near -150
+    out, lse, _ = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True,
+                                            backend="triton", **kw)
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    for n, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), f"{n} holds {int((~torch.isfinite(g)).sum())} non-finite values"
+    a, b = int(cu_q[4]), int(cu_q[5])                     # the queries of the sequence with no key
+    assert torch.equal(grads[0][a:b], torch.zeros_like(grads[0][a:b]))
+    res = _ref(lambda *xs, **a_: reference.attention_varlen(*xs, cu_q, cu_k, **a_), (q, k, v), do, **kw)
+    _check((out, lse, *grads), res)
+
+
+@pytest.mark.parametrize("cfgs", list(zip(triton_impl._DKDV_CONFIGS[128], triton_impl._DQ_CONFIGS[128])),
+                         ids=lambda c: "dkdv" + "-".join(map(str, c[0])) + "_dq" + "-".join(map(str, c[1])))
+def test_every_d128_backward_config_short_key_tile(cfgs, monkeypatch, poisoned):
+    # each backward configuration the D=128 autotuner may pick, with one key past a 64- or 128-key tile
+    monkeypatch.setitem(triton_impl.FORCED_CONFIGS, "dkdv", cfgs[0])
+    monkeypatch.setitem(triton_impl.FORCED_CONFIGS, "dq", cfgs[1])
+    for sk in (65, 129):
+        q, k, v = _aligned([(1, 200, 4, 128), (1, sk, 1, 128), (1, sk, 1, 128)], torch.float16)
+        out, lse, _ = da.flash_attn_func(q, k, v, return_attn_probs=True, backend="triton")
+        do = torch.randn_like(out)
+        grads = _grads(out, (q, k, v), do)
+        _check((out, lse, *grads), _ref(reference.attention, (q, k, v), do))

@@ -49,7 +49,8 @@ def _query_blocks(n0, seqlen_q, seqlen_k, wl, wr, HAS_WL: tl.constexpr, HAS_WR: 
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query-block bounds for the keys [n0, n0 + BLOCK_N): [lo, fs) and [fe, hi) need masks,
     [fs, fe) are fully visible and inside [0, Sq). Rows past Sq need no score mask (their lse is +inf,
-    so p = 0) and keys past Sk are never stored, so only the window decides the score mask."""
+    so p = 0). A key block that ends past Sk takes the masked copy for every query block, which sets
+    p = 0 for its keys past Sk (their zero-loaded score can sit far above a row's lse: see _dq_inner)."""
     off = seqlen_k - seqlen_q
     n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
     lo = 0
@@ -66,6 +67,9 @@ def _query_blocks(n0, seqlen_q, seqlen_k, wl, wr, HAS_WL: tl.constexpr, HAS_WR: 
     hi = tl.maximum(tl.cdiv(hi, BLOCK_M) * BLOCK_M, lo)
     fs = tl.minimum(tl.maximum(fs, lo), hi)
     fe = tl.maximum(tl.minimum((fe_bound // BLOCK_M) * BLOCK_M, hi), fs)
+    if n0 + BLOCK_N > seqlen_k:     # the sequence's last, partial key block: no unmasked query block
+        fs = hi
+        fe = hi
     return lo, fs, fe, hi
 
 
@@ -95,10 +99,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qt, stride
             do = tl.load(do_ptr)
             lse2 = tl.load(l_base + rows * stride_lt) * 1.4426950408889634
             delta = tl.load(d_base + rows * stride_lt)
-        # 1. P^T of this tile, recomputed from lse
+        # 1. P^T of this tile, recomputed from lse; keys past Sk (masked copy only) get p = 0
         qk_t = tl.dot(k, q_t)
         s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], diag_off, slope2, wl, wr, seqlen_k, qk_mult,
-                           cap_in, SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, False)
+                           cap_in, SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
         p_t = tl.exp2(s_t - lse2[None, :])
         # 2. dV += P_dropped^T dO
         if HAS_DROPOUT:
@@ -202,10 +206,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs
         else:
             k = tl.load(k_base + cols * stride_kt + offs_d[None, :])
             v = tl.load(v_base + cols * stride_vt + offs_d[None, :])
-        # 1. P recomputed from lse; keys past Sk load as zero, so they add nothing to dQ
+        # 1. P recomputed from lse. Keys past Sk (only in masked blocks) get s = -inf, so p = 0: they
+        # load as zero, but their raw score 0 (or the ALiBi term alone) can sit far above a row's lse,
+        # and the huge p there made dS = P (dP - delta) overflow fp16 before dS K, with inf * 0 = NaN
         qk = tl.dot(q, tl.trans(k))
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], diag_off, slope2, wl, wr, seqlen_k, qk_mult, cap_in,
-                       SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, False)
+                       SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
         p = tl.exp2(s - lse2[:, None])
         # 2. dS = P (dP - delta), dP through the dropout mask
         dp = tl.dot(do, tl.trans(v))
