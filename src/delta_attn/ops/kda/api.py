@@ -142,7 +142,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
     Precision: fp16 / bf16 inputs accumulate in fp32; fp32 inputs give fp32-accurate results (IEEE
     dots) unless ``allow_tf32=True``, which lets the Triton backend use tf32 tensor cores (about 1e-3
-    relative error). ``scale`` must be finite.
+    relative error; K <= 128 only: larger K stays IEEE). ``scale`` must be finite.
 
     >>> import torch, delta_attn as da
     >>> q, k = torch.randn(2, 1, 6, 2, 8).unbind(0)

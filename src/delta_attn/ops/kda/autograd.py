@@ -65,7 +65,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     R, nc = B * T, max_chunks(B, T, N, cu_seqlens is not None)
-    work = precision(q.dtype, allow_tf32).work
+    work = precision(q.dtype, allow_tf32, q.shape[-1]).work
     f32 = torch.float32
     new = lambda *shape, dtype=work: q.new_empty(*shape, dtype=dtype)      # noqa: E731
     saved = Saved(W=new(R, HV, K), QG=new(R, HV, K), KD=new(R, HV, K), AQK=new(R, HV, TRAIN_CHUNK),

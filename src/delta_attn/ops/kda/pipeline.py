@@ -45,15 +45,20 @@ class Precision:
     scan: str              # dots of the state scans and of the per-chunk operand gradients
 
 
-def precision(dtype: torch.dtype, allow_tf32: bool) -> Precision:
+def precision(dtype: torch.dtype, allow_tf32: bool, K: int) -> Precision:
     """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's). fp16: exact per-chunk
     dots (fp16's range is too narrow for the UT products), tf32 scans on fp32 storage (tf32 keeps fp16's
-    10-bit mantissa). fp32: exact (IEEE) everywhere unless ``allow_tf32``."""
+    10-bit mantissa). fp32: exact (IEEE) everywhere unless ``allow_tf32``.
+
+    tf32 dots on fp32 tiles are used only for K <= 128: with K > 128 (a 256-wide padded state tile) Triton
+    3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
+    measured at K = 144 and 192) and lost accuracy where they ran; IEEE dots are exact there."""
+    tf32_ok = K <= 128
     if dtype == torch.bfloat16:
         return Precision(torch.bfloat16, "tf32", "tf32")
     if dtype == torch.float16:
-        return Precision(torch.float32, "ieee", "tf32")
-    p = "tf32" if allow_tf32 else "ieee"
+        return Precision(torch.float32, "ieee", "tf32" if tf32_ok else "ieee")
+    p = "tf32" if allow_tf32 and tf32_ok else "ieee"
     return Precision(torch.float32, p, p)
 
 
@@ -210,7 +215,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    prec = precision(q.dtype, allow_tf32)
+    prec = precision(q.dtype, allow_tf32, q.shape[-1])
     bt = TRAIN_CHUNK if train else infer_chunk(N * HV, K, V, q.device)
     ch = chunk_tables(B, T, cu_seqlens, q.device, bt)
     NC = ch.chunk_t.shape[0]
@@ -273,7 +278,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R, dev, f32 = B * T, q.device, torch.float32
-    prec = precision(q.dtype, allow_tf32)
+    prec = precision(q.dtype, allow_tf32, q.shape[-1])
     ch = chunk_tables(B, T, cu_seqlens, dev, TRAIN_CHUNK)
     N, NC, bt = ch.seq_t.shape[0], ch.chunk_t.shape[0], TRAIN_CHUNK
     W, QG, KD, AQK, TM, GC, HS, VNEW = saved
