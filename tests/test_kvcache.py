@@ -431,3 +431,26 @@ def test_custom_op_fake_matches_real():
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         fake = [(tuple(o.shape), o.dtype, o.stride()) for o in torch.ops.delta_attn.flash_kvcache(*fargs)]
     assert fake == real
+
+
+# ------------------------------------------------------------------------------------------------ bench peers
+
+
+@pytest.mark.parametrize("page", [0, 4])
+def test_bench_peer_steps_match_their_reference(page):
+    """The SDPA peer's step (append, then the GQA groups as query rows over the cache) and the paged append
+    the cuDNN peer uses, run on CPU against the float64 reference the gate applies."""
+    from delta_attn.bench import cases, impls
+    case = dict(op="kvcache_decode", B=2, ctx=16, H=4, Hk=2, D=16, page=page)
+    t = cases.make_inputs(case, torch.device("cpu"), torch.float32, seed=3)
+    ours = {k: _clone(v) for k, v in t.items()}
+    out_ours = da.flash_attn_with_kvcache(*impls._call_args("kvcache_decode", case, ours)[0], backend="torch",
+                                          **impls._call_args("kvcache_decode", case, ours)[1])
+    impls._append_last(t)
+    assert torch.equal(t["k_cache"], ours["k_cache"]) and torch.equal(t["v_cache"], ours["v_cache"])
+    spec = impls._kvcache_spec(case, t)
+    leaves = [t["q"].double(), t["k_cache"].double(), t["v_cache"].double()]
+    torch.testing.assert_close(spec(leaves, True).float(), out_ours, rtol=1e-5, atol=1e-5)
+    if not page:
+        b = impls._sdpa_kvcache_bind("FA2 (SDPA flash)")(case, t)     # run outside its CUDA-only context
+        torch.testing.assert_close(b.fn(), out_ours, rtol=1e-5, atol=1e-5)
