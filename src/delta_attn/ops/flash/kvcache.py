@@ -261,8 +261,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     gets zeros and lse = +inf. Under CUDA-graph capture the value checks are skipped (module docstring).
 
     >>> import torch, delta_attn as da
-    >>> k_cache = torch.zeros(2, 16, 1, 8); v_cache = torch.zeros(2, 16, 1, 8)
-    >>> q, k, v = torch.randn(3, 2, 1, 4, 8).unbind(0)
+    >>> k_cache = torch.zeros(2, 16, 1, 8); v_cache = torch.zeros(2, 16, 1, 8)     # 4 q heads over 1 kv head
+    >>> q, (k, v) = torch.randn(2, 1, 4, 8), torch.randn(2, 2, 1, 1, 8).unbind(0)
     >>> out = da.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=5, causal=True,
     ...                                  backend="torch")
     >>> out.shape, bool((k_cache[:, 5] == k[:, 0]).all())
