@@ -12,13 +12,14 @@ from . import reference
 from .backends import Explanation, ReferenceFallbackWarning, UnsupportedError
 from .ops.diag.api import gated_diag_attn, gated_diag_step
 from .ops.flash.api import flash_attn_func, flash_attn_varlen_func
+from .ops.flash.kvcache import flash_attn_with_kvcache
 from .ops.kda.api import kda, kda_step
 from .ops import cudnn as _cudnn_and_sdpa  # noqa: F401  (registers the cudnn and sdpa backends)
 
 __version__ = "0.1.0"
 
-_PUBLIC_OPS = {f.__name__: f for f in (flash_attn_func, flash_attn_varlen_func, kda, kda_step,
-                                        gated_diag_attn, gated_diag_step)}
+_PUBLIC_OPS = {f.__name__: f for f in (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, kda,
+                                        kda_step, gated_diag_attn, gated_diag_step)}
 
 
 def explain(op, *args, backend: str = "auto", **kwargs) -> Explanation:
@@ -34,6 +35,6 @@ def explain(op, *args, backend: str = "auto", **kwargs) -> Explanation:
 
 
 __all__ = [
-    "flash_attn_func", "flash_attn_varlen_func", "kda", "kda_step", "gated_diag_attn", "gated_diag_step",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "kda", "kda_step", "gated_diag_attn", "gated_diag_step",
     "explain", "reference", "Explanation", "UnsupportedError", "ReferenceFallbackWarning", "__version__",
 ]

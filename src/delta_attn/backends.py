@@ -31,7 +31,7 @@ import torch
 BACKEND_NAMES = ("auto", "triton", "cudnn", "sdpa", "torch")
 
 # every operator name the registry knows
-OPS = ("flash", "flash_varlen", "kda", "kda_step", "diag", "diag_step")
+OPS = ("flash", "flash_varlen", "flash_kvcache", "kda", "kda_step", "diag", "diag_step")
 
 
 class UnsupportedError(ValueError, NotImplementedError):
@@ -221,7 +221,7 @@ class Backend:
 # garbage for tl.dot on bfloat16 operands (seen on Triton 3.6, measured on 3.9.0; the gated diagonal scans and
 # the KDA decode step, which have no tl.dot, are right in bf16), so those run bf16 on CUDA GPUs only.
 # tests/test_backend_capabilities.py checks that the installed Triton still has the bug.
-INTERPRETER_BF16_DOT_OPS = frozenset({"flash", "flash_varlen", "kda"})
+INTERPRETER_BF16_DOT_OPS = frozenset({"flash", "flash_varlen", "flash_kvcache", "kda"})
 
 
 def _triton_device_rule(call: Call) -> List[str]:
@@ -284,6 +284,8 @@ register("sdpa", "flash_varlen", Capability(features=frozenset({"causal", "windo
 _DEFAULT_ORDER: Dict[str, Tuple[str, ...]] = {
     "flash": ("sdpa", "triton", "cudnn", "torch"),
     "flash_varlen": ("sdpa", "triton", "cudnn", "torch"),
+    # KV-cache decode: the split-KV Triton kernel (graph-capturable), the reference (docs/DISPATCH.md)
+    "flash_kvcache": ("triton", "torch"),
     "kda": ("triton", "torch"),
     "kda_step": ("triton", "torch"),
     "diag": ("triton", "torch"),

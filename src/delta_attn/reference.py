@@ -14,6 +14,8 @@ Shapes (B batch, T/Sq/Sk tokens, H heads, D/K/V head dims, N states):
                        lse (B, Hq, Sq)
   attention_varlen     q (total_q, Hq, D) ("thd") or (Hq, total_q, D) ("htd") -> same layout,
                        lse (Hq, total_q)
+  attention_with_kvcache  q (B, Sq, Hq, D), caches (B_cache, S_cache, Hk, D) or paged
+                       (num_blocks, page_size, Hk, D) -> (B, Sq, Hq, D), lse (B, Hq, Sq)
   kda                  q, k (B, T, H, K), v (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV),
                        states (N, HV, K, V)
   gated_diag           q, k, v, g (B, T, H, D), states (N, H, D)
@@ -29,6 +31,8 @@ __all__ = [
     "attention",
     "attention_varlen",
     "attention_mask",
+    "attention_with_kvcache",
+    "rotary",
     "kda",
     "kda_gate",
     "l2norm",
@@ -158,6 +162,99 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if layout == "htd":
         out = out.transpose(0, 1)
     return out, lse
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           interleaved: bool = True) -> torch.Tensor:
+    """Rotary embedding of ``x`` (S, H, D) at ``positions`` (S,) with tables ``cos`` / ``sin``
+    (seqlen_ro, R / 2): the first R channels rotate, the others pass through. ``interleaved`` pairs
+    channels (2i, 2i + 1); otherwise (i, i + R / 2) (GPT-NeoX). Pair (a, b) at angle t becomes
+    ``(a cos t - b sin t, a sin t + b cos t)``. Computed in the dtype of ``x``."""
+    r = 2 * cos.shape[-1]
+    c = cos[positions].to(x.dtype).unsqueeze(-2)            # (S, 1, R/2)
+    s = sin[positions].to(x.dtype).unsqueeze(-2)
+    xr, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
+    else:
+        a, b = xr[..., :r // 2], xr[..., r // 2:]
+        rotated = torch.cat([a * c - b * s, a * s + b * c], -1)
+    return torch.cat([rotated, rest], -1)
+
+
+def _cache_slots(b: int, positions: torch.Tensor, cache_batch_idx, block_table, page: int):
+    """Where logical cache positions of batch row ``b`` live: (cache row or block, offset) index tensors."""
+    if block_table is not None:
+        return block_table[b].long()[positions // page], positions % page
+    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    return torch.full_like(positions, row), positions
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                           cache_seqlens=None, rotary_cos: Optional[torch.Tensor] = None,
+                           rotary_sin: Optional[torch.Tensor] = None,
+                           cache_batch_idx: Optional[torch.Tensor] = None,
+                           cache_leftpad: Optional[torch.Tensor] = None,
+                           block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                           causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
+                           upcast: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over a KV cache (flash-attn 2's ``flash_attn_with_kvcache``). Returns
+    ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))`` and writes ``k`` / ``v`` into the caches in place.
+
+    Per batch row b, with ``n = cache_seqlens[b]`` tokens already cached (an int for every row; None:
+    the whole cache), ``Snew = k.shape[1]`` and ``lp = cache_leftpad[b]`` (0 if None):
+      1. rotary (``rotary_cos`` / ``rotary_sin``): new key t is rotated at position ``n + t``; query i at
+         ``n + i`` when ``causal`` or a window is set, else every query at ``n``;
+      2. the (rotated) new keys and values are written at cache positions ``n .. n + Snew - 1`` of cache
+         row ``cache_batch_idx[b]`` (b if None), or of the pages ``block_table[b]`` names (position p is
+         slot ``p % page_size`` of block ``block_table[b, p // page_size]``);
+      3. the queries attend to cache positions ``lp .. n + Snew - 1`` as one dense
+         :func:`attention` call (Sk = n + Snew - lp: causal and windows aligned bottom-right).
+    """
+    b, sq = q.shape[0], q.shape[1]
+    paged = block_table is not None
+    page = k_cache.shape[1]
+    capacity = block_table.shape[1] * page if paged else k_cache.shape[1]
+    snew = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        seqlens = [capacity] * b
+    elif isinstance(cache_seqlens, int):
+        seqlens = [cache_seqlens] * b
+    else:
+        seqlens = [int(x) for x in cache_seqlens.tolist()]
+    leftpad = [0] * b if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
+    dt = _compute_dtype(q.dtype, upcast)
+    per_query = causal or tuple(window_size) != (-1, -1)
+    outs, lses = [], []
+    for bi in range(b):
+        n, lp = seqlens[bi], leftpad[bi]
+        qb = q[bi]
+        # 1-2. rotary, then the new keys and values into the cache
+        if k is not None:
+            pos = torch.arange(n, n + snew, device=q.device)
+            kb = k[bi]
+            if rotary_cos is not None:
+                kb = rotary(kb.to(dt), rotary_cos, rotary_sin, pos, rotary_interleaved)
+            rows, offs = _cache_slots(bi, pos, cache_batch_idx, block_table, page)
+            k_cache[rows, offs] = kb.to(k_cache.dtype)
+            v_cache[rows, offs] = v[bi].to(v_cache.dtype)
+        if rotary_cos is not None:
+            qpos = torch.arange(n, n + sq, device=q.device) if per_query else torch.full((sq,), n, device=q.device)
+            qb = rotary(qb.to(dt), rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
+        # 3. attend to positions lp .. n + Snew - 1
+        rows, offs = _cache_slots(bi, torch.arange(lp, n + snew, device=q.device), cache_batch_idx, block_table, page)
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[bi])
+        o, lse = attention(qb[None], k_cache[rows, offs][None], v_cache[rows, offs][None],
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=slopes, upcast=upcast)
+        outs.append(o)
+        lses.append(lse)
+    if b == 0:
+        return q.new_empty(q.shape), torch.empty(0, q.shape[2], sq, dtype=torch.float32, device=q.device)
+    return torch.cat(outs, 0), torch.cat(lses, 0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ the reference computation (``spec``) each output is checked against.
 
 A case is a plain dict: ``op`` plus its sizes (``B``, ``S``, ``H``, ``Hk``, ``D``, ``causal`` for
 attention; ``B``, ``S``, ``H``, ``D`` for the linear ops; ``ctx`` for decode; ``seqlens`` for a
-packed batch).
+packed batch; ``page`` for ``kvcache_decode``: 0 for a contiguous cache, else the page size of a paged
+one).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from delta_attn import reference
 GRAD_INPUTS = {"flash": ("q", "k", "v"), "flash_varlen": ("q", "k", "v"), "kda": ("q", "k", "v", "g", "beta"),
                "diag": ("q", "k", "v", "g")}
 SPEC_INPUTS = {"flash": ("q", "k", "v"), "flash_varlen": ("q", "k", "v"), "flash_decode": ("q", "k", "v"),
+               "kvcache_decode": ("q", "k_cache", "v_cache", "k", "v"),
                "kda": ("q", "k", "v", "g", "beta"), "kda_decode": ("q", "k", "v", "g", "beta"),
                "diag": ("q", "k", "v", "g"), "diag_decode": ("q", "k", "v", "g")}
 LINEAR_OPS = ("kda", "diag", "kda_decode", "diag_decode")
@@ -29,9 +31,10 @@ def label(case: Dict) -> str:
         lens = case["seqlens"]
         return (f"{len(lens)} seqs {min(lens)}-{max(lens)} ({sum(lens)} tok) H={case['H']} D={case['D']}"
                 + (" causal" if case.get("causal", True) else ""))
-    if op == "flash_decode":
+    if op in ("flash_decode", "kvcache_decode"):
         kv = f"/{case['Hk']}" if case["Hk"] != case["H"] else ""
-        return f"B={case['B']} ctx={case['ctx']} H={case['H']}{kv} D={case['D']}"
+        page = f" paged {case['page']}" if case.get("page") else ""
+        return f"B={case['B']} ctx={case['ctx']} H={case['H']}{kv} D={case['D']}{page}"
     if op in ("kda_decode", "diag_decode"):
         return f"B={case['B']} H={case['H']} D={case['D']}"
     s = f"B={case['B']} S={case['S']} H={case['H']}"
@@ -47,7 +50,7 @@ def tokens(case: Dict) -> int:
     op = case["op"]
     if op == "flash_varlen":
         return sum(case["seqlens"])
-    if op in ("flash_decode", "kda_decode", "diag_decode"):
+    if op in ("flash_decode", "kvcache_decode", "kda_decode", "diag_decode"):
         return case["B"]
     return case["B"] * case["S"]
 
@@ -73,6 +76,8 @@ def make_inputs(case: Dict, device: torch.device, dtype: torch.dtype, seed: int 
         b, h, hk, d = case["B"], case["H"], case.get("Hk", case["H"]), case["D"]
         sq, sk = (1, case["ctx"]) if op == "flash_decode" else (case["S"], case["S"])
         return {"q": randn(b, sq, h, d), "k": randn(b, sk, hk, d), "v": randn(b, sk, hk, d)}
+    if op == "kvcache_decode":
+        return kvcache_inputs(case, randn, device, gen)
     if op == "flash_varlen":
         lens = case["seqlens"]
         total, h, d = sum(lens), case["H"], case["D"]
@@ -97,6 +102,22 @@ def make_inputs(case: Dict, device: torch.device, dtype: torch.dtype, seed: int 
     raise ValueError(f"unknown op {op!r}")
 
 
+def kvcache_inputs(case: Dict, randn, device, gen) -> Dict[str, torch.Tensor]:
+    """One decode step over a full cache: ``ctx - 1`` tokens cached, one new token appended (so the step
+    reads the whole cache); a paged cache holds exactly the pages the batch uses, in a random order."""
+    b, h, hk, d, ctx, page = case["B"], case["H"], case["Hk"], case["D"], case["ctx"], case.get("page", 0)
+    out = {"q": randn(b, 1, h, d), "k": randn(b, 1, hk, d), "v": randn(b, 1, hk, d),
+           "cache_seqlens": torch.full((b,), ctx - 1, dtype=torch.int32, device=device)}
+    if page:
+        per_seq = -(-ctx // page)
+        out["k_cache"], out["v_cache"] = randn(b * per_seq, page, hk, d), randn(b * per_seq, page, hk, d)
+        perm = torch.randperm(b * per_seq, generator=gen, device=device)
+        out["block_table"] = perm.view(b, per_seq).to(torch.int32)
+    else:
+        out["k_cache"], out["v_cache"] = randn(b, ctx, hk, d), randn(b, ctx, hk, d)
+    return out
+
+
 def probe_case(case: Dict, tiny: bool = False, cap: Optional[int] = None) -> Dict:
     """The small shape the correctness gate runs (same dtype, head dims, options, GQA ratio).
 
@@ -104,7 +125,7 @@ def probe_case(case: Dict, tiny: bool = False, cap: Optional[int] = None) -> Dic
     c = dict(case)
     op = case["op"]
     n = 8 if tiny else cap
-    if op in ("flash", "flash_decode"):
+    if op in ("flash", "flash_decode", "kvcache_decode"):
         ratio = case["H"] // case.get("Hk", case["H"])
         # two KV heads, so that a kernel which ignores the GQA mapping cannot pass by broadcasting
         c["H"], c["Hk"] = (2 * ratio, 2) if ratio > 1 else (min(case["H"], 2), min(case["H"], 2))
@@ -113,6 +134,8 @@ def probe_case(case: Dict, tiny: bool = False, cap: Optional[int] = None) -> Dic
             c["S"] = min(case["S"], n or 256)
         else:
             c["ctx"] = min(case["ctx"], n or 256)
+        if case.get("page"):     # several pages per sequence, so that the block-table walk is exercised
+            c["page"] = min(case["page"], max(1, c["ctx"] // 4))
     elif op == "flash_varlen":
         lens = [min(x, n or 96) for x in case["seqlens"][:2]] + [min(17, max(case["seqlens"]))]
         c["seqlens"], c["max_seqlen"], c["H"] = lens, max(lens), min(case["H"], 2)
@@ -142,6 +165,11 @@ def spec(op: str, case: Dict, t: Dict[str, torch.Tensor]) -> Callable[[List[torc
     if op == "flash_varlen":
         cu = t["cu_seqlens"]
         return lambda L, up: reference.attention_varlen(*L, cu, cu, causal=causal, upcast=up)[0]
+    if op == "kvcache_decode":
+        lens, table = t["cache_seqlens"], t.get("block_table")
+        return lambda L, up: reference.attention_with_kvcache(
+            L[0], L[1].detach().clone(), L[2].detach().clone(), *L[3:], cache_seqlens=lens, block_table=table,
+            causal=True, upcast=up)[0]
     if op == "kda":
         return lambda L, up: reference.kda(*L, use_qk_l2norm=True, upcast=up)[0]
     if op == "diag":
@@ -160,7 +188,7 @@ def work(case: Dict) -> float:
     op = case["op"]
     if op == "flash":
         return case["B"] * case["H"] * case["S"] * case["S"] * case["D"]
-    if op == "flash_decode":
+    if op in ("flash_decode", "kvcache_decode"):
         return case["B"] * case["Hk"] * case["ctx"] * case["D"]
     if op == "flash_varlen":
         return sum(x * x for x in case["seqlens"]) * case["H"] * case["D"]
@@ -170,7 +198,7 @@ def work(case: Dict) -> float:
 def state_bytes_per_seq(case: Dict) -> int:
     """Decode memory per sequence: the KV cache (attention) or the recurrent state (fp32)."""
     op = case["op"]
-    if op == "flash_decode":
+    if op in ("flash_decode", "kvcache_decode"):
         return 2 * case["ctx"] * case["Hk"] * case["D"] * case.get("elt", 2)
     if op == "kda_decode":
         return case["H"] * case["D"] * case["D"] * 4

@@ -37,7 +37,7 @@ class Bound:
 @dataclass
 class Impl:
     name: str
-    op: str                    # flash | flash_varlen | kda | diag | flash_decode | kda_decode | diag_decode
+    op: str                    # flash | flash_varlen | kda | diag | flash_decode | kvcache_decode | kda_decode | diag_decode
     family: str                # quadratic | linear
     provider: str              # delta-attn | torch | fla-core
     bind: Callable[[Dict, Dict], Bound]
@@ -58,10 +58,12 @@ def _leaf(t: torch.Tensor, grad: bool = True) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 _PUBLIC = {"flash": "flash_attn_func", "flash_varlen": "flash_attn_varlen_func", "kda": "kda",
-           "diag": "gated_diag_attn", "flash_decode": "flash_attn_func", "kda_decode": "kda_step",
-           "diag_decode": "gated_diag_step"}
+           "diag": "gated_diag_attn", "flash_decode": "flash_attn_func", "kvcache_decode": "flash_attn_with_kvcache",
+           "kda_decode": "kda_step", "diag_decode": "gated_diag_step"}
 _REGISTRY_OP = {"flash": "flash", "flash_varlen": "flash_varlen", "kda": "kda", "diag": "diag",
-                "flash_decode": "flash", "kda_decode": "kda_step", "diag_decode": "diag_step"}
+                "flash_decode": "flash", "kvcache_decode": "flash_kvcache", "kda_decode": "kda_step",
+                "diag_decode": "diag_step"}
+QUADRATIC_OPS = ("flash", "flash_varlen", "flash_decode", "kvcache_decode")
 
 
 def _probe_args(op: str, case: Dict, device: torch.device, dtype: torch.dtype, grad: bool):
@@ -80,6 +82,9 @@ def _call_args(op: str, case: Dict, t: Dict):
     if op == "flash_varlen":
         cu, mx = t["cu_seqlens"], case["max_seqlen"]
         return (t["q"], t["k"], t["v"], cu, cu, mx, mx), dict(causal=case.get("causal", True))
+    if op == "kvcache_decode":
+        return (t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"]), dict(
+            cache_seqlens=t["cache_seqlens"], block_table=t.get("block_table"), causal=True)
     if op == "kda":
         return (t["q"], t["k"], t["v"], t["g"], t["beta"]), dict(use_qk_l2norm=True)
     if op == "diag":
@@ -142,7 +147,7 @@ def ours(op: str, device: torch.device) -> List[Impl]:
             continue
         if name == "torch" and device.type == "cuda":
             continue            # the reference path is a specification, not a kernel: not timed on GPUs
-        family = "quadratic" if op.startswith("flash") else "linear"
+        family = "quadratic" if op in QUADRATIC_OPS else "linear"
         # cuDNN's KDA is NVIDIA's engine behind delta-attn's adapter: a peer in the ratios, not our kernel
         provider = "nvidia-cudnn-frontend" if (name == "cudnn" and op.startswith("kda")) else "delta-attn"
         out.append(Impl(name=f"delta-attn {name}", op=op, family=family, provider=provider,
@@ -285,6 +290,113 @@ def _cpu_sdpa_bind(case, t):
     return Bound(fn=fn, leaves=[q, k, v], spec=spec, inputs=[q, k, v])
 
 
+def _append_last(t) -> None:
+    """Write the step's new key / value at position ctx - 1 (what ``flash_attn_with_kvcache`` does in its
+    call): the peers' step includes the same cache append."""
+    kc, vc, k, v = t["k_cache"], t["v_cache"], t["k"][:, 0], t["v"][:, 0]
+    n = t["cache_seqlens"]
+    if "block_table" in t:
+        page = kc.shape[1]
+        pos = n.long()
+        blocks = t["block_table"].long().gather(1, (pos // page)[:, None])[:, 0]
+        kc[blocks, pos % page] = k
+        vc[blocks, pos % page] = v
+    else:
+        last = kc.shape[1] - 1
+        kc[:, last] = k
+        vc[:, last] = v
+
+
+def _kvcache_spec(case, t):
+    """The reference of a peer's step: attention of q over the ``ctx`` cached keys after the append."""
+    ctx = case["ctx"]
+
+    def spec(leaves, upcast):
+        q, kc, vc = leaves
+        if "block_table" in t:
+            table = t["block_table"].long()
+            kc, vc = (c[table].flatten(1, 2) for c in (kc, vc))      # (B, pages * page, Hk, D) in sequence order
+        return reference.attention(q, kc[:, :ctx], vc[:, :ctx], upcast=upcast)[0]
+    return spec
+
+
+def _sdpa_kvcache_why_not(label: str):
+    base = _sdpa_why_not(label)
+
+    def why(case, device, dtype, grad):
+        if case.get("page"):
+            return "SDPA reads contiguous caches only (no block table)"
+        return base(case, device, dtype, grad)
+    return why
+
+
+def _sdpa_kvcache_bind(label: str):
+    """SDPA on the same cache: flash-attn's decode path inside PyTorch. The cache (B, ctx, Hk, D) is read as
+    (B, Hk, ctx, D) without a copy, and the Hq / Hk query heads of a group become that many query rows of
+    their key head (one new token sees every cached key: no mask), which every SDPA backend runs without
+    enable_gqa. The step appends the new key / value first, as ``flash_attn_with_kvcache`` does."""
+    def bind(case, t):
+        q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
+        b, _, hq, d = q.shape
+        hk = kc.shape[2]
+        qg, kt, vt = q.view(b, hk, hq // hk, d), kc.transpose(1, 2), vc.transpose(1, 2)
+
+        def fn():
+            _append_last(t)
+            return F.scaled_dot_product_attention(qg, kt, vt).view(b, 1, hq, d)
+        return Bound(fn=fn, leaves=[q, kc, vc], spec=_kvcache_spec(case, t), context=_sdpa_context(_SDPA[label]),
+                     inputs=[q, kc, vc, t["k"], t["v"]])
+    return bind
+
+
+def _cudnn_paged_why_not(case, device, dtype, grad):
+    if not case.get("page"):
+        return "runs on paged caches only (the contiguous rows have SDPA's cuDNN kernel)"
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "cuDNN paged attention supports float16/bfloat16 only"
+    from ..ops import cudnn as cudnn_ops
+    err = cudnn_ops.frontend_error()
+    if err:
+        return err
+    if cudnn_ops._cudnn().backend_version() < 90500:
+        return "cuDNN paged attention needs cuDNN >= 9.5"
+    return None
+
+
+def _cudnn_paged_bind(case, t):
+    """cudnn-frontend's SDPA over the paged cache (``paged_attention_k_table`` / ``_v_table``, the API of the
+    frontend's sample 52): q (B, Hq, 1, D), the containers (blocks, Hk, page, D) as strided views of ours,
+    the block table as (B, 1, pages, 1), every sequence ``ctx`` keys long (padding mask). Built once per row."""
+    from ..ops import cudnn as cudnn_ops
+    cudnn = cudnn_ops._cudnn()
+    q, kc, vc, table = t["q"], t["k_cache"], t["v_cache"], t["block_table"]
+    b, _, hq, d = q.shape
+    pages = table.shape[1]
+    io = cudnn.data_type.HALF if q.dtype == torch.float16 else cudnn.data_type.BFLOAT16
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=cudnn_ops._handle(q.device))
+    q4, kc4, vc4 = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    table4 = table.view(b, 1, pages, 1)
+    ones = torch.ones(b, 1, 1, 1, dtype=torch.int32, device=q.device)
+    lens = torch.full((b, 1, 1, 1), case["ctx"], dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+    tq, tk, tv, tbk, tbv, tsq, tsk = (g.tensor_like(x) for x in (q4, kc4, vc4, table4, table4, ones, lens))
+    o, _ = g.sdpa(name="sdpa", q=tq, k=tk, v=tv, generate_stats=False, attn_scale=d ** -0.5, use_padding_mask=True,
+                  seq_len_q=tsq, seq_len_kv=tsk, paged_attention_k_table=tbk, paged_attention_v_table=tbv,
+                  paged_attention_max_seq_len_kv=pages * kc.shape[1])
+    o.set_output(True).set_dim(list(q4.shape)).set_stride(list(q4.stride()))
+    g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    pack = {tq: q4, tk: kc4, tv: vc4, tbk: table4, tbv: table4, tsq: ones, tsk: lens, o: out.transpose(1, 2)}
+
+    def fn():
+        _append_last(t)
+        g.execute(pack, cudnn_ops._workspace(q.device, g.get_workspace_size()), handle=cudnn_ops._handle(q.device))
+        return out
+    return Bound(fn=fn, leaves=[q, kc, vc], spec=_kvcache_spec(case, t), inputs=[q, kc, vc, t["k"], t["v"]])
+
+
 # ---------------------------------------------------------------------------------------------
 # flash-linear-attention (fla-core) peers
 # ---------------------------------------------------------------------------------------------
@@ -395,6 +507,12 @@ def peers(op: str, device: torch.device) -> List[Impl]:
         if op == "flash":
             p.append(Impl("FLA parallel_attn", op, "quadratic", "fla-core", _fla_attn_bind,
                           _fla_why_not(_causal_only)))
+    elif op == "kvcache_decode":
+        for label in _SDPA:
+            p.append(Impl(label, op, "quadratic", "torch", _sdpa_kvcache_bind(label), _sdpa_kvcache_why_not(label),
+                          backward=False))
+        p.append(Impl("cuDNN paged (cudnn-frontend)", op, "quadratic", "nvidia-cudnn-frontend", _cudnn_paged_bind,
+                      _cudnn_paged_why_not, backward=False))
     elif op == "flash_varlen":
         p.append(Impl("torch varlen_attn", op, "quadratic", "torch", _varlen_attn_bind, _varlen_attn_why_not))
         p.append(Impl("cuDNN (SDPA), one call per sequence", op, "quadratic", "torch",

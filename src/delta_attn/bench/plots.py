@@ -125,14 +125,15 @@ def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
                        f"{suite}: attention TFLOP/s against the GEMM ceiling ({dev})", logy=False, hlines=hl)
             made.append("tflops.png")
     elif suite == "decode":
-        batches = sorted({r["case"]["B"] for r in rows})
+        grid = [r for r in rows if r["op"] != "kvcache_decode"]   # one shape only: its table is the report's
+        batches = sorted({r["case"]["B"] for r in grid})
         panels = []
         for b in batches:
-            rs = [r for r in rows if r["case"]["B"] == b]
+            rs = [r for r in grid if r["case"]["B"] == b]
             attn = _series([r for r in rs if r["op"] == "flash_decode"], lambda r: r["case"]["ctx"], lambda r: r["ms"] * 1e3)
             ctxs = sorted({r["case"]["ctx"] for r in rs if r["op"] == "flash_decode"}) or [1]
             for r in rs:   # state decode does not depend on the context: a flat line
-                if r["op"] != "flash_decode" and r["status"] == "ok":
+                if r["op"] in ("kda_decode", "diag_decode") and r["status"] == "ok":
                     attn[_name(r)] = [(c, r["ms"] * 1e3) for c in ctxs]
             panels.append((f"batch {b}", attn))
         if panels:

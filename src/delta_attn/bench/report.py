@@ -358,6 +358,7 @@ def crossover_summary(rows: List[Dict]) -> List[Dict]:
 
 _OP_TITLE = {"flash": "Flash attention", "flash_varlen": "Flash attention, packed variable-length batch",
              "kda": "Kimi Delta Attention", "diag": "Gated diagonal attention", "flash_decode": "Decode: attention over a KV cache",
+             "kvcache_decode": "Decode: flash_attn_with_kvcache (append + attend)",
              "kda_decode": "Decode: KDA state update", "diag_decode": "Decode: diagonal state update"}
 
 
@@ -435,9 +436,10 @@ def decode_section(rows: List[Dict], ceilings: Optional[Dict] = None) -> str:
     lines = []
     for r in rs:
         c = r["case"]
-        if r["op"] == "flash_decode":
+        if r["op"] in ("flash_decode", "kvcache_decode"):
             per_seq = 2 * c["ctx"] * c["Hk"] * c["D"] * (4 if r["dtype"] == "fp32" else 2)
-            what = f"KV cache, ctx {c['ctx']}"
+            what = f"KV cache, ctx {c['ctx']}" + (f", Hq/Hk {c['H']}/{c['Hk']}" if c["H"] != c["Hk"] else "") + (
+                f", pages of {c['page']}" if c.get("page") else (", contiguous" if r["op"] == "kvcache_decode" else ""))
         elif r["op"] == "kda_decode":
             per_seq, what = c["H"] * c["D"] * c["D"] * 4, "KDA state (fp32)"
         else:

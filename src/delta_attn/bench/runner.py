@@ -449,7 +449,7 @@ class Runner:
                                            causal=case.get("causal", True), direction=direction)
         elif op == "flash_varlen":
             flops = models.varlen_attention_flops(case["seqlens"], case["H"], case["D"], case.get("causal", True), direction)
-        elif op == "flash_decode":
+        elif op in ("flash_decode", "kvcache_decode"):
             flops = models.attention_flops(case["B"], case["H"], 1, case["ctx"], case["D"], causal=True)
         nbytes = models.io_bytes(b.inputs, out, leaves, direction, accumulate=self.s.grads == "accumulate")
         if op in ("kda_decode", "diag_decode"):

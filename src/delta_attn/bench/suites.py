@@ -6,7 +6,8 @@
   fwd / bwd / fwd+bwd.
 - ``crossover``: fixed tokens per batch, S from 1K to 128K (linear operators to 1M), causal, fwd and
   fwd+bwd, quadratic and linear side by side.
-- ``decode``: one new token over a KV cache (attention) against the KDA and diagonal state updates.
+- ``decode``: one new token over a KV cache (attention) against the KDA and diagonal state updates, and
+  ``flash_attn_with_kvcache`` (append + attend, contiguous and paged caches) against SDPA and cuDNN paged.
 - ``ceilings``: only the copy bandwidth and GEMM rate (measured at the start of every suite anyway).
 """
 from __future__ import annotations
@@ -205,10 +206,23 @@ def decode_grid(s: Settings):
     return [4096, 16384, 65536, 262144, 1048576], [1, 16, 64, 256]
 
 
+def kvcache_cases(s: Settings) -> List[Dict]:
+    """``flash_attn_with_kvcache`` steps at the issue's shape: B = 64, cache 8K, Hq = 32, Hk = 8, D = 128,
+    one new token, contiguous and paged (256-token pages, flash-attn 2's page granularity)."""
+    if s.tiny:
+        return [dict(B=2, ctx=32, H=4, Hk=2, D=16, page=page) for page in (0, 8)]
+    return [dict(B=64, ctx=8192, H=32, Hk=8, D=128, page=page) for page in (0, 256)]
+
+
 def decode(s: Settings, kv_budget_bytes: float) -> List[Task]:
     ctxs, batches = decode_grid(s)
     h, d = (2, 16) if s.tiny else (s.heads, s.head_dim)
     tasks = []
+    for dname in s.dtypes:
+        for c in kvcache_cases(s):
+            for impl in _impls("kvcache_decode", s):
+                tasks.append(Task("decode", dict(c, op="kvcache_decode"), impl, ("fwd",), DTYPES[dname],
+                                  series=f"decode:kvcache:{c['page']}"))
     for dname in s.dtypes:
         dt = DTYPES[dname]
         elt = torch.empty(0, dtype=dt).element_size()

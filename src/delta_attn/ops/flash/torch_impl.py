@@ -27,3 +27,14 @@ def attention(a: AttnArgs):
         masks = [_keep_mask((1, hq, x, y), a.dropout_p, a.q.device) for x, y in zip(lq, lk)]
     return reference.attention_varlen(a.q, a.k, a.v, vl.cu_seqlens_q, vl.cu_seqlens_k, dropout_masks=masks,
                                       layout=vl.layout, **kw)
+
+
+def kvcache(a):
+    """``flash_attn_with_kvcache`` on the reference (a :class:`~delta_attn.ops.flash.kvcache.KVCacheArgs`).
+    Reads the cache lengths on the host: not capturable in a CUDA graph (the Triton backend is)."""
+    with torch.no_grad():
+        return reference.attention_with_kvcache(
+            a.q, a.k_cache, a.v_cache, a.k, a.v, cache_seqlens=a.cache_seqlens, rotary_cos=a.rotary_cos,
+            rotary_sin=a.rotary_sin, cache_batch_idx=a.cache_batch_idx, cache_leftpad=a.cache_leftpad,
+            block_table=a.block_table, softmax_scale=a.softmax_scale, causal=a.causal, window_size=a.window,
+            softcap=a.softcap, rotary_interleaved=a.rotary_interleaved, alibi_slopes=a.alibi_slopes)

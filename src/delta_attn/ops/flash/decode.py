@@ -1,0 +1,168 @@
+"""``backend="triton"`` for ``flash_attn_with_kvcache``: the launcher, the ``torch.library`` custom op
+``delta_attn::flash_kvcache`` (mutates the caches; with a fake) and the backend entry point.
+
+One call is at most three launches on one stream, none of which reads a value on the host, so the call
+can be captured in a CUDA graph: the append kernel (new keys / values into the cache, rotary on the
+keys), the split-KV attention kernel, and, when the keys are split, the merge kernel. The number of
+splits comes from the shapes only (:func:`choose_splits`), never from ``cache_seqlens``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from ... import _outputs
+from .. import _triton_interpreter
+from .._launch import halving, launch, tiles
+from ...backends import sm_count, triton_interpreter_on
+from .kernels_decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_merge_kernel
+
+_triton_interpreter.patch()
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How many programs share one sequence's keys when ``num_splits=0``."""
+    # FA2's rule: once the (batch, key head, row block) programs fill 80 % of the SMs, splitting only adds
+    # the merge pass
+    fill: float = 0.8
+    # otherwise aim at two programs per SM (each streams its key range: more in flight hides latency)
+    programs_per_sm: int = 2
+    # a split below this many keys costs more in its fixed work (q load, partial write) than it saves
+    min_keys: int = 256
+    max_splits: int = 64
+
+
+SPLITS = SplitRule()
+
+
+def choose_splits(programs: int, capacity: int, sms: int, rule: SplitRule = SPLITS) -> int:
+    """Splits of the key range per program from the shapes: ``programs`` (batch x key heads x row blocks),
+    ``capacity`` (cache positions per sequence) and the SM count."""
+    if programs >= rule.fill * sms:
+        return 1
+    want = triton.cdiv(rule.programs_per_sm * sms, max(programs, 1))
+    return max(1, min(want, triton.cdiv(capacity, rule.min_keys), rule.max_splits))
+
+
+def _attn_tiles(d: int):
+    """Key tiles of the attention kernel: 64 keys (32 at D > 128) in 3 stages; halved when shared memory
+    is short. One small tile under the interpreter (CPU tests cover several tiles and splits)."""
+    if triton_interpreter_on():
+        return (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16),)
+    first = tiles("decode: stream K/V in 64-key tiles, 3 stages in flight", num_warps=4, num_stages=3,
+                  BLOCK_N=64 if d <= 128 else 32)
+    return halving(first, ["BLOCK_N"])
+
+
+def _row_block(rows: int) -> int:
+    """Query rows (query x q head of one group) per program: all of them up to 64 (tl.dot needs >= 16)."""
+    return max(16, min(64, triton.next_power_of_2(max(rows, 1))))
+
+
+def _s4(t: Optional[Tensor]) -> Tuple[int, ...]:
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
+def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, alibi_slopes, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                rotary_interleaved: bool, rotary_per_query: bool, num_splits: int) -> Tuple[Tensor, Tensor]:
+    """Append ``k`` / ``v`` to the caches (in place), then attend. Returns ``(out (B, Sq, Hq, D),
+    lse (B, Hq, Sq) float32)``. Index tensors arrive as contiguous int32 (the validation's form)."""
+    b, sq, hq, d = q.shape
+    hk = k_cache.shape[2]
+    group = hq // hk
+    paged = block_table is not None
+    page = k_cache.shape[1]
+    capacity = block_table.shape[1] * page if paged else k_cache.shape[1]
+    rotary = rotary_cos is not None
+    if rotary and rotary_sin.stride() != rotary_cos.stride():
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    dummy = cache_seqlens
+    cos, sin = (rotary_cos, rotary_sin) if rotary else (q, q)
+    s_ro = tuple(rotary_cos.stride()) if rotary else (0, 0)
+    seqlen_ro = rotary_cos.shape[0] if rotary else 1
+    half = rotary_cos.shape[1] if rotary else 0
+    bt = block_table if paged else dummy
+    s_bt = tuple(block_table.stride()) if paged else (0, 0)
+    idx = cache_batch_idx if cache_batch_idx is not None else dummy
+    block_d = max(16, triton.next_power_of_2(d))
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGED=paged, HAS_IDX=cache_batch_idx is not None, ROTARY=rotary,
+                  INTERLEAVED=bool(rotary_interleaved))
+
+    # 1. new keys (rotated) and values into the cache
+    snew = 0 if k is None else k.shape[1]
+    if snew > 0 and b > 0:
+        _kvcache_append_kernel[(b * snew, hk)](
+            k, v, k_cache, v_cache, cache_seqlens, idx, bt, cos, sin, *_s4(k), *_s4(v), *_s4(k_cache), *_s4(v_cache),
+            *s_bt, *s_ro, snew, page, seqlen_ro, half, **common)
+
+    out = _outputs.empty((b, sq, hq, d), q.dtype, q.device)
+    lse = _outputs.empty((b, hq, sq), torch.float32, q.device)
+    if b == 0 or sq == 0:
+        return out, lse
+    # 2. split-KV attention: programs (row block x split, batch x key head)
+    block_m = _row_block(sq * group)
+    row_blocks = triton.cdiv(sq * group, block_m)
+    splits = num_splits or choose_splits(b * hk * row_blocks, capacity, sm_count(q.device))
+    splits = max(1, min(splits, capacity))
+    split = splits > 1
+    o_part = _outputs.empty((b * hq * sq * splits * d,) if split else (1,), torch.float32, q.device)
+    l_part = _outputs.empty((b * hq * sq * splits,) if split else (1,), torch.float32, q.device)
+    alibi = alibi_slopes if alibi_slopes is not None else q
+    s_ab = (0, 0) if alibi_slopes is None else (
+        (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else tuple(alibi_slopes.stride()))
+    args = (q, k_cache, v_cache, out, lse, o_part, l_part, cache_seqlens,
+            cache_leftpad if cache_leftpad is not None else dummy, idx, bt, alibi, cos, sin,
+            *_s4(q), *_s4(k_cache), *_s4(v_cache), *_s4(out), *lse.stride(), *s_bt, *s_ab, *s_ro,
+            sq, snew, hk, group, page, seqlen_ro, half, float(softmax_scale), float(softcap), int(window_left),
+            int(window_right), splits, row_blocks)
+    fixed = dict(common, BLOCK_M=block_m, HAS_LEFTPAD=cache_leftpad is not None, SOFTCAP=softcap > 0,
+                 HAS_ALIBI=alibi_slopes is not None, HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
+                 ROTARY_PER_QUERY=bool(rotary_per_query), SPLIT=split, IEEE=q.dtype == torch.float32)
+    launch(_kvcache_attn_kernel, lambda t: (row_blocks * splits, b * hk), args, fixed, _attn_tiles(d))
+    # 3. merge the splits
+    if split:
+        _kvcache_merge_kernel[(b * hq * sq,)](o_part, l_part, out, lse, *out.stride(), *lse.stride(), sq, hq, splits,
+                                              HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits))
+    return out, lse
+
+
+_Opt = Optional[Tensor]
+
+
+@torch.library.custom_op("delta_attn::flash_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: _Opt, v: _Opt, rotary_cos: _Opt, rotary_sin: _Opt,
+                cache_seqlens: Tensor, cache_batch_idx: _Opt, cache_leftpad: _Opt, block_table: _Opt,
+                alibi_slopes: _Opt, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                rotary_interleaved: bool, rotary_per_query: bool, num_splits: int) -> Tuple[Tensor, Tensor]:
+    return kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       cache_leftpad, block_table, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                       rotary_interleaved, rotary_per_query, num_splits)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+      alibi_slopes, softmax_scale, window_left, window_right, softcap, rotary_interleaved, rotary_per_query,
+      num_splits):
+    b, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+def kvcache(a):
+    """Backend entry point (a validated :class:`~delta_attn.ops.flash.kvcache.KVCacheArgs`): ``(out, lse)``.
+    Eager calls launch directly (a decode step is launch-bound; the dispatcher would cost more than the
+    kernels), traced calls go through the custom op."""
+    wl, wr = a.window
+    args = (a.q, a.k_cache, a.v_cache, a.k, a.v, a.rotary_cos, a.rotary_sin, a.cache_seqlens, a.cache_batch_idx,
+            a.cache_leftpad, a.block_table, a.alibi_slopes, float(a.softmax_scale), int(wl), int(wr),
+            float(a.softcap), bool(a.rotary_interleaved), bool(a.rotary_per_query), int(a.num_splits))
+    if torch.compiler.is_compiling():
+        return _kvcache_op(*args)
+    with torch.no_grad():
+        return kvcache_fwd(*args)
