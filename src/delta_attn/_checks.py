@@ -218,11 +218,11 @@ def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device
     ``num_accepted`` (B,) needs (B, T) indices. Shapes, dtypes and devices are checked here; the values
     by :func:`state_indices_values` when :func:`value_checks_enabled` (never under CUDA-graph capture)."""
     if indices is None:
+        if num_accepted is not None:
+            raise ValueError("num_accepted_tokens needs state_indices of shape (B, T): one slot per new token")
         if pool != batch:
             raise ValueError(f"state must have one slot per sequence (batch {batch}) when state_indices "
                              f"is None, got {pool} slots")
-        if num_accepted is not None:
-            raise ValueError("num_accepted_tokens needs state_indices of shape (B, T): one slot per new token")
         return
     tensor("state_indices", indices, None, INDEX_DTYPES, "(B,) or (B, T)")
     if indices.dim() == 2 and tokens is not None:
