@@ -243,3 +243,40 @@ def test_under_capture_shape_and_dtype_checks_still_run(monkeypatch):
         op.step(xs, pool, "torch", state_indices=torch.arange(6).view(2, 3), num_accepted_tokens=torch.ones(2))
     # values are not read: an out-of-range count passes validation under capture (documented)
     _checks.state_indices(torch.arange(6).view(2, 3), 2, 12, torch.device("cpu"), 3, torch.tensor([0, 9]))
+
+
+# ---------------------------------------------------------------------------------------------- launch configs
+
+@pytest.mark.parametrize("which,dims,config", [
+    ("kda", (16, 32), dict(num_warps=1, BV=16, STREAM=1)),        # two V blocks, no masks
+    ("kda", (48, 32), dict(num_warps=2, BV=32, STREAM=0)),        # K padded to 64: masked
+    ("diag", (24,), dict(num_warps=1, BD=16)),                    # three channel blocks of H * D = 48
+    ("diag", (24,), dict(num_warps=2, BD=32)),                    # a partial last block
+])
+def test_explicit_launch_configs_match_the_reference(which, dims, config):
+    """The launchers take their config as an argument (the sweep's candidates): each gives the reference
+    result with (B, T) slots and accepted counts."""
+    from delta_attn.ops._launch import tiles
+    from delta_attn.ops.diag.triton_impl import diag_step
+    from delta_attn.ops.kda.pipeline import decode_step
+    op = Op(which, B=2, T=3, seed=11)
+    if which == "kda":
+        op.K, op.V = dims
+        op.state_shape = (op.HV, op.K, op.V)
+    else:
+        op.D = dims[0]
+        op.state_shape = (op.H, op.D)
+    xs = op.tokens(torch.float32)
+    table = torch.tensor([[5, 1, 3], [0, 4, 2]], dtype=torch.int32)
+    accepted = torch.tensor([3, 2], dtype=torch.int32)
+    pool = torch.randn(7, *op.state_shape, generator=op.gen)
+    expected_pool = pool.clone()
+    expected = op.step(xs, expected_pool, "torch", state_indices=table, num_accepted_tokens=accepted)
+    cfg = tiles("test", **config)
+    with poison_outputs():
+        if which == "kda":
+            o = decode_step(*xs, pool, table, None, None, op.K ** -0.5, None, True, accepted, config=cfg)
+        else:
+            o = diag_step(*xs, pool, table, accepted, config=cfg)
+    assert torch.allclose(o, expected, atol=2e-5, rtol=1e-4)
+    assert torch.allclose(pool, expected_pool, atol=2e-5, rtol=1e-4)
