@@ -95,7 +95,8 @@ def _check_round(op, o, pool, table, history, new, s0, dtype):
 
 
 @pytest.mark.parametrize("which", ["kda", "diag"])
-@pytest.mark.parametrize("backend,dt,layout", [(*p, lay) for p, lay in zip(PATHS, ["contiguous", "strided", "contiguous"])])
+@pytest.mark.parametrize("backend,dt,layout",
+                         [(*p, lay) for p, lay in zip(PATHS, ["contiguous", "strided", "contiguous"])])
 def test_two_verification_rounds_match_the_accepted_prefixes(which, backend, dt, layout):
     dtype = DT[dt]
     op = Op(which, seed=sum(map(ord, which + dt + layout)))
@@ -164,12 +165,15 @@ def _named_error_cases():
     B, T = 2, 3
     good = torch.arange(B * T).view(B, T)
     return [
-        ("table width", dict(state_indices=torch.arange(8).view(2, 4)), ValueError, r"state_indices must have shape \(2, 3\)"),
-        ("table rank", dict(state_indices=torch.arange(12).view(2, 3, 2)), ValueError, r"state_indices must have shape"),
+        ("table width", dict(state_indices=torch.arange(8).view(2, 4)), ValueError,
+         r"state_indices must have shape \(2, 3\)"),
+        ("table rank", dict(state_indices=torch.arange(12).view(2, 3, 2)), ValueError,
+         r"state_indices must have shape"),
         ("table range", dict(state_indices=good + 10), ValueError, r"state_indices must lie in \[0, 12\)"),
         ("table repeat", dict(state_indices=torch.tensor([[0, 1, 2], [3, 4, 1]])), ValueError, r"must not repeat"),
         ("table dtype", dict(state_indices=good.float()), TypeError, r"state_indices must be int32 or int64"),
-        ("accepted without table", dict(state_indices=torch.tensor([0, 5]), num_accepted_tokens=torch.ones(2, dtype=torch.int32)),
+        ("accepted without table", dict(state_indices=torch.tensor([0, 5]),
+                                        num_accepted_tokens=torch.ones(2, dtype=torch.int32)),
          ValueError, r"num_accepted_tokens needs state_indices of shape \(B, T\)"),
         ("accepted without indices", dict(num_accepted_tokens=torch.ones(2, dtype=torch.int32)), ValueError,
          r"num_accepted_tokens needs state_indices"),
