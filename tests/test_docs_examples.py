@@ -15,7 +15,7 @@ import delta_attn as da
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-FILES = ["MIGRATION.md", "../README.md"]     # relative to docs/
+FILES = ["MIGRATION.md", "SERVING.md", "../README.md"]     # relative to docs/
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
 

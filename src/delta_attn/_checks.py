@@ -3,7 +3,9 @@
 Every public wrapper calls these before anything runs. Each error names the argument, what was
 expected and what came, and is a ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
 shape or value). Value checks that need the host to read a device tensor (``cu_seqlens``,
-``state_indices``) are skipped while ``torch.compile`` traces, where they would break the graph.
+``state_indices``, ``num_accepted_tokens``) are skipped while ``torch.compile`` traces, where they would
+break the graph, and while a CUDA graph is captured, where a host read is not allowed; shape, dtype and
+device checks always run.
 """
 from __future__ import annotations
 
@@ -208,25 +210,61 @@ def state(name: str, s: Optional[torch.Tensor], expected: Tuple[int, ...], devic
         raise ValueError(f"{name} must be on the device of the inputs ({device}), got {s.device}")
 
 
-def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device: torch.device) -> None:
+def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device: torch.device,
+                  tokens: Optional[int] = None, num_accepted: Optional[torch.Tensor] = None) -> None:
+    """The slots of a decode step: ``indices`` None (slot b is ``state[b]``), (B,) (sequence b reads and
+    writes one slot) or, for speculative decoding, (B, T) with T == ``tokens`` (the state after token t of
+    sequence b goes to slot ``indices[b, t]``; the step starts from ``indices[b, num_accepted[b] - 1]``).
+    ``num_accepted`` (B,) needs (B, T) indices. Shapes, dtypes and devices are checked here; the values
+    by :func:`state_indices_values` when :func:`value_checks_enabled` (never under CUDA-graph capture)."""
     if indices is None:
+        if num_accepted is not None:
+            raise ValueError("num_accepted_tokens needs state_indices of shape (B, T): one slot per new token")
         if pool != batch:
             raise ValueError(f"state must have one slot per sequence (batch {batch}) when state_indices "
                              f"is None, got {pool} slots")
         return
-    tensor("state_indices", indices, 1, INDEX_DTYPES, "(B,)")
-    shape_equal("state_indices", indices, (batch,), "(one slot per sequence)")
+    tensor("state_indices", indices, None, INDEX_DTYPES, "(B,) or (B, T)")
+    if indices.dim() == 2 and tokens is not None:
+        shape_equal("state_indices", indices, (batch, tokens), "(B, T): one slot per new token")
+    elif indices.dim() != 1 or indices.shape[0] != batch:
+        raise ValueError(f"state_indices must have shape ({batch},) (one slot per sequence)"
+                         f"{f' or ({batch}, {tokens}) (one slot per new token)' if tokens is not None else ''}, "
+                         f"got {tuple(indices.shape)}")
     if indices.device != device:
         raise ValueError(f"state_indices must be on the device of the inputs ({device}), got {indices.device}")
-    if not value_checks_enabled() or batch == 0:
-        return
-    # one device-to-host copy: min, max and whether a slot repeats
-    ordered = indices.sort().values
-    lo, hi, repeats = torch.stack([ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).any().to(ordered.dtype)]).tolist()
+    if num_accepted is not None:
+        if indices.dim() != 2:
+            raise ValueError("num_accepted_tokens needs state_indices of shape (B, T): one slot per new token, "
+                             f"got shape {tuple(indices.shape)}")
+        tensor("num_accepted_tokens", num_accepted, 1, INDEX_DTYPES, "(B,)")
+        shape_equal("num_accepted_tokens", num_accepted, (batch,), "(one count per sequence)")
+        if num_accepted.device != device:
+            raise ValueError(f"num_accepted_tokens must be on the device of the inputs ({device}), "
+                             f"got {num_accepted.device}")
+    if value_checks_enabled() and indices.numel() > 0:
+        state_indices_values(indices, pool, num_accepted)
+
+
+def state_indices_values(indices: torch.Tensor, pool: int, num_accepted: Optional[torch.Tensor] = None) -> None:
+    """The values of ``state_indices`` lie in [0, pool) and never repeat (two writes to one slot); those of
+    ``num_accepted_tokens`` in [1, T]. One device-to-host copy (a sync: never called under capture)."""
+    flat = indices.reshape(-1)
+    ordered = flat.sort().values
+    stats = [ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).any().to(ordered.dtype)]
+    if num_accepted is not None:
+        stats += [num_accepted.min().to(ordered.dtype), num_accepted.max().to(ordered.dtype)]
+    values = torch.stack(stats).tolist()
+    lo, hi, repeats = values[:3]
     if lo < 0 or hi >= pool:
         raise ValueError(f"state_indices must lie in [0, {pool}) (the state pool), got values from {lo} to {hi}")
     if repeats:
-        raise ValueError("state_indices must not repeat a slot: two sequences would update one state")
+        raise ValueError("state_indices must not repeat a slot: two sequences (or tokens) would write one state")
+    if num_accepted is not None:
+        tokens = indices.shape[1]
+        if values[3] < 1 or values[4] > tokens:
+            raise ValueError(f"num_accepted_tokens must lie in [1, {tokens}] (T, the tokens per sequence), "
+                             f"got values from {values[3]} to {values[4]}")
 
 
 def flag(name: str, value) -> bool:

@@ -65,7 +65,8 @@ class Call:
 def recurrent_features(cu_seqlens, initial_state, output_final_state: bool, state_indices) -> set:
     """The Call features shared by the recurrent operators (kda, diag and their decode steps)."""
     named = {"varlen": cu_seqlens is not None, "initial_state": initial_state is not None,
-             "final_state": output_final_state, "state_indices": state_indices is not None}
+             "final_state": output_final_state, "state_indices": state_indices is not None,
+             "speculative": state_indices is not None and state_indices.dim() == 2}
     return {name for name, used in named.items() if used}
 
 

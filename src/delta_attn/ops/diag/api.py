@@ -21,7 +21,8 @@ class DiagArgs:
     cu_seqlens: Optional[torch.Tensor]
     num_seqs: int
     state: Optional[torch.Tensor] = None            # gated_diag_step: the state pool, updated in place
-    state_indices: Optional[torch.Tensor] = None
+    state_indices: Optional[torch.Tensor] = None    # slot of each sequence (B,) or token (B, T)
+    num_accepted_tokens: Optional[torch.Tensor] = None   # with (B, T) slots: start slot column + 1
 
     def call(self, op: str) -> Call:
         feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
@@ -57,7 +58,7 @@ def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlen
     return DiagArgs(q, k, v, g, initial_state, output_final_state, cu_seqlens, n)
 
 
-def validate_step(q, k, v, g, state, state_indices=None) -> DiagArgs:
+def validate_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None) -> DiagArgs:
     _validate_qkvg(q, k, v, g)
     b, t, h, d = q.shape
     C.positive_dim("new tokens per sequence (q.shape[1])", t)
@@ -65,8 +66,9 @@ def validate_step(q, k, v, g, state, state_indices=None) -> DiagArgs:
     C.shape_equal("state", state, (state.shape[0], h, d), "(P, H, D)")
     if state.device != q.device:
         raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
-    C.state_indices(state_indices, b, state.shape[0], q.device)
-    return DiagArgs(q, k, v, g, None, False, None, b, state=state, state_indices=state_indices)
+    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens)
+    return DiagArgs(q, k, v, g, None, False, None, b, state=state, state_indices=state_indices,
+                    num_accepted_tokens=num_accepted_tokens)
 
 
 def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -86,12 +88,25 @@ def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False,
     return select(args.call("diag"), backend)(args)
 
 
-def gated_diag_step(q, k, v, g, state, *, state_indices=None, backend="auto"):
-    """Decode: the diagonal recurrence over new tokens from a state pool (P, H, D), updated in place.
+def gated_diag_step(q, k, v, g, state, *, state_indices=None, num_accepted_tokens=None, backend="auto"):
+    """Decode: the diagonal recurrence over T new tokens from a state pool (P, H, D), updated in place.
 
-    Sequence b reads and writes ``state[state_indices[b]]`` (``state[b]`` when None). Inference only.
+    q, k, v, g (B, T, H, D); returns o (B, T, H, D). Inference only. Slots as in :func:`kda_step`:
+    ``state_indices`` None (``state[b]``), (B,) (one slot per sequence, read and written), or (B, T) for
+    speculative decoding (the state after token t goes to ``state[state_indices[b, t]]``; the step starts
+    from ``state_indices[b, num_accepted_tokens[b] - 1]``, from column 0 when ``num_accepted_tokens`` is
+    None). Capturable in a CUDA graph; under capture the host-side value checks of the slots are skipped.
+
+    >>> import torch, delta_attn as da
+    >>> q, k, v = torch.randn(3, 2, 4, 2, 8).unbind(0)       # 2 sequences, 4 tokens (1 + 3 drafts)
+    >>> pool, slots = torch.zeros(10, 2, 8), torch.arange(8).view(2, 4)
+    >>> o = da.gated_diag_step(q, k, v, -torch.rand(2, 4, 2, 8), pool, state_indices=slots, backend="torch")
+    >>> o = da.gated_diag_step(q, k, v, -torch.rand(2, 4, 2, 8), pool, state_indices=slots,
+    ...                        num_accepted_tokens=torch.tensor([1, 4]), backend="torch")
+    >>> o.shape
+    torch.Size([2, 4, 2, 8])
     """
-    args = validate_step(q, k, v, g, state, state_indices)
+    args = validate_step(q, k, v, g, state, state_indices, num_accepted_tokens)
     return select(args.call("diag_step"), backend)(args)
 
 
@@ -99,7 +114,7 @@ gated_diag_attn.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a
 gated_diag_step.plan = lambda *a, backend="auto", **kw: explain_call(
     validate_step(*a, **kw).call("diag_step"), backend)
 
-_FEATURES = frozenset({"varlen", "initial_state", "final_state", "state_indices"})
+_FEATURES = frozenset({"varlen", "initial_state", "final_state", "state_indices", "speculative"})
 _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
 register("torch", "diag", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag", **_ANY))
 register("torch", "diag_step", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag_step", backward=False,

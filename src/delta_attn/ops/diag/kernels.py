@@ -33,7 +33,8 @@ per-channel look-back walk (``_lookback_walk``). The forward can split its tile 
 side by side by different warps (``SPLIT``): long tiles, so that few tiles of a chain are in flight
 when a tile looks back. They publish the same words, so either backward runs on either forward's carries.
 
-Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place.
+Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place; a program owns a
+block of the flattened H * D channels of one sequence (``ops/_slots.py`` gives its slots).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .. import _triton_interpreter
+from .._slots import _start_slot, _token_slot
 
 # a published word with the valid bit set, A = 0 and B = 0: "state 0, nothing before matters"
 INCL_ZERO = -(1 << 63)
@@ -715,28 +717,27 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
 
 
 @triton.jit
-def _diag_step_kernel(q, k, v, g, o, state, idx, T, H, D,
-                      HAS_IDX: tl.constexpr, BD: tl.constexpr):
-    # one program per (sequence, head, channel block): the recurrence over the new tokens
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    cols = tl.program_id(2) * BD + tl.arange(0, BD)
-    cmask = cols < D
-    HD = H * D
-    if HAS_IDX:
-        slot = tl.load(idx + b).to(tl.int64)
-    else:
-        slot = b.to(tl.int64)
-    sptr = state + slot * HD + h * D + cols
-    s = tl.load(sptr, mask=cmask, other=0.0).to(tl.float32)
+def _diag_step_kernel(q, k, v, g, o, state, idx, nat, T, HD,
+                      IDX: tl.constexpr, HAS_NAT: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
+    # one program per (sequence, block of BD channels of the flattened H * D axis): the state block is read
+    # from its start slot (ops/_slots.py), walked over the new tokens in registers and written back (to each
+    # token's slot with (B, T) indices, else once to the start slot)
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cols < HD
+    s_start = state + _start_slot(idx, nat, b, T, IDX, HAS_NAT) * HD + cols
+    s = _ld(s_start, cmask, EVEN).to(tl.float32)
     t = 0
     while t < T:   # (a while loop: the interpreter cannot range() over a runtime int)
-        off = (b.to(tl.int64) * T + t) * HD + h * D + cols
-        gt = tl.load(g + off, mask=cmask, other=0.0).to(tl.float32)
-        kt = tl.load(k + off, mask=cmask, other=0.0).to(tl.float32)
-        vt = tl.load(v + off, mask=cmask, other=0.0).to(tl.float32)
+        off = (b * T + t) * HD + cols
+        gt = _ld(g + off, cmask, EVEN).to(tl.float32)
+        kt = _ld(k + off, cmask, EVEN).to(tl.float32)
+        vt = _ld(v + off, cmask, EVEN).to(tl.float32)
+        qt = _ld(q + off, cmask, EVEN).to(tl.float32)
         s = tl.exp(gt) * s + kt * vt
-        qt = tl.load(q + off, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(o + off, (qt * s).to(o.dtype.element_ty), mask=cmask)
+        _st(o + off, (qt * s).to(o.dtype.element_ty), cmask, EVEN)
+        if IDX == 2:
+            _st(state + _token_slot(idx, b, T, t) * HD + cols, s.to(state.dtype.element_ty), cmask, EVEN)
         t += 1
-    tl.store(sptr, s.to(state.dtype.element_ty), mask=cmask)
+    if IDX != 2:
+        _st(s_start, s.to(state.dtype.element_ty), cmask, EVEN)

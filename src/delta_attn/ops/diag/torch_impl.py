@@ -12,6 +12,6 @@ def gated_diag(a: DiagArgs):
 
 
 def gated_diag_step(a: DiagArgs):
-    return step_on_pool(a.state, a.state_indices,
-                        lambda s0: reference.gated_diag(a.q, a.k, a.v, a.g, initial_state=s0,
-                                                        output_final_state=True))
+    return step_on_pool(a.state, a.state_indices, a.num_accepted_tokens, a.q.shape[1],
+                        lambda s0, ts: reference.gated_diag(a.q[:, ts], a.k[:, ts], a.v[:, ts], a.g[:, ts],
+                                                            initial_state=s0, output_final_state=True))

@@ -33,7 +33,8 @@ class KDAArgs:
     dt_bias: Optional[torch.Tensor]
     lower_bound: Optional[float]
     state: Optional[torch.Tensor] = None            # kda_step: the state pool, updated in place
-    state_indices: Optional[torch.Tensor] = None    # kda_step: slot of each sequence
+    state_indices: Optional[torch.Tensor] = None    # kda_step: slot of each sequence (B,) or token (B, T)
+    num_accepted_tokens: Optional[torch.Tensor] = None   # kda_step with (B, T) slots: start slot column + 1
     allow_tf32: bool = False                        # fp32 inputs: tf32 tensor-core dots allowed
 
     def call(self, op: str) -> Call:
@@ -117,7 +118,7 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
 
 
 def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
-                  dt_bias=None, lower_bound=None) -> KDAArgs:
+                  dt_bias=None, lower_bound=None, num_accepted_tokens=None) -> KDAArgs:
     scale, lower_bound = _validate(q, k, v, g, beta, scale, None, use_qk_l2norm, A_log, dt_bias, lower_bound)
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -126,9 +127,9 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
     C.shape_equal("state", state, (state.shape[0], hv, kd, vd), "(P, HV, K, V)")
     if state.device != q.device:
         raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
-    C.state_indices(state_indices, b, state.shape[0], q.device)
+    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens)
     return KDAArgs(q, k, v, g, beta, scale, None, False, None, b, use_qk_l2norm, A_log, dt_bias, lower_bound,
-                   state=state, state_indices=state_indices)
+                   state=state, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -156,15 +157,42 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     return select(args.call("kda"), backend)(args)
 
 
-def kda_step(q, k, v, g, beta, state, *, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
-             dt_bias=None, lower_bound=None, backend="auto"):
+def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens=None, scale=None,
+             use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, backend="auto"):
     """Decode: KDA over a few new tokens per sequence from a state pool, updated in place.
 
-    q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32; sequence b reads and
-    writes ``state[state_indices[b]]`` (``state[b]`` when None). Inference only. Returns o (B, T, HV, V).
+    q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32 (or float64). Inference only.
+    Returns o (B, T, HV, V). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
+
+    - ``state_indices`` None: sequence b reads and writes ``state[b]`` (P == B);
+    - (B,): sequence b starts from ``state[state_indices[b]]`` and writes its state after the last
+      token back there;
+    - (B, T), speculative decoding (draft verification): the state after token t of sequence b is
+      written to ``state[state_indices[b, t]]`` and the step starts from slot
+      ``state_indices[b, num_accepted_tokens[b] - 1]`` (``num_accepted_tokens`` (B,), values in
+      [1, T]: how many tokens of the previous step were accepted; None starts from
+      ``state_indices[b, 0]``). The engine keeps the slot table and passes the accepted counts of the
+      last verification: no state is copied.
+
+    CUDA graphs: the call can be captured (no host synchronisation); under capture the checks that read
+    the values of ``state_indices`` / ``num_accepted_tokens`` on the host are skipped (shapes, dtypes and
+    devices are still checked), so the captured values must be valid. Run the step once before capturing
+    (kernel compilation).
+
+    >>> import torch, delta_attn as da
+    >>> q, k = torch.randn(2, 2, 3, 1, 8).unbind(0)           # 2 sequences, 3 tokens (1 + 2 drafts)
+    >>> v, g, beta = torch.randn(2, 3, 1, 8), -torch.rand(2, 3, 1, 8), torch.rand(2, 3, 1)
+    >>> pool = torch.zeros(8, 1, 8, 8)
+    >>> slots = torch.tensor([[0, 1, 2], [4, 5, 6]])          # state after token t -> slots[b, t]
+    >>> o = da.kda_step(q, k, v, g, beta, pool, state_indices=slots, backend="torch")
+    >>> accepted = torch.tensor([2, 3])                       # next step starts from slots[b, accepted - 1]
+    >>> o = da.kda_step(q, k, v, g, beta, pool, state_indices=slots, num_accepted_tokens=accepted,
+    ...                 backend="torch")
+    >>> o.shape
+    torch.Size([2, 3, 1, 8])
     """
     args = validate_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, A_log, dt_bias,
-                         lower_bound)
+                         lower_bound, num_accepted_tokens)
     return select(args.call("kda_step"), backend)(args)
 
 
@@ -172,7 +200,7 @@ kda.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call
 kda_step.plan = lambda *a, backend="auto", **kw: explain_call(validate_step(*a, **kw).call("kda_step"), backend)
 
 _FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_softplus",
-                       "gate_lower_bound", "gva", "state_indices"})
+                       "gate_lower_bound", "gva", "state_indices", "speculative"})
 _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
 register("torch", "kda", Capability(impl="delta_attn.ops.kda.torch_impl:kda", **_ANY))
 register("torch", "kda_step", Capability(impl="delta_attn.ops.kda.torch_impl:kda_step", backward=False, **_ANY))

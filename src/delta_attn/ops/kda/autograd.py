@@ -128,12 +128,14 @@ torch.library.register_autograd("delta_attn::kda_train", _backward, setup_contex
 @torch.library.custom_op("delta_attn::kda_step", mutates_args=("state",))
 def _kda_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  state: torch.Tensor, state_indices: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
-                 lower_bound: Optional[float], use_qk_l2norm: bool) -> torch.Tensor:
-    return decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm)
+                 lower_bound: Optional[float], use_qk_l2norm: bool, num_accepted_tokens: _Opt = None) -> torch.Tensor:
+    return decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                       num_accepted_tokens)
 
 
 @_kda_step_op.register_fake
-def _(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
+def _(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+      num_accepted_tokens=None):
     return v.new_empty(v.shape)
 
 
@@ -153,7 +155,7 @@ def kda(a: KDAArgs):
 
 def kda_step(a: KDAArgs):
     args = (a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log, a.dt_bias, float(a.scale),
-            a.lower_bound, bool(a.use_qk_l2norm))
+            a.lower_bound, bool(a.use_qk_l2norm), a.num_accepted_tokens)
     if torch.compiler.is_compiling():
         return _kda_step_op(*args)
     return decode_step(*args)                          # eager decode: the same kernel, no dispatcher

@@ -1,38 +1,71 @@
 """Decode stage of KDA (Triton): a few new tokens per sequence from a state pool, updated in place.
 
-One program per (V block, sequence, value head): the fp32 state block S (K x BV) is read once from
-``state[state_indices[b]]``, advanced token by token (decay ``S <- exp(g) S``; correction
-``u = beta (v - S^T k)``; write ``S <- S + k u^T``; read-out ``o = S^T (scale q)``) and written back.
-Plain fp32 FMA arithmetic: fp32-accurate for every input dtype.
+One program per (V block, sequence, value head): the fp32 state block S (K x BV) is read once from its
+start slot (``ops/_slots.py``: ``state_indices`` (B,) or, speculative, (B, T) with ``num_accepted_tokens``)
+and kept in registers while the program walks the T tokens; per token:
+  1. decay ``S <- exp(g) S``;
+  2. both reductions over K from the decayed S, in one pass: ``p = S^T k`` and ``r = S^T (scale q)``;
+  3. correction ``u = beta (v - p)`` and read-out ``o = r + (k . scale q) u`` (= ``(S + k u^T)^T scale q``,
+     so the read-out needs no second pass over the updated S);
+  4. write ``S <- S + k u^T``, stored to the token's slot with (B, T) indices.
+Without (B, T) indices S is stored once, to the start slot, after the last token. Plain fp32 FMA
+arithmetic: fp32-accurate for every input dtype. ``EVEN`` (K == KP and V % BV == 0) drops the masks;
+``STREAM`` (a launch-config choice) gives the state accesses L2 streaming hints.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .._slots import _start_slot, _token_slot
+from ..diag.kernels import _ld, _st
 from .gate import _kda_gate
 
 
 @triton.jit
-def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, O,
+def _ld_state(ptr, m, EVEN: tl.constexpr, STREAM: tl.constexpr):
+    """A state block; ``STREAM``: read once, so evicted from L2 first (q, k, g stay for the other V blocks)."""
+    if STREAM:
+        if EVEN:
+            x = tl.load(ptr, eviction_policy="evict_first")
+        else:
+            x = tl.load(ptr, mask=m, other=0.0, eviction_policy="evict_first")
+    else:
+        x = _ld(ptr, m, EVEN)
+    return x
+
+
+@triton.jit
+def _st_state(ptr, x, m, EVEN: tl.constexpr, STREAM: tl.constexpr):
+    """Store a state block; ``STREAM``: a streaming store (written once, not read again by this step)."""
+    if STREAM:
+        if EVEN:
+            tl.store(ptr, x, cache_modifier=".cs")
+        else:
+            tl.store(ptr, x, mask=m, cache_modifier=".cs")
+    else:
+        _st(ptr, x, m, EVEN)
+
+
+@triton.jit
+def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
                      scale, lower_bound, T, H, HV,
                      K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
                      L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                     HAS_IDX: tl.constexpr):
+                     IDX: tl.constexpr, HAS_NAT: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
     iv = tl.program_id(0)
     bi = tl.program_id(1).to(tl.int64)
     hv = tl.program_id(2).to(tl.int64)
     h = hv // (HV // H)
-    slot = bi
-    if HAS_IDX:
-        slot = tl.load(idx + bi).to(tl.int64)
     kk = tl.arange(0, KP)
     vv = iv * BV + tl.arange(0, BV)
     mk = kk < K
     mv = vv < V
     ms = mk[:, None] & mv[None, :]
-    s_ptr = S + (slot * HV + hv) * K * V + kk[:, None] * V + vv[None, :]
-    st = tl.load(s_ptr, mask=ms, other=0.0).to(tl.float32)
+    in_slot = (hv * K + kk[:, None]) * V + vv[None, :]         # the block's offsets inside one slot
+    slot_size = HV * K * V
+    s_start = S + _start_slot(idx, nat, bi, T, IDX, HAS_NAT) * slot_size + in_slot
+    st = _ld_state(s_start, ms, EVEN, STREAM).to(tl.float32)
     a = 1.0
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
@@ -46,14 +79,21 @@ def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, O,
         if L2NORM:
             qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)
             kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6)
+        qv = qv * scale
         x = tl.load(g + (row * HV + hv) * K + kk, mask=mk, other=0.0).to(tl.float32) + bias
         d = _kda_gate(x, a, lower_bound, GATE)
         b = tl.load(beta + row * HV + hv).to(tl.float32)
-        vt = tl.load(v + (row * HV + hv) * V + vv, mask=mv, other=0.0).to(tl.float32)
-        # decay, delta-rule correction, read-out
+        vt = _ld(v + (row * HV + hv) * V + vv, mv, EVEN).to(tl.float32)
+        # 1. decay; 2. both reductions over K; 3. correction and read-out; 4. delta-rule write
         st = st * tl.exp(d)[:, None]
-        u = b * (vt - tl.sum(st * kv[:, None], 0))
-        st += kv[:, None] * u[None, :]
-        o = tl.sum(st * (qv * scale)[:, None], 0)
-        tl.store(O + (row * HV + hv) * V + vv, o.to(O.dtype.element_ty), mask=mv)
-    tl.store(s_ptr, st.to(S.dtype.element_ty), mask=ms)
+        p = tl.sum(st * kv[:, None], 0)
+        r = tl.sum(st * qv[:, None], 0)
+        u = b * (vt - p)
+        o = r + tl.sum(kv * qv, 0) * u
+        st = st + kv[:, None] * u[None, :]
+        _st(O + (row * HV + hv) * V + vv, o.to(O.dtype.element_ty), mv, EVEN)
+        if IDX == 2:
+            _st_state(S + _token_slot(idx, bi, T, t) * slot_size + in_slot, st.to(S.dtype.element_ty), ms, EVEN,
+                      STREAM)
+    if IDX != 2:
+        _st_state(s_start, st.to(S.dtype.element_ty), ms, EVEN, STREAM)

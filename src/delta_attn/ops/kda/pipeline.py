@@ -22,7 +22,7 @@ import triton
 
 from ..._outputs import empty
 from ...backends import sm_count
-from .._launch import halving, launch, tiles
+from .._launch import Tiles, halving, launch, tiles
 from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .decode import _kda_step_kernel
 from .gate import DECAY_FLOOR
@@ -163,11 +163,11 @@ def bwd_intra_tiles(K: int, V: int):
 
 
 @functools.lru_cache(maxsize=None)
-def step_tiles(K: int, V: int):
-    KP = _pow2(K)
-    first = tiles("measured fastest of BV {16..64} x warps {1..8} for 64 sequences (H200)", num_warps=4,
-                  KP=KP, BV=min(_pow2(V), 64 if KP <= 128 else 32))
-    return halving(first, ("BV",))
+def step_tiles(K: int, V: int) -> Tiles:
+    """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs), warps and
+    STREAM (L2 streaming hints on the state accesses). ``KP`` (K to a power of two) is fixed by the shape."""
+    return tiles("measured fastest of BV {16..64} x warps {1..8} for 64 sequences (H200)", num_warps=4,
+                 BV=min(_pow2(V), 64 if _pow2(K) <= 128 else 32), STREAM=0)
 
 
 def _gate_args(A_log, dt_bias, lower_bound, dummy):
@@ -332,9 +332,13 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
 # decode
 # ------------------------------------------------------------------------------------------------
 
-def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm):
-    """Decode: updates ``state`` (P, HV, K, V) in place, returns o (B, T, HV, V)."""
-    q, k, v, g, beta, state_indices, A_log, dt_bias = _contig(q, k, v, g, beta, state_indices, A_log, dt_bias)
+def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                num_accepted_tokens=None, config: Optional[Tiles] = None):
+    """Decode: updates ``state`` (P, HV, K, V) in place, returns o (B, T, HV, V). ``state_indices`` None, (B,)
+    or (B, T) (speculative, with ``num_accepted_tokens`` (B,) or None): see ``decode.py``. ``config``: the
+    launch config (``BV``, warps; default :func:`step_tiles`). No host synchronisation: capturable."""
+    q, k, v, g, beta, state_indices, num_accepted_tokens, A_log, dt_bias = _contig(
+        q, k, v, g, beta, state_indices, num_accepted_tokens, A_log, dt_bias)
     if not state.is_contiguous():
         raise ValueError("state must be a contiguous (P, HV, K, V) pool for backend='triton', got strides "
                          f"{tuple(state.stride())}")
@@ -342,9 +346,15 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
     HV, V = v.shape[2], v.shape[3]
     o = empty((B, T, HV, V), v.dtype, q.device)
     if B > 0:
+        config = config or step_tiles(K, V)
+        KP = _pow2(K)
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
+        idx_mode = 0 if state_indices is None else state_indices.dim()
         launch(_kda_step_kernel, lambda t: (triton.cdiv(V, t.get("BV")), B, HV),
-               (q, k, v, g, beta) + gate_ptrs + (state, state_indices if state_indices is not None else q, o,
+               (q, k, v, g, beta) + gate_ptrs + (state, state_indices if state_indices is not None else q,
+                                                 num_accepted_tokens if num_accepted_tokens is not None else q, o,
                                                  float(scale), float(lower_bound or 0.0), T, H, HV),
-               dict(K=K, V=V, L2NORM=use_qk_l2norm, HAS_IDX=state_indices is not None, **gate_kw), step_tiles(K, V))
+               dict(K=K, V=V, KP=KP, L2NORM=use_qk_l2norm, IDX=idx_mode, HAS_NAT=num_accepted_tokens is not None,
+                    EVEN=KP == K and V % config.get("BV") == 0, **gate_kw),
+               halving(config, ("BV",)))
     return o

@@ -18,5 +18,6 @@ def kda(a: KDAArgs):
 
 
 def kda_step(a: KDAArgs):
-    return step_on_pool(a.state, a.state_indices,
-                        lambda s0: _run(a, a.q, a.k, a.v, a.g, a.beta, s0, True))
+    return step_on_pool(a.state, a.state_indices, a.num_accepted_tokens, a.q.shape[1],
+                        lambda s0, ts: _run(a, a.q[:, ts], a.k[:, ts], a.v[:, ts], a.g[:, ts], a.beta[:, ts], s0,
+                                            True))
