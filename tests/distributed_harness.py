@@ -1,0 +1,56 @@
+"""Run a test body on W CPU ranks (gloo), each in its own spawned process; failures reach pytest.
+
+``run_ranks(world, fn, *args)`` spawns W processes once; each initialises a gloo process group,
+calls ``fn(rank, world, *args)`` (a module-level function) and reports its traceback, if any, to the
+parent, which raises with every failing rank's traceback. One spawn per world size: put many seeded
+cases inside ``fn``.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, init_file, fn, args, errors):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:                      # noqa: BLE001  (every failure goes back to the parent)
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "pg_init")
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errors), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        if failures or hung:
+            msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
+            codes = {r: p.exitcode for r, p in enumerate(procs)}
+            raise AssertionError(f"distributed test failed (exit codes {codes}, hung ranks {hung}):\n{msg}")
+        bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if bad:
+            raise AssertionError(f"ranks exited with non-zero codes {bad}")
