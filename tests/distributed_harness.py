@@ -1,9 +1,11 @@
 """Run a test body on W CPU ranks (gloo), each in its own spawned process; failures reach pytest.
 
-``run_ranks(world, fn, *args)`` spawns W processes once; each initialises a gloo process group,
+``run_ranks(world, fn, *args)`` starts W processes once; each initialises a gloo process group,
 calls ``fn(rank, world, *args)`` (a module-level function) and reports its traceback, if any, to the
-parent, which raises with every failing rank's traceback. One spawn per world size: put many seeded
-cases inside ``fn``.
+parent, which raises with every failing rank's traceback. One start per world size: put many seeded
+cases inside ``fn``. Processes fork from a forkserver that has imported torch and delta_attn once
+(a clean single-threaded parent, unlike the pytest worker), and leave by ``os._exit`` (torch's
+interpreter teardown costs seconds per process).
 """
 from __future__ import annotations
 
@@ -26,11 +28,15 @@ def _worker(rank, world, init_file, fn, args, errors):
             dist.destroy_process_group()
     except BaseException:                      # noqa: BLE001  (every failure goes back to the parent)
         errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        os._exit(1)
+    os._exit(0)
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch.distributed.tensor: torch.testing.assert_close imports it (seconds) once a process group exists
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "pytest",
+                                "delta_attn.distributed", "delta_attn.ops.kda.autograd", "delta_attn.ops.diag.triton_impl"])
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "pg_init")

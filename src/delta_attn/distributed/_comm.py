@@ -103,3 +103,25 @@ def send_recv(send: Optional[torch.Tensor], dst: Optional[int], recv: Optional[t
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
+
+
+class _Tie(torch.autograd.Function):
+    """``x`` unchanged, with ``deps`` made its (zero-gradient) inputs."""
+
+    @staticmethod
+    def forward(ctx, x, *deps):
+        ctx.deps = [(d.shape, d.dtype, d.device) for d in deps]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in ctx.deps)
+
+
+def tie(x: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+    """Make ``x`` depend on ``deps`` in the autograd graph. Every rank must run the backward of every
+    collective, in the same order: chaining each collective's input to the previous one's output and the
+    returned tensors to the last gives every rank one backward path through all of them, in reverse."""
+    if not torch.is_grad_enabled() or not any(d.requires_grad for d in deps):
+        return x
+    return _Tie.apply(x, *deps)
