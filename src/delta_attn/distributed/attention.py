@@ -260,13 +260,18 @@ def _run_group(q, kv_stacked, d, alibi, spec: _Spec):
 # ---------------------------------------------------------------------------------------------
 
 
+# single-buffer collectives (torch >= 2.13 names them *_single and deprecates the *_tensor names)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _start_gather(x, spec: _Spec):
     """Post the all-gather of x (this rank's packed K/V of one head group); returns (buffer, work)."""
     x = x.contiguous()
     if spec.world == 1:
         return x.unsqueeze(0), None
     buf = torch.empty((spec.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    return buf, dist.all_gather(list(buf.unbind(0)), x, group=spec.group, async_op=True)
+    return buf, _ALL_GATHER(buf.flatten(0, 1), x, group=spec.group, async_op=True)   # ranks concatenated on dim 0
 
 
 def _start_reduce_scatter(grad, spec: _Spec):
@@ -276,7 +281,7 @@ def _start_reduce_scatter(grad, spec: _Spec):
     grad = grad.contiguous()
     if dist.get_backend(spec.group) == dist.Backend.NCCL:
         out = torch.empty_like(grad[0])
-        return (lambda: out), dist.reduce_scatter(out, list(grad.unbind(0)), group=spec.group, async_op=True)
+        return (lambda: out), _REDUCE_SCATTER(out, grad.flatten(0, 1), group=spec.group, async_op=True)
     total = grad.clone()            # gloo has no reduce-scatter: all-reduce and keep the own slice
     return (lambda: total[spec.rank]), dist.all_reduce(total, group=spec.group, async_op=True)
 
