@@ -28,10 +28,10 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    reduce-scatter (sum over ranks).
 
 Communication per rank and call (W ranks, local tokens Tl, batch B, key heads Hk, element size e):
-forward receives (W - 1) * B * Tl * Hk * (D + Dv) * e bytes (all-gather of K and V) and sends
-B * Tl * Hk * (D + Dv) * e to each peer in the ring algorithm of NCCL; the backward moves the same
-volume once more (reduce-scatter of dK, dV). Memory: the gathered K/V (B, T, Hk, D + Dv) stay alive
-for the backward.
+the forward's all-gather of K and V sends and receives (W - 1) * B * Tl * Hk * (D + Dv) * e bytes (NCCL's
+ring all-gather); the backward's reduce-scatter of dK, dV moves the same volume again (gloo, which has no
+reduce-scatter here, all-reduces: about twice that). Nothing else crosses ranks: Q, O and dO stay local.
+Memory: the gathered K/V (B, T, Hk, D + Dv) of every head group stay alive for the backward.
 
 Why all-gather rather than a ring of K/V blocks: each call keeps the single-GPU op's own masks, so
 every option and backend runs unchanged (windows, ALiBi, varlen with sequences spanning ranks, GQA,
