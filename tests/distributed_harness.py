@@ -16,12 +16,14 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, init_file, fn, args, errors):
+def _worker(rank, world, init_file, fn, args, errors, backend):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
             fn(rank, world, *args)
         finally:
@@ -32,7 +34,8 @@ def _worker(rank, world, init_file, fn, args, errors):
     os._exit(0)
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> None:
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo") -> None:
+    """``backend="nccl"``: rank r on GPU r; gloo ranks may share a GPU (tensors on cuda:0 work with gloo)."""
     ctx = mp.get_context("forkserver")
     # torch.distributed.tensor: torch.testing.assert_close imports it (seconds) once a process group exists
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "pytest",
@@ -40,7 +43,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> None:
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "pg_init")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errors), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errors, backend), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
