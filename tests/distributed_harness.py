@@ -34,12 +34,15 @@ def _worker(rank, world, init_file, fn, args, errors, backend):
     os._exit(0)
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo") -> None:
-    """``backend="nccl"``: rank r on GPU r; gloo ranks may share a GPU (tensors on cuda:0 work with gloo)."""
-    ctx = mp.get_context("forkserver")
-    # torch.distributed.tensor: torch.testing.assert_close imports it (seconds) once a process group exists
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "pytest",
-                                "delta_attn.distributed", "delta_attn.ops.kda.autograd", "delta_attn.ops.diag.triton_impl"])
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, backend: str = "gloo", start: str = "forkserver") -> None:
+    """``backend="nccl"``: rank r on GPU r; gloo ranks may share a GPU. Tests that use CUDA pass
+    ``start="spawn"`` (no process forked from one that might have touched CUDA)."""
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        # torch.distributed.tensor: torch.testing.assert_close imports it (seconds) once a process group exists
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "pytest",
+                                    "delta_attn.distributed", "delta_attn.ops.kda.autograd",
+                                    "delta_attn.ops.diag.triton_impl"])
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "pg_init")

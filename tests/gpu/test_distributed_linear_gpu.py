@@ -102,7 +102,7 @@ def test_world_size_one_nccl():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_sharing_one_gpu_gloo(world):
-    run_ranks(world, _gloo_on_gpu0, timeout=900)
+    run_ranks(world, _gloo_on_gpu0, timeout=900, start="spawn")
 
 
 def _gloo_on_gpu0(rank, world):
@@ -113,4 +113,4 @@ def _gloo_on_gpu0(rank, world):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
 def test_multi_gpu_nccl():
     world = min(torch.cuda.device_count(), 4)
-    run_ranks(world, _body, ("allgather", "ring"), backend="nccl", timeout=900)
+    run_ranks(world, _body, ("allgather", "ring"), backend="nccl", timeout=900, start="spawn")
