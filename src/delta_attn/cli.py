@@ -11,6 +11,7 @@ from typing import List, Optional
 FIRST_CALL_LIMIT_S = 120.0
 # a suite's rows end by then, so that with start-up and the report a plain GPU run takes under 10 minutes
 TIME_BUDGET_S = 510.0
+CROSSOVER_TOKENS = 65536
 
 
 def _cmd_env(args) -> int:
@@ -51,7 +52,8 @@ def _cmd_bench(args) -> int:
                                                    (("fp16", "bf16") if args.suite == "matrix" else ("bf16",)))
     s = Settings(device=device, tiny=tiny, quick=args.quick, dtypes=dtypes, seed=args.seed,
                  impls=tuple(args.impls or ()), directions=tuple(args.directions or ()), gate=not args.no_gate,
-                 tokens=args.tokens if not tiny else min(args.tokens, 32), heads=args.heads if not tiny else 2,
+                 tokens=min(args.tokens or CROSSOVER_TOKENS, 32) if tiny else (args.tokens or CROSSOVER_TOKENS),
+                 heads=args.heads if not tiny else 2,
                  head_dim=args.head_dim if not tiny else 16, max_seq=args.max_seq, max_linear_seq=args.max_linear_seq,
                  grads=args.grads)
     s.resources = args.resources
@@ -70,6 +72,14 @@ def _cmd_bench(args) -> int:
             setattr(s, name, v)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     command = "delta-attn " + " ".join(args.argv)
+    if args.suite == "scaling":
+        from .bench.scaling import STRONG_TOKENS, run_scaling
+        s.tokens = args.tokens if args.tokens is not None else STRONG_TOKENS
+        out = args.out or os.path.join(".bench-out", f"scaling-{stamp}")
+        path = run_scaling(s, out, command=command)
+        if path is not None:                  # rank 0 writes the report
+            print(f"delta-attn bench scaling: wrote {path} (and results.jsonl) in {out}")
+        return 0
     if args.suite != "all":
         out = args.out or os.path.join(".bench-out", f"{args.suite}-{stamp}")
         path = run_suite(args.suite, s, out, command=command, plots=not args.no_plots)
@@ -96,9 +106,10 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="time every implementation against its peers and write a report",
                        description="Suites: crossover (linear vs quadratic attention over sequence length), kernels "
                                    "(each operator against its peers at the bar shapes), matrix (the SDPA config "
-                                   "matrix), decode (KV-cache attention vs state decode), ceilings, all. "
+                                   "matrix), decode (KV-cache attention vs state decode), ceilings, scaling (context "
+                                   "parallelism on N GPUs: run under torchrun --nproc-per-node N), all. "
                                    "Writes results.jsonl, results.csv, report.md and PNG plots to --out.")
-    b.add_argument("suite", choices=list(SUITES) + ["all"])
+    b.add_argument("suite", choices=list(SUITES) + ["scaling", "all"])
     b.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: the GPU when one is visible, else the tiny CPU mode")
     b.add_argument("--tiny", action="store_true", help="toy sizes (CPU mode: reference and Triton-interpreter paths)")
@@ -108,7 +119,8 @@ def _add_bench(sub) -> None:
                    help="repeatable (default bf16; matrix: fp16 and bf16; CPU: fp16)")
     b.add_argument("--impls", nargs="+", metavar="SUBSTR", help="only implementations whose name contains one of these")
     b.add_argument("--directions", nargs="+", choices=("fwd", "bwd", "fwd+bwd"))
-    b.add_argument("--tokens", type=int, default=65536, help="crossover: tokens per batch (default 64K)")
+    b.add_argument("--tokens", type=int, help="crossover: tokens per batch (default 64K); scaling: tokens in all "
+                                                "for strong scaling (default 1M)")
     b.add_argument("--heads", type=int, default=16)
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--max-seq", type=int, default=131072, help="crossover: longest quadratic S (default 128K)")

@@ -1,0 +1,296 @@
+"""``delta-attn bench scaling``: context parallelism (``delta_attn.distributed``) on N GPUs.
+
+Run under ``torchrun --nproc-per-node N python -m delta_attn.cli bench scaling --out DIR`` (N = 1 runs
+without torchrun too). Every rank runs the same rows in lockstep; rank 0 writes the report.
+
+- weak scaling: tokens per GPU fixed (``T_local``), N x T_local in all;
+- strong scaling: ``--tokens`` in all (default 1M), T_total / N per GPU.
+
+Per row: the context-parallel call (``dd.kda`` / ``dd.gated_diag_attn`` with each state-passing scheme,
+``dd.flash_attn_func`` causal zigzag), the single-GPU operator on one rank's shard (``local_ms``: the
+compute alone) and on the whole sequence (strong: ``one_gpu_ms``), and the collectives alone
+(``comm_ms``: the linear ops' summary exchange, attention's all-gather of K and V, each with its
+backward for fwd+bwd rows). Efficiency = N-GPU throughput / (N x one-GPU throughput), the one-GPU
+throughput being the single-GPU operator on T_local tokens (weak) or on all of them (strong). Times are
+the timer's protocol (bench/timer.py) with the repeat count agreed by all ranks; a row's time is the
+slowest rank's median. A correctness probe (sharded result vs float64 reference, DESIGN.md rule) runs
+before a row is timed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .runner import DTYPES, DTYPE_NAMES, Settings
+from .timer import estimate_ms, measure
+
+OPS = ("kda", "diag", "flash")
+WEAK_TOKENS_PER_GPU = 32768
+STRONG_TOKENS = 1 << 20
+
+
+def ensure_process_group(device: str) -> None:
+    """Use the process group set up by the caller or torchrun (env://); without torchrun, one rank."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ:                       # launched by torchrun: its rendezvous variables
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _device(s: Settings) -> torch.device:
+    if s.device == "cuda":
+        idx = dist.get_rank() % torch.cuda.device_count()
+        torch.cuda.set_device(idx)
+        return torch.device("cuda", idx)
+    return torch.device("cpu")
+
+
+def cases(s: Settings, world: int) -> List[Dict]:
+    """(op, mode, T_local, T_total, H, D) of every row; tiny: toy sizes for the CPU test."""
+    h, d = (2, 16) if s.tiny else (s.heads, s.head_dim)
+    weak = 16 if s.tiny else WEAK_TOKENS_PER_GPU
+    total = 48 if s.tiny else s.tokens
+    out = []
+    for op in OPS:
+        if s.impls and not any(x.lower() in op for x in s.impls):
+            continue
+        out.append(dict(op=op, mode="weak", T_local=weak, T_total=weak * world, H=h, D=d))
+        if total % (2 * world) == 0:
+            out.append(dict(op=op, mode="strong", T_local=total // world, T_total=total, H=h, D=d))
+        else:
+            out.append(dict(op=op, mode="strong", T_local=None, T_total=total, H=h, D=d,
+                            skip=f"{total} tokens do not divide into 2 x {world} equal chunks"))
+    return out
+
+
+def _inputs(op: str, t: int, h: int, d: int, dt, device, seed: int):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    rnd = lambda *sh: torch.randn(*sh, generator=gen, device=device, dtype=torch.float32).to(dt)  # noqa: E731
+    q, k, v = rnd(1, t, h, d), rnd(1, t, h, d), rnd(1, t, h, d)
+    if op == "flash":
+        return [q, k, v]
+    g = torch.nn.functional.logsigmoid(rnd(1, t, h, d).float() + 4.0).to(dt)
+    if op == "diag":
+        return [q, k, v, g]
+    beta = torch.sigmoid(rnd(1, t, h).float()).to(dt)
+    return [q, k, v, g, beta]
+
+
+def _calls(op: str, state_passing: Optional[str], device: torch.device):
+    """(single-GPU call, context-parallel call, layout) of ``op``. GPU: backend "auto"; CPU (the tiny
+    check that the suite runs): the "torch" reference path, as the Triton interpreter would take minutes."""
+    import delta_attn as da
+    import delta_attn.distributed as dd
+    kw = {"backend": "auto" if device.type == "cuda" else "torch"}
+    if op == "kda":
+        return (lambda *x: da.kda(*x, use_qk_l2norm=True, **kw)[0],
+                lambda *x: dd.kda(*x, use_qk_l2norm=True, state_passing=state_passing, **kw)[0], "contiguous")
+    if op == "diag":
+        return (lambda *x: da.gated_diag_attn(*x, **kw)[0],
+                lambda *x: dd.gated_diag_attn(*x, state_passing=state_passing, **kw)[0], "contiguous")
+    if not hasattr(dd, "flash_attn_func"):
+        return None
+    return (lambda *x: da.flash_attn_func(*x, causal=True, **kw),
+            lambda *x: dd.flash_attn_func(*x, causal=True, layout="zigzag", **kw), "zigzag")
+
+
+def _agree_max(x: float, device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(fn: Callable[[], object], s: Settings, device, direction: str, leaves) -> Dict:
+    """Time ``fn`` (fwd) or its forward + backward on every rank with one repeat count; the slowest
+    rank's median. Every rank must call this with the same function shapes (collectives inside)."""
+    if direction == "fwd":
+        call = fn
+    else:
+        def call():
+            out = fn()
+            out.backward(torch.ones_like(out))
+            for x in leaves:
+                x.grad = None
+    call()                                                      # first call: compile, autotune
+    est = _agree_max(estimate_ms(call, device), device)
+    warm = 0 if s.warmup_ms <= 0 else min(50, int(s.warmup_ms / max(est, 1e-3)))
+    reps = max(s.min_reps, min(s.max_reps, int(s.rep_ms / max(est, 1e-3))))
+    for _ in range(warm):
+        call()
+    dist.barrier()
+    t = measure(call, device, warmup_ms=0.0, rep_ms=0.0, min_reps=reps, max_reps=reps, estimate=est)
+    return {"ms": _agree_max(t.median_ms, device), "ms_min": _agree_max(t.min_ms, device), "reps": reps}
+
+
+def _timed_local(fn, s: Settings, device, direction: str, leaves) -> Dict:
+    """A single-GPU call timed on every rank at once (no collectives inside); the slowest median."""
+    if direction == "fwd":
+        call = fn
+    else:
+        def call():
+            out = fn()
+            out.backward(torch.ones_like(out))
+            for x in leaves:
+                x.grad = None
+    call()
+    est = estimate_ms(call, device)
+    t = measure(call, device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, min_reps=s.min_reps, max_reps=s.max_reps,
+                estimate=est)
+    dist.barrier()
+    return {"ms": _agree_max(t.median_ms, device)}
+
+
+def _comm_call(op: str, state_passing: Optional[str], x_local: List[torch.Tensor], device):
+    """The op's collectives alone, on tensors of the sizes the call exchanges."""
+    from ..distributed import _comm, linear
+    b, t, h, d = x_local[0].shape
+    if op == "flash":                       # all-gather of the K and V shards (reduce-scatter of dK, dV)
+        kv = torch.stack([x_local[1], x_local[2]]).detach().requires_grad_()
+        return (lambda: _comm.all_gather(kv)), [kv]
+    n = h * d * (d + d) if op == "kda" else 2 * h * d    # (M, B) per sequence, float32
+    if state_passing == "allgather":
+        summary = torch.zeros(b, n, device=device, requires_grad=True)
+        return (lambda: _comm.all_gather(summary)), [summary]
+    shape = (b, h, d, d) if op == "kda" else (b, h, d)
+    M = torch.zeros(shape, device=device, requires_grad=True)
+    B = torch.zeros(shape, device=device, requires_grad=True)
+    apply = linear._KDA.apply if op == "kda" else linear._Diag.apply
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return (lambda: linear._RingCarry.apply(M, B, apply, None, rank, world)), [M, B]
+
+
+def _probe(op: str, state_passing, dt, device, s: Settings) -> Optional[str]:
+    """Sharded result against the float64 reference on a small shape (DESIGN.md rule); the failure or None."""
+    import delta_attn.distributed as dd
+    from .. import reference
+    from ..testing import check
+    world = dist.get_world_size()
+    calls = _calls(op, state_passing, device)
+    x = _inputs(op, 8 * world if s.tiny else 64 * world, 2, 16, dt, device, s.seed + 1)
+    layout = calls[2]
+    got = dd.unshard(calls[1](*(dd.shard(t, layout=layout) for t in x)).detach(), layout=layout)
+    if op == "kda":
+        f = lambda L, up: reference.kda(*L, use_qk_l2norm=True, upcast=up)[0]     # noqa: E731
+    elif op == "diag":
+        f = lambda L, up: reference.gated_diag(*L, upcast=up)[0]                  # noqa: E731
+    else:
+        f = lambda L, up: reference.attention(*L, causal=True, upcast=up)[0]      # noqa: E731
+    v = check(got, f([t.double() for t in x], True), f(x, False), name=op)
+    return None if v.ok else v.message
+
+
+def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Optional[str]:
+    """Run the scaling rows on every rank of the default group; rank 0 writes results.jsonl and
+    report.md in ``out_dir`` and returns the report's path (other ranks: None)."""
+    from .. import env as _env
+    from . import report
+
+    s.check()
+    ensure_process_group(s.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(s)
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    rows: List[Dict] = []
+    for dname in s.dtypes:
+        dt = DTYPES[dname]
+        for c in cases(s, world):
+            schemes = ("allgather", "ring") if c["op"] != "flash" else (None,)
+            for sp in schemes:
+                for direction in (s.directions or ("fwd", "fwd+bwd")):
+                    row = dict(record="row", suite="scaling", op=c["op"], mode=c["mode"], world=world,
+                               state_passing=sp, dtype=dname, direction=direction, tokens_total=c["T_total"],
+                               tokens_per_gpu=c["T_local"], H=c["H"], D=c["D"], status="ok", note="")
+                    row.update(_row(c, sp, dt, direction, device, s, world))
+                    rows.append(row)
+                    if rank == 0:
+                        print(f"[scaling] {row['op']} {row['mode']} N={world} {sp or ''} {direction}: "
+                              f"{row['status']} {report._f(row.get('ms'))} ms eff {report._pct(row.get('efficiency'))}"
+                              + (f" ({row['note']})" if row["note"] else ""), file=sys.stderr, flush=True)
+    if rank != 0:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    run = {"suite": "scaling", "command": command or " ".join(["delta-attn"] + sys.argv[1:]), "world_size": world,
+           "backend": dist.get_backend(), "started": started.strftime("%Y-%m-%d %H:%M:%S"),
+           "duration_s": time.perf_counter() - t0, "tiny": s.tiny, "settings": s.as_dict(), "env": _env.collect()}
+    report.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write(markdown(run, rows))
+    return path
+
+
+def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Dict:
+    import delta_attn.distributed as dd
+    if c.get("skip"):
+        return {"status": "skipped", "note": c["skip"]}
+    if direction not in ("fwd", "fwd+bwd"):
+        return {"status": "skipped", "note": "the scaling suite times fwd and fwd+bwd"}
+    calls = _calls(c["op"], sp, device)
+    if calls is None:
+        return {"status": "unavailable", "note": "delta_attn.distributed.flash_attn_func is not in this install"}
+    single, parallel, layout = calls
+    try:
+        bad = _probe(c["op"], sp, dt, device, s)
+        if bad:
+            return {"status": "FAILED", "note": "correctness probe: " + bad}
+        grad = direction != "fwd"
+        full = _inputs(c["op"], c["T_total"], c["H"], c["D"], dt, device, s.seed)
+        local = [dd.shard(x, layout=layout).detach().clone().requires_grad_(grad) for x in full]
+        del full
+        out = {}
+        ctx = torch.enable_grad() if grad else torch.no_grad()
+        with ctx:
+            out.update(_timed(lambda: parallel(*local), s, device, direction, local))
+            out["local_ms"] = _timed_local(lambda: single(*local), s, device, direction, local)["ms"]
+            comm, leaves = _comm_call(c["op"], sp, local, device)
+            out["comm_ms"] = _timed(comm, s, device, direction, leaves)["ms"]
+            if c["mode"] == "strong" and world > 1:
+                whole = [x.detach().clone().requires_grad_(grad) for x in
+                         _inputs(c["op"], c["T_total"], c["H"], c["D"], dt, device, s.seed)]
+                out["one_gpu_ms"] = _timed_local(lambda: single(*whole), s, device, direction, whole)["ms"]
+                del whole
+            else:                           # weak, or one rank: the shard is what one GPU runs
+                out["one_gpu_ms"] = out["local_ms"]
+        one_gpu_tokens = c["T_local"] if c["mode"] == "weak" else c["T_total"]
+        out["tokens_per_s"] = c["T_total"] / (out["ms"] / 1e3)
+        out["one_gpu_tokens_per_s"] = one_gpu_tokens / (out["one_gpu_ms"] / 1e3)
+        out["efficiency"] = out["tokens_per_s"] / (world * out["one_gpu_tokens_per_s"])
+        return out
+    except torch.cuda.OutOfMemoryError:
+        return {"status": "skipped", "note": "out of memory"}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def markdown(run: Dict, rows: List[Dict]) -> str:
+    from .report import _f, _pct, _table, env_block
+    lines = [f"# delta-attn bench scaling: {run['world_size']} rank(s), {run['backend']}", "",
+             f"Command: `{run['command']}`  ", f"Started {run['started']} UTC, {run['duration_s']:.0f} s.", "",
+             "Efficiency = N-GPU tokens/s / (N x one-GPU tokens/s); one GPU runs the single-GPU operator on "
+             "T_local tokens (weak) or on all of them (strong). `local` = the single-GPU operator on one shard "
+             "(the compute alone), `comm` = the op's collectives alone. Times: slowest rank's median.", ""]
+    head = ["op", "mode", "exchange", "dtype", "dir", "tokens (per GPU)", "ms", "local ms", "comm ms",
+            "one-GPU ms", "tokens/s", "efficiency", "status"]
+    body = []
+    for r in rows:
+        exch = r["state_passing"] or "K/V all-gather (zigzag)"
+        per = f"{r['tokens_total']:,} ({r['tokens_per_gpu']:,})" if r["tokens_per_gpu"] else f"{r['tokens_total']:,}"
+        body.append([r["op"], r["mode"], exch, r["dtype"], r["direction"], per, _f(r.get("ms")), _f(r.get("local_ms")),
+                     _f(r.get("comm_ms")), _f(r.get("one_gpu_ms")),
+                     _f(r.get("tokens_per_s")), _pct(r.get("efficiency")),
+                     r["status"] + (f": {r['note']}" if r["note"] else "")])
+    lines += [_table(head, body), "", "## Environment", "", env_block(run), ""]
+    return "\n".join(lines)

@@ -1,0 +1,479 @@
+"""Context-parallel flash attention: every rank holds a shard of the sequence (of the packed tokens for
+varlen) and computes the attention of its own queries.
+
+Scheme: all-gather of K/V, then exact single-GPU calls.
+1. K and V of this rank (only the Hk key heads under GQA) are packed into one buffer and all-gathered;
+   the gathered shards are put back in global token order (contiguous or zigzag layout).
+2. Each local query chunk (one, or two under zigzag) is one call of ``da.flash_attn_func`` /
+   ``da.flash_attn_varlen_func`` on a *slice of the global keys chosen so that the op's bottom-right
+   alignment lands on the global diagonal*: for query chunk [qs, qe) the keys are [qs - wl, qe + wr]
+   clipped to the sequence, and the window bounds are shifted by ``b - qe`` where the slice ends at b.
+   Causal: keys [0, qe) (or from qs - wl), so masked blocks are never computed (the causal saving; the
+   zigzag layout gives every rank the same number of unmasked pairs). Varlen: the sequences crossing a
+   chunk become one varlen call with local cu_seqlens (sequences may span ranks); the one sequence
+   running past the chunk end, when it needs a shifted window, is a call of its own.
+3. ALiBi needs the local diagonal to be the global one (the op's bias is ``slope * |i + Sk - Sq - j|``).
+   That holds for every call above except keys past the chunk end without a causal mask; there the keys
+   are split: the lower part [.., qe) is an aligned call with right bound 0, the upper part (j > i) is a
+   call on the reversed rows and keys (where it becomes a lower part, one step below the diagonal, so
+   its LSE is corrected by one slope), and the two are merged by their LSE in fp32
+   (``out = sum_b exp(lse_b - lse) out_b``). The merge's backward needs the LSE to be differentiable,
+   which ``backend="torch"`` gives and the fused kernels do not: those raise instead of returning a
+   wrong gradient.
+4. Overlap: the key heads are split into ``PIPELINE_GROUPS`` groups; the gather of group g + 1 is in
+   flight while group g computes, and in the backward the reduce-scatter of group g's dK/dV runs while
+   group g - 1's backward computes. The first group's gather and the last reduce-scatter are exposed.
+5. Backward: one autograd graph per head group (built in the forward), so every option the backend
+   differentiates is differentiated here; dK/dV of the gathered keys go back to their owners by a
+   reduce-scatter (sum over ranks).
+
+Communication per rank and call (W ranks, local tokens Tl, batch B, key heads Hk, element size e):
+the forward's all-gather of K and V sends and receives (W - 1) * B * Tl * Hk * (D + Dv) * e bytes (NCCL's
+ring all-gather); the backward's reduce-scatter of dK, dV moves the same volume again (gloo, which has no
+reduce-scatter here, all-reduces: about twice that). Nothing else crosses ranks: Q, O and dO stay local.
+Memory: the gathered K/V (B, T, Hk, D + Dv) of every head group stay alive for the backward.
+
+Why all-gather rather than a ring of K/V blocks: each call keeps the single-GPU op's own masks, so
+every option and backend runs unchanged (windows, ALiBi, varlen with sequences spanning ranks, GQA,
+head_dim_v) and its backward is the op's backward; a ring needs per-block diagonal offsets the kernels
+do not take (ALiBi's distance in particular) and the backend's forward/backward with a global LSE. With
+GQA the gathered K/V are Hq / Hk times smaller than Q. The cost is memory: the full K/V per rank.
+
+Dropout is refused: the single-GPU op draws one mask over the whole (Sq, Sk) score matrix from one
+seed, and per-rank calls cannot reproduce it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _checks as C
+from ..ops.flash import api as flash_api
+from ._comm import group_rank_world
+from .sharding import check_layout, chunk_ranges, local_length
+
+# key-head groups whose gathers are pipelined with the attention of the previous group: 2 keeps every
+# attention launch at half the heads (still large) while half of the gather is hidden
+PIPELINE_GROUPS = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# planning: which single-GPU calls compute a rank's rows (host integers only)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One single-GPU call: local query rows [r0, r1) against global keys [k0, k1)."""
+    rows: Tuple[int, int]
+    keys: Tuple[int, int]
+    window: Tuple[int, int]                     # for the call's own (bottom-right) alignment
+    reversed: bool = False                      # rows and keys reversed (upper part of an ALiBi split)
+    cu: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None    # local cu_seqlens (q, k), varlen
+    seqs: Tuple[int, int] = (0, 1)              # sequences [n0, n1) of the call (ALiBi (N, H) rows)
+
+
+def _span_calls(p0: int, p1: int, s: int, wl: int, wr: int, alibi: bool, row0: int, key0: int,
+                seq: int) -> List[_Call]:
+    """Calls for query positions [p0, p1) of one sequence of length s (keys at the same positions).
+
+    Returns one call, or with ALiBi and keys past p1 two calls to merge (lower, reversed upper).
+    ``row0`` / ``key0``: local row and global key index of position 0 of the sequence.
+    """
+    a = max(0, p0 - wl) if wl >= 0 else 0
+    b = min(s, p1 + wr) if wr >= 0 else s
+    shift = b - p1                              # >= 0: keys past the last query row
+    rows = (row0 + p0, row0 + p1)
+    if shift == 0 or not alibi:
+        win = (wl + shift if wl >= 0 else -1, wr - shift if wr >= 0 else -1)
+        return [_Call(rows, (key0 + a, key0 + b), win, seqs=(seq, seq + 1))]
+    # ALiBi: lower part (j <= i) aligned; upper part (i < j <= i + wr) reversed, one below the diagonal
+    lower = _Call(rows, (key0 + a, key0 + p1), (wl, 0), seqs=(seq, seq + 1))
+    upper = _Call(rows, (key0 + p0 + 1, key0 + b), (wr - 1 if wr >= 0 else -1, 0), reversed=True,
+                  seqs=(seq, seq + 1))
+    return [lower, upper]
+
+
+def plan_dense(chunks: Sequence[Tuple[int, int]], t: int, window: Tuple[int, int], alibi: bool) -> List[List[_Call]]:
+    """Row blocks (one per chunk, in local order) for dense attention over a sequence of t tokens."""
+    blocks, row = [], 0
+    for qs, qe in chunks:
+        if qe > qs:
+            blocks.append(_span_calls(qs, qe, t, *window, alibi, row - qs, 0, 0))
+        row += qe - qs
+    return blocks
+
+
+def plan_varlen(chunks: Sequence[Tuple[int, int]], cu: Sequence[int], window: Tuple[int, int],
+                alibi: bool) -> List[List[_Call]]:
+    """Row blocks for a packed batch with global offsets ``cu``: per chunk, one varlen call for the
+    sequences ending inside it (their keys [start - wl, end) are contiguous in the packed keys), and the
+    calls of the sequence running past the chunk end when its window must shift."""
+    wl, wr = window
+    blocks, row = [], 0
+    for qs, qe in chunks:
+        if qe <= qs:
+            continue
+        first = max(n for n in range(len(cu) - 1) if cu[n] <= qs < cu[n + 1])
+        last = max(n for n in range(len(cu) - 1) if cu[n] < qe <= cu[n + 1])
+        tail = _span_calls(max(qs, cu[last]) - cu[last], qe - cu[last], cu[last + 1] - cu[last], wl, wr,
+                           alibi, row - qs + cu[last], cu[last], last)
+        exact_tail = len(tail) == 1 and tail[0].window == (wl, wr)
+        end = last + 1 if exact_tail else last          # sequences [first, end) share the op's window
+        q_bounds = [qs] + list(cu[first + 1:end]) + ([qe] if exact_tail else [cu[end]])
+        if exact_tail:
+            k_end = tail[0].keys[1]
+        else:
+            k_end = cu[end]
+        k_start = max(cu[first], qs - wl) if wl >= 0 else cu[first]
+        k_bounds = [k_start] + list(cu[first + 1:end]) + [k_end]
+        if end > first and q_bounds[-1] > q_bounds[0]:
+            blocks.append([_Call((row, row + q_bounds[-1] - qs), (k_start, k_end), (wl, wr),
+                                 cu=(tuple(x - qs for x in q_bounds), tuple(x - k_start for x in k_bounds)),
+                                 seqs=(first, end))])
+        if not exact_tail:
+            blocks.append(tail)
+        row += qe - qs
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# running the calls of one head group
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything but the tensors: options of the op, layout of the tensors, the plan, the group."""
+    tdim: int                   # token dim of q/k/v: 1 dense, 0 "thd", 1 "htd"
+    hdim: int                   # head dim index
+    varlen_layout: Optional[str]
+    blocks: Tuple[Tuple[_Call, ...], ...]
+    order: Tuple[Tuple[int, int, int], ...]     # global chunks: (source rank, local start, length)
+    softmax_scale: float
+    softcap: float
+    deterministic: bool
+    backend: str
+    group: object
+    rank: int
+    world: int
+    merges: bool                # some rank merges ALiBi parts by LSE (the same on every rank)
+
+
+def _narrow(x, dim, rng):
+    return x.narrow(dim, rng[0], rng[1] - rng[0])
+
+
+def _slopes(alibi, call: _Call, spec: _Spec):
+    if alibi is None or alibi.dim() == 1 or spec.varlen_layout is None:
+        return alibi
+    n0, n1 = call.seqs
+    return alibi[n0:n1]
+
+
+def _attend(q, k, v, alibi, call: _Call, spec: _Spec):
+    """One single-GPU call; returns (out, lse) of rows ``call.rows`` in the layouts of q and the op."""
+    td = spec.tdim
+    qc, kc, vc = _narrow(q, td, call.rows), _narrow(k, td, call.keys), _narrow(v, td, call.keys)
+    if call.reversed:
+        qc, kc, vc = qc.flip(td), kc.flip(td), vc.flip(td)
+    causal = call.window == (-1, 0)
+    slopes = _slopes(alibi, call, spec)
+    kw = dict(softmax_scale=spec.softmax_scale, causal=causal, window_size=(-1, -1) if causal else call.window,
+              softcap=spec.softcap, alibi_slopes=slopes, deterministic=spec.deterministic, return_attn_probs=True,
+              backend=spec.backend)
+    if spec.varlen_layout is None:
+        out, lse, _ = flash_api.flash_attn_func(qc, kc, vc, **kw)
+    else:
+        cu_q, cu_k = call.cu if call.cu is not None else ((0, qc.shape[td]), (0, kc.shape[td]))
+        lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        dev = q.device
+        out, lse, _ = flash_api.flash_attn_varlen_func(
+            qc, kc, vc, torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            torch.tensor(cu_k, dtype=torch.int32, device=dev), max(lens_q), max(lens_k),
+            layout=spec.varlen_layout, **kw)
+    if call.reversed:
+        out, lse = out.flip(td), lse.flip(-1)
+        if slopes is not None:      # reversed upper part: the op's distance was one short
+            lse = lse - (slopes.reshape(-1, 1) if lse.dim() == 2 else slopes.reshape(-1, slopes.shape[-1], 1)).to(lse.dtype)
+    return out, lse
+
+
+def _lse_like_out(lse, spec: _Spec):
+    """lse (B, H, L) / (H, L) viewed to broadcast against out (B, L, H, Dv) / (L, H, Dv) / (H, L, Dv)."""
+    if spec.varlen_layout == "htd":
+        return lse.unsqueeze(-1)
+    return lse.transpose(-1, -2).unsqueeze(-1)
+
+
+def _merge(parts, spec: _Spec):
+    """Merge partial (out, lse) over disjoint key sets in fp32 (fp64 for fp64): rows without any key
+    (lse = +inf everywhere) get zeros and lse = +inf."""
+    outs, lses = zip(*parts)
+    dt = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    lse = torch.stack([torch.where(x == float("inf"), torch.full_like(x, float("-inf")), x) for x in lses]).to(dt)
+    m = lse.max(0).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)
+    total = w.sum(0)
+    seen = total > 0
+    merged_lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                             torch.full_like(total, float("inf")))
+    safe = torch.where(seen, total, torch.ones_like(total))
+    out = sum(_lse_like_out(w[i] / safe, spec) * o.to(dt) for i, o in enumerate(outs))
+    return out.to(outs[0].dtype), merged_lse.to(lses[0].dtype)
+
+
+def _global_order(stacked, spec: _Spec):
+    """(W, ..local..) gathered shards -> the tensor in global token order."""
+    parts = [stacked[r].narrow(spec.tdim, start, n) for r, start, n in spec.order]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, spec.tdim)
+
+
+def _run_group(q, kv_stacked, d, alibi, spec: _Spec):
+    """Attention of one head group: q (local, this group's query heads), kv_stacked (W, .., D + Dv)."""
+    kv = _global_order(kv_stacked, spec)
+    k, v = kv.narrow(-1, 0, d), kv.narrow(-1, d, kv.shape[-1] - d)
+    outs, lses = [], []
+    for block in spec.blocks:
+        parts = [_attend(q, k, v, alibi, call, spec) for call in block]
+        # checked on every rank (the last one may have no merge of its own) before the next collective
+        if spec.merges and torch.is_grad_enabled() and parts[0][0].requires_grad:
+            if not all(lse.requires_grad for _, lse in parts):
+                raise ValueError(
+                    f"alibi_slopes with keys after the queries (causal=False and window right bound != 0) over "
+                    f"{spec.world} ranks merges two partial results by their LSE, and backend={spec.backend!r} "
+                    f"does not differentiate its LSE: the gradient would be wrong. Use backend='torch', "
+                    f"causal=True, or run without gradients")
+        outs.append(parts[0] if len(parts) == 1 else _merge(parts, spec))
+    out = torch.cat([o for o, _ in outs], spec.tdim) if len(outs) > 1 else outs[0][0]
+    lse = torch.cat([x for _, x in outs], -1) if len(outs) > 1 else outs[0][1]
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# communication: pipelined all-gather forward, reduce-scatter backward
+# ---------------------------------------------------------------------------------------------
+
+
+# single-buffer collectives (torch >= 2.13 names them *_single and deprecates the *_tensor names)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _start_gather(x, spec: _Spec):
+    """Post the all-gather of x (this rank's packed K/V of one head group); returns (buffer, work)."""
+    x = x.contiguous()
+    if spec.world == 1:
+        return x.unsqueeze(0), None
+    buf = torch.empty((spec.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    return buf, _ALL_GATHER(buf.flatten(0, 1), x, group=spec.group, async_op=True)   # ranks concatenated on dim 0
+
+
+def _start_reduce_scatter(grad, spec: _Spec):
+    """Post the sum over ranks of grad (W, ...) keeping this rank's slice; returns (result getter, work)."""
+    if spec.world == 1:
+        return (lambda: grad[0]), None
+    grad = grad.contiguous()
+    if dist.get_backend(spec.group) == dist.Backend.NCCL:
+        out = torch.empty_like(grad[0])
+        return (lambda: out), _REDUCE_SCATTER(out, grad.flatten(0, 1), group=spec.group, async_op=True)
+    total = grad.clone()            # gloo has no reduce-scatter: all-reduce and keep the own slice
+    return (lambda: total[spec.rank]), dist.all_reduce(total, group=spec.group, async_op=True)
+
+
+def _head_groups(hk: int, world: int) -> List[Tuple[int, int]]:
+    n = PIPELINE_GROUPS if world > 1 and hk % PIPELINE_GROUPS == 0 else 1
+    return [(i * hk // n, (i + 1) * hk // n) for i in range(n)]
+
+
+class ContextParallelAttnFunction(torch.autograd.Function):
+    """Forward: per head group, gather K/V (the next group's gather in flight) and run the calls under
+    autograd; backward: per group in reverse, the calls' backward and the reduce-scatter of dK/dV (the
+    previous group's reduce-scatter in flight)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi, spec: _Spec):
+        need_grad = any(ctx.needs_input_grad[:3])
+        hq, hk = q.shape[spec.hdim], k.shape[spec.hdim]
+        groups = _head_groups(hk, spec.world)
+        ratio = hq // hk
+        d = k.shape[-1]
+        pending = _start_gather(torch.cat([k.narrow(spec.hdim, *_len(groups[0])),
+                                           v.narrow(spec.hdim, *_len(groups[0]))], -1), spec)
+        graphs, outs, lses = [], [], []
+        for g, (h0, h1) in enumerate(groups):
+            nxt = None
+            if g + 1 < len(groups):
+                a, b = groups[g + 1]
+                nxt = _start_gather(torch.cat([k.narrow(spec.hdim, a, b - a), v.narrow(spec.hdim, a, b - a)], -1),
+                                    spec)
+            buf, work = pending
+            if work is not None:
+                work.wait()
+            qh = (h0 * ratio, h1 * ratio)
+            slopes = None if alibi is None else alibi[..., qh[0]:qh[1]]
+            with torch.enable_grad() if need_grad else torch.no_grad():
+                qg = _narrow(q, spec.hdim, qh).detach().requires_grad_(need_grad)
+                kvg = buf.detach().requires_grad_(need_grad)
+                out, lse = _run_group(qg, kvg, d, slopes, spec)
+            graphs.append((qg, kvg, out, lse))
+            outs.append(out.detach())
+            lses.append(lse.detach())
+            pending = nxt
+        lse_hdim = 0 if spec.varlen_layout is not None else 1
+        out = torch.cat(outs, spec.hdim) if len(outs) > 1 else outs[0]
+        lse = torch.cat(lses, lse_hdim) if len(lses) > 1 else lses[0]
+        ctx.graphs = graphs if need_grad else None
+        ctx.spec, ctx.d, ctx.groups, ctx.ratio = spec, d, groups, ratio
+        if not all(x.requires_grad for *_, x in graphs):
+            ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        spec, d = ctx.spec, ctx.d
+        lse_hdim = 0 if spec.varlen_layout is not None else 1
+        need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dqs, pending = [None] * len(ctx.groups), [None] * len(ctx.groups)
+        for g in reversed(range(len(ctx.groups))):
+            qg, kvg, out, lse = ctx.graphs[g]
+            h0, h1 = ctx.groups[g]
+            qh = (h0 * ctx.ratio, h1 * ctx.ratio)
+            outputs, grads = [out], [_narrow(dout, spec.hdim, qh)]
+            if lse.requires_grad and dlse is not None:
+                outputs.append(lse)
+                grads.append(_narrow(dlse, lse_hdim, qh))
+            dq, dkv = torch.autograd.grad(outputs, (qg, kvg), grads, allow_unused=True)
+            dqs[g] = dq if dq is not None else torch.zeros_like(qg)
+            if need_kv:
+                pending[g] = _start_reduce_scatter(dkv if dkv is not None else torch.zeros_like(kvg), spec)
+        ctx.graphs = None
+        dq = torch.cat(dqs, spec.hdim) if len(dqs) > 1 else dqs[0]
+        dk = dv = None
+        if need_kv:
+            dkvs = []
+            for get, work in pending:
+                if work is not None:
+                    work.wait()
+                dkvs.append(get())
+            dkv = torch.cat(dkvs, spec.hdim) if len(dkvs) > 1 else dkvs[0]
+            dk, dv = dkv.narrow(-1, 0, d), dkv.narrow(-1, d, dkv.shape[-1] - d)
+        return dq, dk, dv, None, None
+
+
+def _len(rng):
+    return rng[0], rng[1] - rng[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def _refuse_dropout(dropout_p) -> None:
+    if dropout_p > 0:
+        raise ValueError(f"dropout_p must be 0 for context-parallel attention: the single-GPU op draws one "
+                         f"dropout mask over the whole score matrix and per-rank calls cannot reproduce it, "
+                         f"got {dropout_p}")
+
+
+def _merges(alibi, window, world) -> bool:
+    """Whether some rank splits its keys at the diagonal for ALiBi (a dense plan with a two-call block)."""
+    return alibi is not None and window[1] != 0 and world > 1
+
+
+def _order(t_local: int, world: int, layout: str) -> Tuple[Tuple[int, int, int], ...]:
+    """(source rank, local start, length) of every global chunk, in global order."""
+    pieces = []
+    for r in range(world):
+        start = 0
+        for a, b in chunk_ranges(t_local, r, world, layout):
+            pieces.append((a, r, start, b - a))
+            start += b - a
+    return tuple((r, s, n) for _, r, s, n in sorted(pieces))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, group=None,
+                    layout="contiguous", backend="auto"):
+    """Context-parallel ``da.flash_attn_func``: q, k, v are this rank's shards (B, T_local, H, D) of a
+    sequence of T = W * T_local tokens (W ranks of ``group``, default the world group), laid out by
+    ``layout`` ("contiguous": rank r holds tokens [r T_local, (r + 1) T_local); "zigzag": chunks r and
+    2W - 1 - r of 2W, which balances causal work). Sq == Sk == T: q, k and v shards have the same length.
+
+    Masks and ALiBi refer to global positions. Returns this rank's out (B, T_local, Hq, Dv), or
+    ``(out, lse (B, Hq, T_local), None)`` with ``return_attn_probs``. Every option of
+    ``da.flash_attn_func`` but dropout (refused: per-rank masks cannot match the single-GPU op's).
+
+    >>> import delta_attn.distributed as dd      # doctest: +SKIP
+    >>> o = dd.flash_attn_func(dd.shard(q), dd.shard(k), dd.shard(v), causal=True)   # doctest: +SKIP
+    """
+    rank, world = group_rank_world(group)
+    check_layout(layout)
+    args = flash_api.validate_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                    alibi_slopes, deterministic, return_attn_probs)
+    C.dim_equal("local sequence length (context parallelism needs Sq == Sk)", "k", k.shape[1], "q", q.shape[1])
+    _refuse_dropout(args.dropout_p)
+    t_local = q.shape[1]
+    local_length(t_local * world, world, layout, f"the global sequence length (q.shape[1] x world size = "
+                                                 f"{t_local} x {world})")
+    chunks = chunk_ranges(t_local, rank, world, layout)
+    blocks = plan_dense(chunks, t_local * world, args.window, alibi_slopes is not None)
+    spec = _Spec(tdim=1, hdim=2, varlen_layout=None, blocks=tuple(tuple(b) for b in blocks),
+                 order=_order(t_local, world, layout), softmax_scale=args.softmax_scale, softcap=args.softcap,
+                 deterministic=deterministic, backend=backend, group=group, rank=rank, world=world,
+                 merges=_merges(alibi_slopes, args.window, world))
+    out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, group=None,
+                           shard_layout="contiguous", layout="thd", backend="auto"):
+    """Context-parallel ``da.flash_attn_varlen_func``: q, k, v are this rank's equal share (T_local tokens)
+    of one packed batch of W * T_local tokens; ``cu_seqlens_q`` / ``cu_seqlens_k`` (equal: self-attention)
+    describe the whole packed batch with global offsets, and a sequence may span ranks.
+    ``shard_layout`` is how the packed tokens are split ("contiguous" or "zigzag", as ``dd.shard``);
+    ``layout`` is the tensors' layout as in ``da.flash_attn_varlen_func`` ("thd" / "htd"). Returns this
+    rank's out, or ``(out, lse (Hq, T_local), None)``. Dropout is refused.
+    """
+    rank, world = group_rank_world(group)
+    C.one_of("shard_layout", shard_layout, ("contiguous", "zigzag"))
+    C.one_of("layout", layout, flash_api.LAYOUTS)
+    doc = "(total, heads, head_dim)" if layout == "thd" else "(heads, total, head_dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        C.tensor(name, x, 3, shape_doc=doc)
+    tdim, hdim = (0, 1) if layout == "thd" else (1, 0)
+    C.dim_equal("local token count (context parallelism needs Sq == Sk)", "k", k.shape[tdim], "q", q.shape[tdim])
+    C.dim_equal("local token count", "v", v.shape[tdim], "k", k.shape[tdim])
+    C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
+    t_local = q.shape[tdim]
+    total = local_length(t_local * world, world, shard_layout,
+                         f"the packed token count (local {t_local} x world size {world})") * world
+    _, _, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total, total, max_seqlen_q, max_seqlen_k, q.device)
+    values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+    C.cu_seqlens_values("cu_seqlens_q", values[:n + 1], total, max_seqlen_q, "max_seqlen_q")
+    if values[:n + 1] != values[n + 1:]:
+        raise ValueError("cu_seqlens_k must equal cu_seqlens_q for context-parallel attention (self-attention "
+                         f"over one packed batch), got {values[n + 1:]} and {values[:n + 1]}")
+    common = flash_api._common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
+                               window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    _refuse_dropout(common["dropout_p"])
+    plans = [plan_varlen(chunk_ranges(t_local, r, world, shard_layout), values[:n + 1], common["window"],
+                         alibi_slopes is not None) for r in range(world)]
+    blocks = plans[rank]
+    spec = _Spec(tdim=tdim, hdim=hdim, varlen_layout=layout, blocks=tuple(tuple(b) for b in blocks),
+                 order=_order(t_local, world, shard_layout), softmax_scale=common["softmax_scale"],
+                 softcap=common["softcap"], deterministic=deterministic, backend=backend, group=group, rank=rank,
+                 world=world, merges=any(len(b) > 1 for p in plans for b in p))
+    out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
+    return (out, lse, None) if return_attn_probs else out
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "ContextParallelAttnFunction", "PIPELINE_GROUPS"]

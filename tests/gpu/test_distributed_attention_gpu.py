@@ -1,0 +1,130 @@
+"""dd.flash_attn_func / dd.flash_attn_varlen_func on CUDA with NCCL: one rank on one GPU (world size 1, in
+this process) with backends triton and cudnn in bf16 / fp16, and 2 ranks (spawned, one GPU each) when two
+GPUs are visible. Every rank's out, lse and gradients against the float64 reference with the DESIGN rule."""
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import delta_attn.distributed as dd
+from delta_attn import reference
+from delta_attn.backends import package_available
+from delta_attn.testing import assert_close
+
+
+def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0):
+    """Full inputs on every rank (same seed), the op on this rank's shard, the reference on the full inputs."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(s, device="cuda", generator=g, dtype=torch.float32).to(dtype) for s in shapes)
+    tdim = 0 if varlen else 1
+    res = {}
+    w_out = None
+    for name, dt, up in (("64", torch.float64, True), ("low", dtype, False)):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        if varlen:
+            o, l = reference.attention_varlen(*xs, cu, cu, upcast=up, **kw)
+        else:
+            o, l = reference.attention(*xs, upcast=up, **kw)
+        if w_out is None:
+            w_out = torch.randn(o.shape, device="cuda", generator=g, dtype=torch.float32)
+        res[name] = (o, l, *torch.autograd.grad(o, xs, w_out.to(dt)))
+    loc = [dd.shard(t, dim=tdim, layout=layout).requires_grad_() for t in (q, k, v)]
+    if varlen:
+        m = int((cu[1:] - cu[:-1]).max())
+        o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu, m, m, return_attn_probs=True, shard_layout=layout,
+                                            backend=backend, **kw)
+    else:
+        o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw)
+    got = (o, l, *torch.autograd.grad(o, loc, dd.shard(w_out.to(dtype), dim=tdim, layout=layout)))
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        dim = -1 if name == "lse" else tdim
+        want = [dd.shard(r[i].detach(), dim=dim, layout=layout) for r in res.values()]
+        assert_close(got[i], want[0], want[1], kind="grad" if name.startswith("d") else "fwd",
+                     name=f"rank {dist.get_rank()} {name} {backend} {dtype} {layout} varlen={varlen} {kw}")
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _alibi(h):
+    return torch.rand(h, device="cuda") * 0.3
+
+
+# (varlen, layout, backend, dtype, options, shapes, cu): T = 2048 dense, 1536 packed, GQA 8 / 2
+def _cases(world):
+    t, tv = 1024 * world, 768 * world
+    dense = ((2, t, 8, 128), (2, t, 2, 128), (2, t, 2, 128))
+    packed = ((tv, 8, 64), (tv, 2, 64), (tv, 2, 64))
+    cu = _cu([tv // 3 + 5, 0, tv - 2 * (tv // 3) - 5 - 1, tv // 3, 1])      # sequences span ranks, one empty
+    return [
+        (False, "zigzag", "triton", torch.bfloat16, dict(causal=True), dense, None),
+        (False, "contiguous", "triton", torch.float16, dict(window_size=(300, 100), softcap=20.0), dense, None),
+        (False, "zigzag", "triton", torch.bfloat16, dict(causal=True, alibi_slopes=_alibi(8)), dense, None),
+        (True, "contiguous", "triton", torch.float16, dict(causal=True), packed, cu),
+        (True, "zigzag", "triton", torch.bfloat16, dict(window_size=(200, 0)), packed, cu),
+        (False, "contiguous", "cudnn", torch.bfloat16, dict(causal=True), dense, None),
+        (True, "contiguous", "cudnn", torch.bfloat16, dict(causal=True), packed, cu),
+        (True, "contiguous", "cudnn", torch.float16, dict(window_size=(128, 64)), packed, cu),
+    ]
+
+
+def _run_cases(world):
+    for i, (varlen, layout, backend, dtype, kw, shapes, cu) in enumerate(_cases(world)):
+        if backend == "cudnn" and not varlen and (world > 1 or layout == "zigzag") and not package_available("cudnn"):
+            continue        # causal with Sq != Sk (a rank's keys reach past its queries) needs cudnn-frontend graphs
+        _check_case(varlen=varlen, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu, seed=i)
+
+
+@pytest.fixture(scope="module")
+def nccl_world_of_one():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(d, 'pg')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_one_rank_nccl_matches_reference(nccl_world_of_one):
+    _run_cases(1)
+
+
+def _worker(rank, world, init_file, errors):
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+        try:
+            _run_cases(world)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:              # noqa: BLE001  (every failure goes back to the parent)
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_nccl_match_reference():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "pg"), errors)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        assert not failures and not alive, f"hung ranks {alive}\n" + "\n".join(
+            f"--- rank {r} ---\n{tb}" for r, tb in failures)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

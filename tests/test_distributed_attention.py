@@ -1,0 +1,284 @@
+"""dd.flash_attn_func / dd.flash_attn_varlen_func on 2 and 3 gloo ranks (one spawn per world size).
+
+Inside the workers, seeded random cases: every rank builds the same full inputs, runs the distributed op on
+its shard and compares out, lse and every gradient with the single-process operator on the full inputs,
+sharded the same way. float64 with backend="torch" (equal up to rounding), and a few tiny fp32 / fp16
+cases with backend="triton" under the interpreter against the float64 reference with the DESIGN error rule.
+"""
+import random
+
+import pytest
+import torch
+
+import delta_attn as da
+import delta_attn.distributed as dd
+from delta_attn import reference
+from delta_attn.testing import assert_close
+
+from distributed_harness import run_ranks
+
+WINDOWS = [(-1, -1), (3, -1), (-1, 2), (2, 1), (0, 0), (5, 3), (1, 0)]
+
+
+def _full(gen, shape, dtype):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _options(rnd, hq, batch):
+    kw = dict(causal=rnd.random() < 0.5, window_size=rnd.choice(WINDOWS))
+    if rnd.random() < 0.3:
+        kw["softcap"] = 1.5
+    if rnd.random() < 0.2:
+        kw["softmax_scale"] = 0.7
+    r = rnd.random()
+    if r < 0.35:
+        kw["alibi_slopes"] = torch.rand((hq,) if r < 0.2 else (batch, hq), generator=torch.Generator().manual_seed(
+            rnd.randrange(1 << 30)), dtype=torch.float32) * 0.6
+    return kw
+
+
+def _loss(out, lse, w_out, w_lse, with_lse):
+    loss = (out.double() * w_out).sum()
+    if with_lse:
+        loss = loss + torch.where(torch.isfinite(lse), lse.double(), torch.zeros_like(lse.double())).mul(w_lse).sum()
+    return loss
+
+
+def _compare(got, want, what, tol):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=None, tensor_layout="thd"):
+    """Distributed vs single-process on the same full inputs; returns nothing, asserts everything."""
+    tdim = 1 if not varlen else (0 if tensor_layout == "thd" else 1)
+    gen = torch.Generator().manual_seed(1234)
+    with_lse = backend == "torch"
+    # single process on the full inputs (float64, backend torch) and, for low precision, the rule's baseline
+    refs = {}
+    for name, dt, up in (("64", torch.float64, True), ("low", dtype, False)) if dtype != torch.float64 else (
+            ("64", torch.float64, True),):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        if name == "64":
+            if varlen:
+                o, l, _ = da.flash_attn_varlen_func(*xs, cu, cu, int((cu[1:] - cu[:-1]).max()),
+                                                    int((cu[1:] - cu[:-1]).max()), return_attn_probs=True,
+                                                    layout=tensor_layout, backend="torch", **kw)
+            else:
+                o, l, _ = da.flash_attn_func(*xs, return_attn_probs=True, backend="torch", **kw)
+        else:
+            rkw = {n: kw[n] for n in kw if n != "deterministic"}
+            if varlen:
+                o, l = reference.attention_varlen(*xs, cu, cu, layout=tensor_layout, upcast=False, **rkw)
+            else:
+                o, l = reference.attention(*xs, upcast=False, **rkw)
+        w_out = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+        w_lse = torch.randn(l.shape, generator=gen, dtype=torch.float64)
+        gen.manual_seed(1234)
+        refs[name] = (o, l, *torch.autograd.grad(_loss(o, l, w_out, w_lse, with_lse), xs))
+    # distributed on this rank's shards
+    shard = dict(dim=tdim, layout=layout)
+    loc = [dd.shard(t.detach(), **shard).requires_grad_() for t in (q, k, v)]
+    if varlen:
+        o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu, int((cu[1:] - cu[:-1]).max()),
+                                            int((cu[1:] - cu[:-1]).max()), return_attn_probs=True,
+                                            shard_layout=layout, layout=tensor_layout, backend=backend, **kw)
+    else:
+        o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw)
+    w_out = dd.shard(torch.randn(refs["64"][0].shape, generator=gen, dtype=torch.float64), **shard)
+    w_lse = dd.shard(torch.randn(refs["64"][1].shape, generator=gen, dtype=torch.float64), dim=-1, layout=layout)
+    got = (o, l, *torch.autograd.grad(_loss(o, l, w_out, w_lse, with_lse), loc))
+    names = ("out", "lse", "dq", "dk", "dv")
+    for i, name in enumerate(names):
+        dim = -1 if name == "lse" else tdim
+        want = [dd.shard(r[i].detach(), dim=dim, layout=layout) for r in refs.values()]
+        what = f"rank {rank}/{world} {name} varlen={varlen} layout={layout} backend={backend} {dtype} {kw}"
+        if dtype == torch.float64:
+            _compare(got[i], want[0], what, 1e-9)
+        else:
+            assert_close(got[i], want[0], want[1], kind="grad" if name.startswith("d") else "fwd", name=what)
+
+
+def _random_cu(rnd, total):
+    """Sequence boundaries over ``total`` packed tokens, with empty sequences and sequences spanning ranks."""
+    cuts = sorted(rnd.randrange(0, total + 1) for _ in range(rnd.randint(0, 4)))
+    cu = [0] + cuts + [total]
+    if rnd.random() < 0.5:
+        cu.insert(rnd.randrange(1, len(cu)), cu[rnd.randrange(len(cu))])   # an empty sequence somewhere
+        cu = sorted(cu)
+    return torch.tensor(cu, dtype=torch.int64 if rnd.random() < 0.5 else torch.int32)
+
+
+def _body(rank, world, n_dense, n_varlen, triton_cases):
+    torch.set_default_dtype(torch.float64)
+    rnd = random.Random(world)
+    gen = torch.Generator()
+    # float64, backend torch: ALiBi past the diagonal (two calls merged by LSE), dense and varlen
+    slopes = torch.tensor([[0.5, 0.2], [0.3, 0.7]], dtype=torch.float32)
+    for layout, window in (("contiguous", (-1, -1)), ("zigzag", (3, 2))):
+        gen.manual_seed(11)
+        q, k, v = (_full(gen, (2, 4 * world, 2, 8), torch.float64) for _ in range(3))
+        _run_case(rank, world, varlen=False, layout=layout, backend="torch", dtype=torch.float64,
+                  kw=dict(alibi_slopes=slopes, window_size=window, softcap=1.5), q=q, k=k, v=v)
+        cu = torch.tensor([0, 3, 4 * world - 1, 4 * world], dtype=torch.int32)    # the middle one spans ranks
+        q, k, v = (_full(gen, (4 * world, 2, 8), torch.float64) for _ in range(3))
+        _run_case(rank, world, varlen=True, layout=layout, backend="torch", dtype=torch.float64,
+                  kw=dict(alibi_slopes=torch.tensor([0.4, 0.9, 0.1], dtype=torch.float32)[:, None].expand(3, 2)
+                          .contiguous(), window_size=window), q=q, k=k, v=v, cu=cu)
+    # float64, backend torch: random dense cases
+    for _ in range(n_dense):
+        layout = rnd.choice(dd.LAYOUTS)
+        b, hk, ratio, d = rnd.choice([1, 2]), rnd.choice([1, 2]), rnd.choice([1, 2, 4]), rnd.choice([4, 8])
+        dv = rnd.choice([d, d + 4])
+        t_local = rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.choice([1, 3, 5])
+        hq, t = hk * ratio, t_local * world
+        gen.manual_seed(rnd.randrange(1 << 30))
+        q, k, v = (_full(gen, s, torch.float64) for s in ((b, t, hq, d), (b, t, hk, d), (b, t, hk, dv)))
+        _run_case(rank, world, varlen=False, layout=layout, backend="torch", dtype=torch.float64,
+                  kw=_options(rnd, hq, b), q=q, k=k, v=v)
+    # float64, backend torch: random packed batches, sequences spanning ranks, empty sequences
+    for _ in range(n_varlen):
+        layout = rnd.choice(dd.LAYOUTS)
+        tl = rnd.choice(["thd", "htd"])
+        hk, ratio, d = rnd.choice([1, 2]), rnd.choice([1, 2]), 4
+        t_local = rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.choice([1, 3, 4])
+        hq, total = hk * ratio, t_local * world
+        cu = _random_cu(rnd, total)
+        gen.manual_seed(rnd.randrange(1 << 30))
+        shapes = ((total, hq, d), (total, hk, d), (total, hk, d + 2))
+        q, k, v = (_full(gen, s if tl == "thd" else (s[1], s[0], s[2]), torch.float64) for s in shapes)
+        _run_case(rank, world, varlen=True, layout=layout, backend="torch", dtype=torch.float64,
+                  kw=_options(rnd, hq, cu.numel() - 1), q=q, k=k, v=v, cu=cu, tensor_layout=tl)
+    # backend triton under the interpreter: tiny fp32 / fp16 cases, one option set each
+    for dtype, varlen, layout, kw in triton_cases:
+        gen.manual_seed(7)
+        if varlen:
+            total = 4 * world
+            cu = torch.tensor([0, 3, 3, total - 2, total], dtype=torch.int32)
+            q, k, v = (_full(gen, s, dtype) for s in ((total, 2, 16), (total, 1, 16), (total, 1, 16)))
+        else:
+            cu = None
+            q, k, v = (_full(gen, s, dtype) for s in ((1, 4 * world, 2, 16), (1, 4 * world, 1, 16),
+                                                      (1, 4 * world, 1, 16)))
+        _run_case(rank, world, varlen=varlen, layout=layout, backend="triton", dtype=dtype, kw=kw, q=q, k=k, v=v,
+                  cu=cu)
+    _validation(rank, world)
+
+
+def _validation(rank, world):
+    q = torch.zeros(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="layout"):
+        dd.flash_attn_func(q, q, q, layout="ring")
+    with pytest.raises(ValueError, match="local sequence length"):
+        dd.flash_attn_func(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="2 x world size"):
+        dd.flash_attn_func(q[:, :1], q[:, :1], q[:, :1], layout="zigzag")
+    with pytest.raises(TypeError, match="group"):
+        dd.flash_attn_func(q, q, q, group="world")
+    with pytest.raises(ValueError, match="dropout_p"):
+        dd.flash_attn_func(q, q, q, dropout_p=0.1)
+    x = torch.zeros(3, 2, 8)
+    cu = torch.tensor([0, 3 * world], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        dd.flash_attn_varlen_func(x, x, x, torch.tensor([0, 3], dtype=torch.int32), cu, 3 * world, 3 * world)
+    with pytest.raises(ValueError, match="cu_seqlens_k must equal"):
+        _cu_mismatch(x, world)
+    with pytest.raises(ValueError, match="shard_layout"):
+        dd.flash_attn_varlen_func(x, x, x, cu, cu, 3 * world, 3 * world, shard_layout="ring")
+    # ALiBi with keys after the queries merges by LSE: refused where the backend's LSE has no gradient
+    if world == 2:
+        a = torch.zeros(1, 2, 2, 8, dtype=torch.float16, requires_grad=True)
+        with pytest.raises(ValueError, match="does not differentiate its LSE"):
+            dd.flash_attn_func(a, a, a, alibi_slopes=torch.ones(2, dtype=torch.float32), backend="triton")
+
+
+def _cu_mismatch(x, world):
+    cu_q = torch.tensor([0, 1, 3 * world], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 3 * world], dtype=torch.int32)
+    dd.flash_attn_varlen_func(x, x, x, cu_q, cu_k, 3 * world, 3 * world)
+
+
+TRITON_CASES = [
+    (torch.float16, True, "contiguous", dict(causal=True, alibi_slopes=torch.tensor([0.3, 0.1]))),
+    (torch.float16, False, "zigzag", dict(causal=True)),
+    (torch.float16, False, "contiguous", dict(window_size=(3, 2), softcap=2.0)),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_attention_matches_single_process(world):
+    pytest.importorskip("triton")
+    # world 3 runs 3 processes on CI's 2 cores: fewer cases, Triton (interpreter) cases on 2 ranks only
+    if world == 2:
+        run_ranks(world, _body, 20, 20, TRITON_CASES)
+    else:
+        run_ranks(world, _body, 10, 10, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner on its own (no processes): the calls of all ranks cover exactly the global mask, each
+# visible pair once, and the op's ALiBi distance of every call is the global one (reversed: one short)
+# ---------------------------------------------------------------------------------------------
+
+
+def _visible(i, j, lq, lk, window):
+    wl, wr = window
+    diag = i + lk - lq
+    return (wl < 0 or j >= diag - wl) and (wr < 0 or j <= diag + wr), abs(diag - j)
+
+
+def _pairs_of(call, pos):
+    """{(global row, global key): op distance + correction} of one call (packed coordinates)."""
+    r0, r1 = call.rows
+    k0, k1 = call.keys
+    cu_q, cu_k = call.cu if call.cu is not None else ((0, r1 - r0), (0, k1 - k0))
+    out = {}
+    for (qa, qb), (ka, kb) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+        lq, lk = qb - qa, kb - ka
+        for i in range(lq):
+            for j in range(lk):
+                ii, jj = (lq - 1 - i, lk - 1 - j) if call.reversed else (i, j)
+                ok, dist = _visible(ii, jj, lq, lk, call.window)
+                if ok:
+                    key = (int(pos[r0 + qa + i]), k0 + ka + j)
+                    assert key not in out, f"pair {key} computed twice by {call}"
+                    out[key] = dist + (1 if call.reversed else 0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_covers_the_global_mask_exactly(seed):
+    from delta_attn.distributed import attention as A
+    rnd = random.Random(seed)
+    for _ in range(40):
+        world, layout = rnd.choice([1, 2, 3, 4]), rnd.choice(dd.LAYOUTS)
+        t_local = rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.randint(1, 6)
+        total = world * t_local
+        window = rnd.choice(WINDOWS)
+        alibi = rnd.random() < 0.5
+        varlen = rnd.random() < 0.5
+        cu = _random_cu(rnd, total).tolist() if varlen else [0, total]
+        want = {}
+        for a, b in zip(cu, cu[1:]):
+            for gi in range(a, b):
+                for gj in range(a, b):
+                    if (window[0] < 0 or gj >= gi - window[0]) and (window[1] < 0 or gj <= gi + window[1]):
+                        want[(gi, gj)] = abs(gi - gj)
+        got = {}
+        for rank in range(world):
+            chunks = dd.chunk_ranges(t_local, rank, world, layout)
+            pos = dd.positions(t_local, rank, world, layout)
+            blocks = A.plan_varlen(chunks, cu, window, alibi) if varlen else A.plan_dense(chunks, total, window, alibi)
+            rows = [r for blk in blocks for r in range(blk[0].rows[0], blk[0].rows[1])]
+            assert rows == list(range(t_local)), "row blocks must tile the local rows in order"
+            for blk in blocks:
+                assert len(blk) == 1 or alibi, "only ALiBi splits a row block"
+                for call in blk:
+                    assert call.rows == blk[0].rows
+                    assert min(call.window) >= -1
+                    pairs = _pairs_of(call, pos)
+                    assert not set(pairs) & set(got), "a pair is computed by two calls"
+                    got.update(pairs)
+        assert set(got) == set(want), (world, layout, t_local, window, cu, set(got) ^ set(want))
+        if alibi:
+            assert got == want, "the op's ALiBi distance must be the global one"

@@ -1,0 +1,199 @@
+"""dd.kda / dd.gated_diag_attn (state passing) on 2 and 3 gloo ranks against the single-process operator.
+
+One spawn per world size runs every case: float64 with backend="torch" (outputs, final states and every
+gradient equal the single-process op), and backend="triton" under the interpreter (fp32, tiny shapes)
+within the DESIGN.md error rule against the float64 reference. Cases draw dense and packed (varlen)
+batches whose sequences span ranks, start or end on a shard boundary, or are empty; GVA, l2 norm, the
+in-kernel gates, scale, with and without initial / final state; both state-passing schemes; KDA's
+two-launch path (backend that refuses V + K value columns) forced on some cases.
+"""
+import random
+
+import pytest
+import torch
+
+from distributed_harness import run_ranks
+
+TORCH_CASES = 14          # per operator and world size
+TRITON_CASES = {2: 1, 3: 0}   # the interpreter is slow: one packed case per operator, world size 2
+
+
+def _cu(r: random.Random, total: int, t_local: int):
+    """Packed lengths summing to ``total``: cuts anywhere, on shard boundaries, repeated (empty sequences)."""
+    cuts = {r.randint(0, total) for _ in range(r.randint(0, 4))}
+    if r.random() < 0.5:
+        cuts.add(t_local * r.randint(1, total // t_local))
+    cuts = sorted(cuts | {0, total})
+    if r.random() < 0.4:                              # an empty sequence somewhere
+        cuts.insert(r.randrange(len(cuts)), cuts[r.randrange(len(cuts))])
+        cuts.sort()
+    return cuts
+
+
+def _case(seed: int, op: str, world: int, triton: bool):
+    r = random.Random(seed * 7919 + world)
+    dt = torch.float32 if triton else torch.float64
+    varlen = triton or r.random() < 0.5
+    t_local = r.choice([1, 3, 5]) if not triton else 4
+    total = world * t_local
+    b = 1 if varlen else r.randint(1, 2)
+    cu = _cu(r, total, t_local) if varlen else None
+    n = len(cu) - 1 if varlen else b
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)   # noqa: E731
+    kw = dict(output_final_state=triton or r.random() < 0.7)
+    if op == "kda":
+        h = 1 if triton else r.choice([1, 2])
+        hv = h * (1 if triton else r.choice([1, 2]))
+        kd, vd = (16, 16) if triton else (r.choice([3, 4]), r.choice([2, 5]))
+        l2 = r.random() < 0.4
+        q, k = rnd(b, total, h, kd), rnd(b, total, h, kd) * (1.0 if l2 else kd ** -0.5)
+        v = rnd(b, total, hv, vd)
+        gate = r.choice([None, None, "softplus", "lower_bound"])
+        if gate is None:
+            g = torch.nn.functional.logsigmoid(rnd(b, total, hv, kd) + 2.0)
+        else:
+            g = rnd(b, total, hv, kd)
+            kw["A_log"] = rnd(hv) * 0.5
+            kw["dt_bias"] = rnd(hv * kd) * 0.5
+            if gate == "lower_bound":
+                kw["lower_bound"] = -5.0
+        beta = torch.rand(b, total, hv, generator=gen, dtype=torch.float64)
+        xs = [q, k, v, g, beta]
+        kw["use_qk_l2norm"] = l2
+        if r.random() < 0.3:
+            kw["scale"] = 0.3
+        state = (hv, kd, vd)
+    else:
+        h, d = (1, 16) if triton else (r.choice([1, 3]), r.choice([2, 16]))
+        xs = [rnd(b, total, h, d) for _ in range(3)] + [torch.nn.functional.logsigmoid(rnd(b, total, h, d) + 2.0)]
+        state = (h, d)
+    if triton or r.random() < 0.6:
+        kw["initial_state"] = rnd(n, *state) * 0.5
+    if varlen:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    xs = [x.to(dt) for x in xs]
+    kw = {key: (t.to(dt) if torch.is_tensor(t) and t.is_floating_point() and key != "initial_state" else t)
+          for key, t in kw.items()}
+    if "initial_state" in kw:
+        kw["initial_state"] = kw["initial_state"].to(torch.float64 if not triton else torch.float32)
+    split = op == "kda" and r.random() < 0.3
+    return xs, kw, r.choice(["allgather", "ring"]), split
+
+
+_REPLICATED = ("initial_state", "A_log", "dt_bias")
+
+
+def _single(fn, xs, kw, weights, **extra):
+    """(o, final, grads of xs + replicated kw) of one process; loss = <o, w_o> + <final, w_f>."""
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    kw = {n: (t.detach().clone().requires_grad_() if n in _REPLICATED else t) for n, t in kw.items()}
+    o, f = fn(*xs, **kw, **extra)
+    loss = (o * weights[0].to(o.dtype)).sum() + ((f * weights[1].to(f.dtype)).sum() if f is not None else 0)
+    leaves = xs + [kw[n] for n in _REPLICATED if n in kw]
+    return o.detach(), None if f is None else f.detach(), torch.autograd.grad(loss, leaves)
+
+
+def _sharded(fn, xs, kw, weights, world, **extra):
+    import torch.distributed as dist
+    import delta_attn.distributed as dd
+    xs = [dd.shard(x).detach().clone().requires_grad_() for x in xs]
+    kw = {n: (t.detach().clone().requires_grad_() if n in _REPLICATED else t) for n, t in kw.items()}
+    o, f = fn(*xs, **kw, **extra)
+    # every rank weights its own outputs and 1/W of the (replicated) final state
+    loss = (o * dd.shard(weights[0]).to(o.dtype)).sum()
+    if f is not None:
+        loss = loss + (f * weights[1].to(f.dtype)).sum() / world
+    leaves = xs + [kw[n] for n in _REPLICATED if n in kw]
+    grads = [torch.zeros_like(t) if gr is None else gr           # initial_state is unused past rank 0
+             for t, gr in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True))]
+    for i in range(len(xs), len(grads)):                  # replicated inputs: each rank holds its share
+        grads[i] = grads[i].contiguous()
+        dist.all_reduce(grads[i])
+    return o.detach(), None if f is None else f.detach(), grads
+
+
+def _weights(seed, o_shape, f_shape):
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return (torch.randn(o_shape, generator=gen, dtype=torch.float64),
+            torch.randn(f_shape, generator=gen, dtype=torch.float64) if f_shape else None)
+
+
+def _names(kw, n_x):
+    return [f"d{i}" for i in range(n_x)] + ["d_" + n for n in _REPLICATED if n in kw]
+
+
+def _body(rank, world, ops, torch_cases, triton_cases):
+    import delta_attn as da
+    import delta_attn.distributed as dd
+    from delta_attn import reference
+    from delta_attn.distributed import linear
+    from delta_attn.testing import check
+    single = {"kda": da.kda, "diag": da.gated_diag_attn}
+    ref = {"kda": reference.kda, "diag": reference.gated_diag}
+    sharded = {"kda": dd.kda, "diag": dd.gated_diag_attn}
+    fuse_ok = linear._KDA.fuse_ok
+    for op in ops:
+        for seed in range(torch_cases + triton_cases):
+            triton = seed >= torch_cases
+            xs, kw, sp, split = _case(seed, op, world, triton)
+            linear._KDA.fuse_ok = (lambda *a: False) if split else fuse_ok
+            tag = f"{op} seed {seed} world {world} {'triton' if triton else 'torch'} {sp} split={split} " \
+                  f"cu={kw.get('cu_seqlens', torch.tensor([])).tolist()} shape={tuple(xs[0].shape)}"
+            fo, ff = xs[-1].shape[:2] + xs[2].shape[2:], None
+            if kw["output_final_state"]:
+                n = len(kw["cu_seqlens"]) - 1 if "cu_seqlens" in kw else xs[0].shape[0]
+                ff = (n,) + ((xs[2].shape[2], xs[0].shape[3], xs[2].shape[3]) if op == "kda" else xs[0].shape[2:])
+            w = _weights(seed, fo, ff)
+            backend = "triton" if triton else "torch"
+            got = _sharded(sharded[op], xs, kw, w, world, backend=backend, state_passing=sp)
+            if not triton:
+                want = _single(single[op], xs, kw, w, backend="torch")
+                pairs = [("o", got[0], dd.shard(want[0]))] + ([("final", got[1], want[1])] if ff else [])
+                pairs += [(nm, a, dd.shard(b) if i < len(xs) else b)
+                          for i, (nm, a, b) in enumerate(zip(_names(kw, len(xs)), got[2], want[2]))]
+                for nm, a, b in pairs:
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{tag} {nm}: {m}")
+                continue
+            r64 = _single(ref[op], [x.double() for x in xs],
+                          {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t)
+                           for n, t in kw.items()}, w)
+            low = _single(ref[op], xs, kw, w, upcast=False)
+            rows = [("o", got[0], dd.shard(r64[0]), dd.shard(low[0]), "fwd")]
+            if ff:
+                rows.append(("final", got[1], r64[1], low[1], "fwd"))
+            rows += [(nm, a, dd.shard(b) if i < len(xs) else b, dd.shard(c) if i < len(xs) else c, "grad")
+                     for i, (nm, a, b, c) in enumerate(zip(_names(kw, len(xs)), got[2], r64[2], low[2]))]
+            bad = [v.message for v in (check(a, b, c, kind=kd, name=nm) for nm, a, b, c, kd in rows) if not v.ok]
+            assert not bad, f"{tag}: " + "; ".join(bad)
+    linear._KDA.fuse_ok = fuse_ok
+    _errors_and_no_grad(rank, world)
+
+
+def _errors_and_no_grad(rank, world):
+    import delta_attn as da
+    import delta_attn.distributed as dd
+    xs, kw, _, _ = _case(1, "kda", world, False)
+    kw.pop("cu_seqlens", None)
+    kw["initial_state"] = None
+    loc = [dd.shard(x) for x in xs]
+    # inference (no autograd): both schemes give the single-process output
+    want = dd.shard(da.kda(*xs, **kw, backend="torch")[0])
+    for sp in ("allgather", "ring"):
+        with torch.no_grad():
+            torch.testing.assert_close(dd.kda(*loc, **kw, backend="torch", state_passing=sp)[0], want)
+    with pytest.raises(ValueError, match="state_passing"):
+        dd.kda(*loc, state_passing="tree")
+    total = world * loc[0].shape[1]
+    with pytest.raises(ValueError, match="cu_seqlens"):      # must end at W * T_local, not T_local
+        dd.gated_diag_attn(*(x[:1, :, :1, :2] for x in loc[:3]), loc[3][:1, :, :1, :2],
+                           cu_seqlens=torch.tensor([0, total // world], dtype=torch.int32))
+    with pytest.raises(ValueError, match="B == 1"):
+        dd.kda(*(x.expand(2, *x.shape[1:]) for x in loc), cu_seqlens=torch.tensor([0, total], dtype=torch.int32))
+    with pytest.raises(ValueError, match="initial_state"):
+        dd.kda(*loc, initial_state=torch.zeros(7, 1, 1, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_state_passing_matches_single_process(world):
+    run_ranks(world, _body, ("kda", "diag"), TORCH_CASES, TRITON_CASES[world])
