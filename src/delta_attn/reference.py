@@ -361,6 +361,9 @@ def gated_diag(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     """Gated diagonal (element-wise) linear attention. Returns ``(o (B, T, H, D), final_state)``.
 
     Per sequence, channel by channel: ``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t``.
+    Non-finite values follow from the formula within their own sequence only: a NaN gate makes the state
+    NaN from its token on (no clamp; ``exp(NaN) * 0`` at a first token is NaN), and each sequence starts
+    from its own initial state (or 0), never from the previous sequence's.
     """
     dt = _compute_dtype(q.dtype, upcast)
     b, t, h, d = q.shape

@@ -162,19 +162,25 @@ def _variant_cases():
     return cases
 
 
+def _variant_pairs():
+    """(forward, backward) configs of the other compiled variants the benchmark may pick."""
+    from delta_attn.ops.diag import triton_impl as ti
+    C = ti.DiagConfig
+    return [(C(32, 64, 4, 2, True), C(32, 64, 4, 2, True)), (C(16, 32, 4, 1, False), C(32, 16, 4, 1, True)),
+            # the opt-in rows variants (channel blocks spanning heads, the fast-exp path)
+            (C(16, 64, 8, 1, kind="rows", hold=True), C(16, 64, 8, 1, kind="rows")),
+            (C(16, 128, 8, 2, True, kind="rows", hold=True), C(32, 32, 8, 1)),
+            # re-read forward (hold=False), window 4; 32-row rows kernels are left out: with varlen
+            # they take 30-90 s each to compile (sm_90a, docs/PERFORMANCE.md)
+            (C(16, 64, 4, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"))]
+
+
 def test_kernel_variants_many_tiles():
     # the other compiled variants the benchmark may pick (loads before / after the look-back, 2-warp
     # tiles, windows 4 and 8) with thousands of tiles in flight: fixed length with an initial state,
     # and varlen with empty sequences and full decays (masked path)
     from delta_attn.ops.diag import triton_impl as ti
-    C = ti.DiagConfig
-    pairs = [(C(32, 64, 4, 2, True), C(32, 64, 4, 2, True)), (C(16, 32, 4, 1, False), C(32, 16, 4, 1, True)),
-             # the opt-in rows variants (channel blocks spanning heads, the fast-exp path)
-             (C(16, 64, 8, 1, kind="rows", hold=True), C(16, 64, 8, 1, kind="rows")),
-             (C(16, 128, 8, 2, True, kind="rows", hold=True), C(32, 32, 8, 1)),
-             # re-read forward (hold=False), window 4; 32-row rows kernels are left out: with varlen
-             # they take 30-90 s each to compile (sm_90a, docs/PERFORMANCE.md)
-             (C(16, 64, 4, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"))]
+    pairs = _variant_pairs()
     for (q, k, v, g), h0, c in _variant_cases():
         n = h0.shape[0]
         do, dht = torch.randn_like(q), torch.randn(n, q.shape[2], q.shape[3], device=DEV)
@@ -210,3 +216,66 @@ def test_split_rows_forward_many_tiles():
                 o, ht, _ = ti.diag_fwd(q, k, v, g, h0, c, True, config=fc)
             assert_close(o, o64, o32.to(q.dtype), name=f"o {fc}")
             assert_close(ht, ht64, ht32, name=f"final_state {fc}")
+
+
+# ---- non-finite gates (issue 15): a NaN stays in its own sequence with thousands of tiles in flight ----
+# (the checks and the semantics are tests/test_diag_nan.py's; here the look-back really races: a tile may
+# meet its predecessor's aggregate map, a full decay or a reset, before the inclusive state)
+
+from test_diag_nan import (check_nan_run, check_step_nan, check_step_strided_indices,  # noqa: E402
+                           launchers_with_grads, nan_case, public_with_grads)
+
+NAN_LENS = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
+# NaN rows: inside a long sequence (then 2000 full decays), at a first token, and near the end of one
+# whose next sequence starts right after
+NAN_AT = [(1, 1500), (7, 0), (4, 770)]
+
+
+def _scan_ref(q, k, v, g, h0, cu, do, dht, upcast):
+    """The log-depth scan reference: float64 (upcast), or float32 (the kernels' state precision) rounded to
+    the outputs' dtypes (the error rule's baseline)."""
+    o, ht, grads = gated_diag_scan(q, k, v, g, h0, cu, do, dht, dtype=torch.float64 if upcast else torch.float32)
+    grads = [x for x in grads if x is not None]
+    if not upcast:
+        o = o.to(q.dtype)
+        grads = [x.to(dt) for x, dt in zip(grads, [q.dtype, q.dtype, q.dtype, g.dtype, torch.float32])]
+    return o, ht, grads
+
+
+@pytest.mark.parametrize("dtype,g_dtype,h0", [(torch.bfloat16, torch.float32, True),
+                                              (torch.bfloat16, torch.bfloat16, False),
+                                              (torch.float16, torch.float16, True),
+                                              (torch.float32, None, False)])
+def test_varlen_nan_stays_in_its_sequence_many_tiles(dtype, g_dtype, h0):
+    q, k, v, g, s0, cu = nan_case(NAN_LENS, 4, 128, dtype, g_dtype, nan_at=NAN_AT, full_decay=2000, h0=h0,
+                                  lo=-0.1)
+    check_nan_run(public_with_grads("triton"), _scan_ref, q, k, v, g, s0, cu, NAN_AT)
+
+
+def test_batch_nan_stays_in_its_sequence_many_tiles():
+    # fixed length, the mask-free EVEN path (T and H * D multiples of the tiles): row 1's NaN must reach
+    # neither row 2 (forward) nor row 0 (backward)
+    q, k, v, g = _inputs(4, 8192, 16, 128, torch.bfloat16, torch.float32, lo=-0.05)
+    g[1, 3000] = float("nan")
+    g[1, 3001:5000] = -1e4
+    check_nan_run(public_with_grads("triton"), _scan_ref, q, k, v, g, torch.randn(4, 16, 128, device=DEV), None,
+                  [(1, 3000)], t_seq=8192)
+
+
+def test_kernel_variants_nan_many_tiles():
+    # every opt-in variant, and the split rows forward as a training forward, on the varlen NaN case
+    from delta_attn.ops.diag import triton_impl as ti
+    C = ti.DiagConfig
+    q, k, v, g, s0, cu = nan_case(NAN_LENS, 4, 96, torch.bfloat16, torch.float32, nan_at=NAN_AT, full_decay=2000,
+                                  lo=-0.1)
+    runs = [launchers_with_grads(fc, bc) for fc, bc in _variant_pairs()]
+    runs.append(launchers_with_grads(C(64, 64, 4, 4, True, kind="rows", hold=True, split=4),
+                                     C(16, 128, 8, 2, kind="rows"), training=True))
+    for run in runs:
+        check_nan_run(run, _scan_ref, q, k, v, g, s0, cu, NAN_AT)
+
+
+def test_step_nan_and_strided_state_indices():
+    check_step_nan("triton", device=DEV)
+    for idx_dtype in (torch.int32, torch.int64):
+        check_step_strided_indices("triton", idx_dtype, device=DEV)

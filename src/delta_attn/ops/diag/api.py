@@ -78,6 +78,14 @@ def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False,
     q, k, v, g (B, T, H, D); ``initial_state`` (N, H, D) float32; with ``cu_seqlens`` B == 1.
     Returns ``(o (B, T, H, D), final_state (N, H, D) float32 or None)``.
 
+    Non-finite inputs: the recurrence is evaluated as written, sequence by sequence (every backend).
+    A NaN in ``g`` at token p of a sequence makes that sequence's state NaN from p on, so its outputs
+    from p on and its final state are NaN (a full decay after it keeps it NaN: ``exp(-1e4) * NaN``; at a
+    first token with no initial state, ``exp(NaN) * 0`` is NaN too); no decay is clamped, so a NaN gate
+    never turns into a silent reset. Every other sequence of the batch (varlen or dense) is computed
+    exactly as without it, and so are its gradients; the NaN sequence's gradients are NaN where
+    autograd through ``delta_attn.reference.gated_diag`` gives NaN.
+
     >>> import torch, delta_attn as da
     >>> q, k, v = torch.randn(3, 2, 9, 4, 8).unbind(0)
     >>> o, s = da.gated_diag_attn(q, k, v, -torch.rand(2, 9, 4, 8), output_final_state=True, backend="torch")
@@ -96,6 +104,8 @@ def gated_diag_step(q, k, v, g, state, *, state_indices=None, num_accepted_token
     speculative decoding (the state after token t goes to ``state[state_indices[b, t]]``; the step starts
     from ``state_indices[b, num_accepted_tokens[b] - 1]``, from column 0 when ``num_accepted_tokens`` is
     None). Capturable in a CUDA graph; under capture the host-side value checks of the slots are skipped.
+    A NaN gate makes its own slot NaN, as in :func:`gated_diag_attn`; other sequences' slots and outputs are
+    unaffected.
 
     >>> import torch, delta_attn as da
     >>> q, k, v = torch.randn(3, 2, 4, 2, 8).unbind(0)       # 2 sequences, 4 tokens (1 + 3 drafts)

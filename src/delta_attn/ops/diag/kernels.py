@@ -2,21 +2,28 @@
 
 Layout: q, k, v, g, o are packed ``(total, H, D)`` (a fixed batch ``(B, T, H, D)`` is the packed batch
 of B sequences of T tokens), so every (head, channel block) is one *chain* along the packed time axis.
-Sequence boundaries inside a chain are handled by the scan itself: at a sequence's first token the
-decay is replaced by 0 and the initial state is folded into the input (``b = exp(g) * s0 + k * v``),
-so the state never leaks from one sequence into the next and a chain starts from state 0.
+Sequence boundaries inside a chain are handled by the scan itself: a sequence's first token is a
+*reset* map ``s -> b`` (its A marked ``RESET`` < 0, the initial state folded into the input:
+``b = exp(g) * s0 + k * v``, s0 = 0 without one), and every composition and application of maps
+*selects* at a reset (``_scan_combine``, ``_apply``) instead of multiplying the state before it by 0:
+``0 * NaN = NaN`` would carry a NaN (or an inf) of one sequence into the next. So nothing leaks from one
+sequence into another, a NaN gate included: it makes its own sequence's state NaN from its token on
+(a full decay after it keeps it NaN, as ``exp(-1e4) * NaN`` does in the specification).
 
 Forward (``_diag_fwd_kernel``), one program per (time tile of BT rows, chain), single pass:
   1. the program id gives the tile; ids walk the chains first, so the tiles of one chain start in
      time order (blocks are dispatched in index order: the look-back below cannot dead-lock);
   2. load the tile, scan the affine maps ``s -> a_t s + b_t`` along time in registers;
   3. publish the tile's aggregate map (A, B) per channel, then *decoupled look-back*: compose the
-     predecessors' published maps until one with A == 0 (an inclusive prefix, a sequence start or a
-     full decay), which gives the state entering the tile;
-  4. publish the tile's inclusive state (A = 0, B = state at its last row), write ``o = q * s`` and
-     the final states of the sequences that end in the tile.
+     predecessors' published maps until a *stop* word (an inclusive state, or a map that resets: a
+     sequence starts in that tile), which gives the state entering the tile;
+  4. publish the tile's inclusive state (a stop word, B = state at its last row), write ``o = q * s``
+     and the final states of the sequences that end in the tile.
 Every published word packs (valid bit | A bits, B bits) into one int64 per channel, so a reader needs
-no memory fence: a word is either zero (not yet written) or a complete, consistent pair.
+no memory fence: a word is either zero (not yet written) or a complete, consistent pair. A bits 0 is
+the stop mark (``_pack``, ``_pack_incl``): an aggregate whose A underflowed to 0 (a full decay) is
+published as the smallest subnormal instead, so the look-back never stops on it (that would drop a NaN
+before it: decided by timing on a GPU, and not what the specification computes).
 The forward's workspace ends holding the state at the end of every tile: the backward's carries.
 
 Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the first:
@@ -44,9 +51,13 @@ import triton.language as tl
 from .. import _triton_interpreter
 from .._slots import _start_slot, _token_slot
 
-# a published word with the valid bit set, A = 0 and B = 0: "state 0, nothing before matters"
+# a published word with the valid bit set, A bits 0 (stop) and B = 0: "state 0, nothing before matters"
 INCL_ZERO = -(1 << 63)
 _INCL_ZERO: tl.constexpr = tl.constexpr(INCL_ZERO)
+# the A of a map that ignores the state before it (s -> B: a sequence starts inside it). Decays are >= 0
+# or NaN, so a negative A is free to mean it; a reset is applied by a select, never by a multiply by 0
+RESET = -1.0
+_RESET: tl.constexpr = tl.constexpr(RESET)
 
 
 _triton_interpreter.patch()
@@ -54,35 +65,56 @@ _triton_interpreter.patch()
 
 @triton.jit
 def _scan_combine(a1, b1, a2, b2):
-    # (a1, b1) then (a2, b2): s -> a2 (a1 s + b1) + b2
-    return a1 * a2, a2 * b1 + b2
+    # (a1, b1) then (a2, b2): s -> a2 (a1 s + b1) + b2, where a reset (a < 0) drops what came before it
+    # by a select (a NaN before it stays there) and the composition of a reset is a reset
+    a = tl.where((a1 < 0) | (a2 < 0), _RESET, a1 * a2)
+    b = tl.where(a2 < 0, b2, a2 * b1 + b2)
+    return a, b
+
+
+@triton.jit
+def _apply(a, b, s):
+    """The map (a, b) applied to the state s: b for a reset (a < 0), else a s + b."""
+    return tl.where(a < 0, b, a * s + b)
 
 
 @triton.jit
 def _outer_combine(a1, b1, a2, b2):
-    # outer (a1, b1) applied after inner (a2, b2): s -> a1 (a2 s + b2) + b1
+    # outer (a1, b1) applied after inner (a2, b2): s -> a1 (a2 s + b2) + b1 (the look-back's words: no
+    # resets among the maps it composes, it stops at the first)
     return a1 * a2, a1 * b2 + b1
 
 
 @triton.jit
 def _pack(a, b):
-    """(valid, A, B) -> int64 word: bit 63 valid, bits 62..32 |A| (A >= 0), bits 31..0 B."""
+    """A tile's aggregate map -> int64 word: bit 63 valid, bits 62..32 |A|, bits 31..0 B. A reset map
+    (A < 0) gets A bits 0, the stop mark; an A of 0 (underflow) the smallest subnormal, so that it is
+    composed, not taken for a stop (a NaN before a full decay stays NaN)."""
     a_bits = a.to(tl.int32, bitcast=True).to(tl.int64) & 0x7FFFFFFF
+    a_bits = tl.where(a < 0, 0, tl.maximum(a_bits, 1))
     b_bits = b.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     return ((a_bits << 32) | b_bits) | _INCL_ZERO
 
 
 @triton.jit
+def _pack_incl(s):
+    """An inclusive state -> int64 word (A bits 0: the look-back stops here, its B is the state)."""
+    return (s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | _INCL_ZERO
+
+
+@triton.jit
 def _unpack(word):
-    a = ((word >> 32) & 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    """int64 word -> (published, A, B, stop: an inclusive state or a reset map)."""
+    a_bits = (word >> 32) & 0x7FFFFFFF
+    a = a_bits.to(tl.int32).to(tl.float32, bitcast=True)
     b = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    return word < 0, a, b
+    return word < 0, a, b, a_bits == 0
 
 
 @triton.jit
 def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
     """Carry entering tile j: compose the published maps of tiles j-1, j-2, ... (j+1, ... when
-    REVERSE) until, per channel, a map with A == 0 (an inclusive prefix) or the chain's end."""
+    REVERSE) until, per channel, a stop word (an inclusive state or a reset map) or the chain's end."""
     i = tl.arange(0, W)
     acc_a = tl.full(chan.shape, 1.0, tl.float32)
     acc_b = tl.zeros(chan.shape, tl.float32)
@@ -98,9 +130,9 @@ def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W
             inside = w >= 0
         ptrs = ws + w.to(tl.int64)[:, None] * stride_tile + chan[None, :]
         word = tl.load(ptrs, mask=inside[:, None] & cmask[None, :], other=_INCL_ZERO, volatile=True)
-        ready, a, b = _unpack(word)
-        # per channel the nearest inclusive map; every map up to it must be published
-        first_stop = tl.min(tl.where(ready & (a == 0.0), i[:, None], W), axis=0)
+        ready, a, b, stop = _unpack(word)
+        # per channel the nearest stop word; every map up to it must be published
+        first_stop = tl.min(tl.where(ready & stop, i[:, None], W), axis=0)
         need = (i[:, None] <= first_stop[None, :]) & (done == 0)[None, :]
         missing = tl.max(tl.max((need & (ready == 0)).to(tl.int32), axis=1), axis=0)
         if missing == 0:
@@ -111,7 +143,7 @@ def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W
             wb = tl.sum(tl.where(i[:, None] == W - 1, cb, 0.0), axis=0)
             acc_b = tl.where(done, acc_b, acc_b + acc_a * wb)
             acc_a = tl.where(done, acc_a, acc_a * wa)
-            done = done | (first_stop < W) | (acc_a == 0.0)
+            done = done | (first_stop < W)
             if REVERSE:
                 cur = cur + W
             else:
@@ -229,7 +261,7 @@ def _empty_sequences_pass_through(src, dst, cu, N, chan, cmask, HD: tl.constexpr
 def _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD: tl.constexpr, HAS_H0: tl.constexpr,
                       BT: tl.constexpr, BD: tl.constexpr):
     """Forward steps 2-3 of a loaded tile: its affine maps s -> a s + b scanned along time from the tile's
-    start (a = 0 at a sequence start: s0 is folded into b), and the aggregate map published (the scan's
+    start (a reset at a sequence start: s0 is folded into b), and the aggregate map published (the scan's
     last row, stored by the threads that hold it: no reduction). Returns the prefixes (ca, cb) and the
     tile's workspace pointers / last-row mask for the inclusive word."""
     r = tl.arange(0, BT)
@@ -237,9 +269,12 @@ def _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD: tl.
     decay = tl.exp(gr.to(tl.float32))
     b = kr.to(tl.float32) * vr.to(tl.float32)
     if HAS_H0:
-        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
-        b += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
-    a = tl.where(start[:, None], 0.0, decay)
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0).to(tl.float32)
+    else:
+        s0 = 0.0
+    # exp(g) s0 with s0 = 0 as well: a NaN gate at a first token gives NaN, as in the specification
+    b += tl.where(start[:, None], decay * s0, 0.0)
+    a = tl.where(start[:, None], _RESET, decay)
     ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
     last = (r == BT - 1)[:, None] & cmask[None, :]
     wptr = ws + j.to(tl.int64) * HD + chan
@@ -260,8 +295,8 @@ def _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_i
     """Forward step 4: publish the inclusive state (the last row of s), write o = q s and the final
     states of the sequences that end in the tile."""
     off = tl.arange(0, BT)[:, None] * HD + tl.arange(0, BD)[None, :]
-    s = ca * s_in[None, :] + cb
-    tl.store(wptr[None, :] + off * 0, _pack(tl.zeros_like(s), s), mask=last)
+    s = _apply(ca, cb, s_in[None, :])
+    tl.store(wptr[None, :] + off * 0, _pack_incl(s), mask=last)
     _st(o + base + off, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
     if STORE_FINAL:
         tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
@@ -325,7 +360,7 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     off = r[:, None] * HD + tl.arange(0, BD)[None, :]
 
     # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end); the row after
-    #    a sequence's end starts the next sequence, so a_{t+1} = 0 there (g is read shifted by a row).
+    #    a sequence's end starts the next sequence, so the map resets there (g is read shifted by a row).
     #    The tile is loaded with its rows reversed (row i = time BT-1-i), so the reverse-time scan is
     #    a forward scan over the rows (Triton's reverse scan costs ~4x the shuffles)
     rr = BT - 1 - r
@@ -334,7 +369,7 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     m_r = rmask_r[:, None] & cmask[None, :]
     m1 = ((j.to(tl.int64) * BT + rr + 1) < total)[:, None] & cmask[None, :]
     g1 = tl.load(g + base + HD + off_r, mask=m1, other=0.0).to(tl.float32)
-    a_next = tl.where(m1 & (end_r == 0)[:, None], tl.exp(g1), 0.0)
+    a_next = tl.where(end_r[:, None], _RESET, tl.where(m1, tl.exp(g1), 0.0))
     beta = _ld(do + base + off_r, m_r, EVEN).to(tl.float32) * _ld(q + base + off_r, m_r, EVEN).to(tl.float32)
     if HAS_DHT:
         beta += tl.load(dht + seq_r[:, None] * HD + chan[None, :], mask=m_r & end_r[:, None],
@@ -357,8 +392,8 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
 
     # 5. look back to the right for the carry, publish the inclusive value (ds at the first row)
     x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-    ds_r = ra * x_in[None, :] + rb
-    tl.store(wptr, _pack(tl.zeros_like(ds_r), ds_r), mask=first)
+    ds_r = _apply(ra, rb, x_in[None, :])
+    tl.store(wptr, _pack_incl(ds_r), mask=first)
     ds = tl.flip(ds_r, 0)   # back to time order
     if not KV_EARLY:
         gr = _ld(g + base + off, m, EVEN)
@@ -370,14 +405,15 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
     #    dg = ds exp(g_t) s_{t-1} (= ds (s_t - k_t v_t)), d s0 = exp(g_first) ds_first
     decay = tl.exp(gr.to(tl.float32))
     kv = kr.to(tl.float32) * vr.to(tl.float32)
-    bf = kv
     if HAS_H0:
-        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0)
-        bf += tl.where(start[:, None], decay * s0.to(tl.float32), 0.0)
-    af = tl.where(start[:, None], 0.0, decay)
+        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0).to(tl.float32)
+    else:
+        s0 = 0.0
+    bf = kv + tl.where(start[:, None], decay * s0, 0.0)
+    af = tl.where(start[:, None], _RESET, decay)
     ca, cb = tl.associative_scan((af, bf), 0, _scan_combine)
     s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    s = ca * s_in[None, :] + cb
+    s = _apply(ca, cb, s_in[None, :])
     dot = _ld(do + base + off, m, EVEN).to(tl.float32)   # (time order: a cache hit)
     _st(dq + base + off, (dot * s).to(dq.dtype.element_ty), m, EVEN)
     _st(dk + base + off, (ds * vr.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
@@ -395,9 +431,10 @@ def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, c
 def _lookback_walk(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
     """Carry entering tile j for the rows kernels (same result as ``_lookback``): each channel walks its
     own predecessors, W published words per probe (issued together: one round trip), composing them in
-    order up to the first inclusive map (A == 0) or the first word not yet published, where its next
-    probe starts. Only W words per channel are live (no [W, BD] window reductions), so a wide window
-    is cheap in registers, and a late word stops one channel, not the whole window."""
+    order up to the first stop word (an inclusive state or a reset map) or the first word not yet
+    published, where its next probe starts. Only W words per channel are live (no [W, BD] window
+    reductions), so a wide window is cheap in registers, and a late word stops one channel, not the
+    whole window."""
     acc_a = tl.full(chan.shape, 1.0, tl.float32)
     acc_b = tl.zeros(chan.shape, tl.float32)
     done = cmask == 0
@@ -415,19 +452,20 @@ def _lookback_walk(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constex
                 inside = t >= 0
             words = words + (tl.load(ws + t.to(tl.int64) * stride_tile + chan, mask=inside & (done == 0),
                                      other=_INCL_ZERO, volatile=True),)
-        # then compose them in order, per channel, up to an inclusive map or a word not yet published
-        stop = done
+        # then compose them in order, per channel, up to a stop word or a word not yet published (a
+        # product of A's that underflows to 0 is no stop: 0 * NaN before it must stay NaN)
+        halt = done
         for w in tl.static_range(W):
-            ready, a, b = _unpack(words[w])
-            take = (stop == 0) & ready
+            ready, a, b, stop = _unpack(words[w])
+            take = (halt == 0) & ready
             acc_b = tl.where(take, acc_b + acc_a * b, acc_b)
             acc_a = tl.where(take, acc_a * a, acc_a)
             if REVERSE:
                 cur = tl.where(take, cur + 1, cur)
             else:
                 cur = tl.where(take, cur - 1, cur)
-            done = done | (take & ((a == 0.0) | (acc_a == 0.0)))
-            stop = stop | (ready == 0) | done
+            done = done | (take & stop)
+            halt = halt | (ready == 0) | done
     return acc_b
 
 
@@ -466,16 +504,42 @@ def _exp(x, FAST_EXP: tl.constexpr):
 @triton.jit
 def _row_map(k, v, g, h0, x, seq, start, chan, m, i: tl.constexpr, HD: tl.constexpr, HAS_H0: tl.constexpr,
              EVEN: tl.constexpr, FAST_EXP: tl.constexpr):
-    """The row's map s -> a s + b per channel (a = 0 at a sequence start, s0 folded into b); rows
-    past the end read g = 0, k v = 0: the identity."""
+    """The row's map s -> a s + b per channel (a reset at a sequence start: a = RESET, exp(g) s0 folded
+    into b, s0 = 0 without initial states); rows past the end read g = 0, k v = 0: the identity."""
     a = _exp(_ld(g + x, m, EVEN).to(tl.float32), FAST_EXP)
     b = _ld(k + x, m, EVEN).to(tl.float32) * _ld(v + x, m, EVEN).to(tl.float32)
     if (not EVEN) or (i == 0):
         if HAS_H0:
             s0 = tl.load(h0 + seq * HD + chan, mask=m & start, other=0.0).to(tl.float32)
-            b += tl.where(start, a * s0, 0.0)
-        a = tl.where(start, 0.0, a)
+        else:
+            s0 = 0.0
+        b += tl.where(start, a * s0, 0.0)
+        a = tl.where(start, _RESET, a)
     return a, b
+
+
+@triton.jit
+def _then(acc_a, acc_b, a, b, i: tl.constexpr, FIRST: tl.constexpr, EVEN: tl.constexpr):
+    """The running map (acc_a, acc_b) followed by row i's (a, b). A reset (a sequence start) can only sit
+    on row FIRST of an EVEN tile: the other rows compose by plain multiplies (their A is then not kept
+    a reset: ``_held`` selects by the tile's flag instead)."""
+    if (not EVEN) or (i == FIRST):
+        acc_a, acc_b = _scan_combine(acc_a, acc_b, a, b)
+    else:
+        acc_b = a * acc_b + b
+        acc_a = acc_a * a
+    return acc_a, acc_b
+
+
+@triton.jit
+def _held(a, b, s, reset, EVEN: tl.constexpr):
+    """A prefix map (a, b) of ``_then`` applied to s: by ``reset`` (the EVEN tile's or segment's first row
+    starts a sequence) or by the map's own mark."""
+    if EVEN:
+        y = tl.where(reset, b, a * s + b)
+    else:
+        y = _apply(a, b, s)
+    return y
 
 
 @triton.jit
@@ -484,7 +548,7 @@ def _segment_scan(acc_a, acc_b, SPLIT: tl.constexpr, BD: tl.constexpr):
     inclusive scan over the segments ([SPLIT, BD]; across warps, once per tile), and the tile's map
     (the last segment's inclusive map) given to every segment's elements ([SPLIT * BD])."""
     ia, ib = tl.associative_scan((tl.reshape(acc_a, [SPLIT, BD]), tl.reshape(acc_b, [SPLIT, BD])), 0,
-                                 _scan_combine)
+                                 _scan_combine)   # (resets: select)
     last = (tl.arange(0, SPLIT) == SPLIT - 1)[:, None]
     ta = tl.broadcast_to(tl.sum(tl.where(last, ia, 0.0), axis=0)[None, :], [SPLIT, BD])
     tb = tl.broadcast_to(tl.sum(tl.where(last, ib, 0.0), axis=0)[None, :], [SPLIT, BD])
@@ -498,7 +562,7 @@ def _segment_entry_states(ia, ib, s_in, SPLIT: tl.constexpr, BD: tl.constexpr):
     of each segment (also returned), shifted by one."""
     v = tl.arange(0, SPLIT)
     s0 = tl.sum(tl.where(v[:, None] == 0, tl.reshape(s_in, [SPLIT, BD]), 0.0), axis=0)
-    s_end = ia * s0[None, :] + ib
+    s_end = _apply(ia, ib, s0[None, :])
     prev = v[None, :, None] == v[:, None, None] - 1
     s_seg = tl.sum(tl.where(prev, s_end[None, :, :], 0.0), axis=1) + tl.where(v[:, None] == 0, s0[None, :], 0.0)
     return tl.reshape(s_seg, [SPLIT * BD]), tl.reshape(s_end, [SPLIT * BD])
@@ -547,10 +611,13 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         seg = lane // BD
         chan = (pid % N_CB) * BD + lane % BD
         rows0 = row0 + seg * R
+        reset = (p0 == 0) & (seg == 0)
     else:
         seg = 0
         chan = chan_t
         rows0 = row0
+        reset = p0 == 0
+    # (reset, EVEN: a sequence can only start at the tile's first row: the segment's map is a reset)
     cmask = chan < HD
     p = rows0 * HD + chan
 
@@ -564,8 +631,7 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
         seq, start, end, m = _row_flags(i, rows0, seg, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
                                         R, SPLIT, EVEN)
         a, b = _row_map(k, v, g, h0, p + i * HD, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
-        acc_b = a * acc_b + b
-        acc_a = acc_a * a
+        acc_a, acc_b = _then(acc_a, acc_b, a, b, i, 0, EVEN)
         if HOLD:
             held = held + ((acc_a, acc_b),)
         if Q_EARLY:   # q loaded before the look-back (its latency hidden behind it), kept as loaded
@@ -574,6 +640,8 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     # 2. publish the aggregate, look back for the entering state, publish the inclusive state; with
     #    split tiles segment 0's threads do all three (one owner per word: the inclusive word is stored
     #    after the aggregate by the same thread, and no copy of the walk lives in another warp)
+    if EVEN:
+        acc_a = tl.where(reset, _RESET, acc_a)   # the segment's map marked a reset again (see _then)
     if SPLIT > 1:
         ia, ib, tile_a, tile_b = _segment_scan(acc_a, acc_b, SPLIT, BD)
         lead = cmask & (seg == 0)
@@ -584,14 +652,13 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(tile_a, tile_b), mask=lead)
     s_in = _lookback_walk(ws, j, chan, lead, HD, n_tiles, False, W)
-    tl.store(wptr, _pack(tl.zeros_like(tile_b), tile_a * s_in + tile_b), mask=lead)
+    tl.store(wptr, _pack_incl(_apply(tile_a, tile_b, s_in)), mask=lead)
     if SPLIT > 1:
         s_seg, s_end = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
         if STORE_CARRIES:
             # the state at the end of every segment, as inclusive words: the backward's carries at
             # BT / SPLIT rows (the tile words above serve the look-back only)
-            tl.store(carries + (j.to(tl.int64) * SPLIT + seg) * HD + chan, _pack(tl.zeros_like(s_end), s_end),
-                     mask=cmask)
+            tl.store(carries + (j.to(tl.int64) * SPLIT + seg) * HD + chan, _pack_incl(s_end), mask=cmask)
     else:
         s_seg = s_in
 
@@ -602,10 +669,13 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                                         R, SPLIT, EVEN)
         x = p + i * HD
         if HOLD:
-            s = held[i][0] * s_seg + held[i][1]
+            s = _held(held[i][0], held[i][1], s_seg, reset, EVEN)
         else:
             a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
-            s = a * s + b
+            if (not EVEN) or (i == 0):
+                s = _apply(a, b, s)
+            else:
+                s = a * s + b
         if Q_EARLY:
             qr = qs[i]
         else:
@@ -665,21 +735,24 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
         beta = _ld(do + x, m, EVEN).to(tl.float32) * _ld(q + x, m, EVEN).to(tl.float32)
         an = a_next
         if (not EVEN) or (i == BT - 1):
-            # the row ends its sequence: nothing flows back from the next one; dfinal enters here
-            an = tl.where(end, 0.0, an)
+            # the row ends its sequence: nothing flows back from the next one (a reset); dfinal enters here
+            an = tl.where(end, _RESET, an)
             if HAS_DHT:
                 beta += tl.load(dht + seq * HD + chan, mask=m & end, other=0.0).to(tl.float32)
-        rb = an * rb + beta
-        ra = ra * an
+        ra, rb = _then(ra, rb, an, beta, i, BT - 1, EVEN)
         held = ((ra, rb),) + held
         if i > 0:
             a_next = _exp(_ld(g + x, m, EVEN).to(tl.float32), FAST_EXP)
 
     # 2. publish the aggregate, look back to the right, publish the inclusive ds of the first row
+    #    (EVEN: only the tile's last row can end a sequence; then the tile's map is a reset)
+    reset = p0 + BT == T_seq
+    if EVEN:
+        ra = tl.where(reset, _RESET, ra)
     wptr = ws_b + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(ra, rb), mask=cmask)
     x_in = _lookback_walk(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-    tl.store(wptr, _pack(tl.zeros_like(rb), ra * x_in + rb), mask=cmask)
+    tl.store(wptr, _pack_incl(_apply(ra, rb, x_in)), mask=cmask)
 
     # 3. states from the forward's carry, then the gradients row by row
     jc = j.to(tl.int64) * carry_stride - 1
@@ -693,15 +766,16 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
         kr = _ld(k + x, m, EVEN).to(tl.float32)
         vr = _ld(v + x, m, EVEN).to(tl.float32)
         kv = kr * vr
-        b = kv
-        a = decay
         if (not EVEN) or (i == 0):
+            # a sequence start selects its own initial state (0 without one), never 0 * the carry
             if HAS_H0:
                 s0 = tl.load(h0 + seq * HD + chan, mask=m & start, other=0.0).to(tl.float32)
-                b += tl.where(start, decay * s0, 0.0)
-            a = tl.where(start, 0.0, decay)
-        s = a * s + b
-        ds = held[i][0] * x_in + held[i][1]
+            else:
+                s0 = 0.0
+            s = tl.where(start, decay * s0 + kv, decay * s + kv)
+        else:
+            s = decay * s + kv
+        ds = _held(held[i][0], held[i][1], x_in, reset, EVEN)
         _st(dq + x, (_ld(do + x, m, EVEN).to(tl.float32) * s).to(dq.dtype.element_ty), m, EVEN)
         _st(dk + x, (ds * vr).to(dk.dtype.element_ty), m, EVEN)
         _st(dv + x, (ds * kr).to(dv.dtype.element_ty), m, EVEN)

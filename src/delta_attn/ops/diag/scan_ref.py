@@ -5,7 +5,9 @@
 ``log2(T)`` vectorised steps, so 1M-token sequences can be checked on a GPU. Gradients are the
 closed form of the recurrence (``ds_t = exp(g_{t+1}) ds_{t+1} + do_t q_t``, ``dq = do s``,
 ``dk = ds v``, ``dv = ds k``, ``dg = ds exp(g_t) s_{t-1}``, ``ds0 = exp(g_first) ds_first``); the
-CPU tests check them against autograd through the specification.
+CPU tests check them against autograd through the specification. Sequence starts (and, in the reverse
+scan, sequence ends) are resets applied by a select, so a NaN or an inf of one sequence never reaches
+another (``0 * NaN`` is NaN): the specification's per-sequence semantics, non-finite values included.
 """
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ from typing import Optional
 import torch
 
 
-def _scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """s_t = a_t s_{t-1} + b_t along dim 0 from s_{-1} = 0."""
+def _scan(a: torch.Tensor, b: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
+    """s_t = a_t s_{t-1} + b_t along dim 0 from s_{-1} = 0, and s_t = b_t where ``reset`` (a bool per row)."""
     a, b = a.clone(), b.clone()
+    r = reset.reshape(-1, *([1] * (a.dim() - 1))).expand_as(a).clone()
     off, n = 1, a.shape[0]
     while off < n:
-        b[off:] = a[off:] * b[:-off] + b[off:]
+        b[off:] = torch.where(r[off:], b[off:], a[off:] * b[:-off] + b[off:])
         a[off:] = a[off:] * a[:-off]
+        r[off:] = r[off:] | r[:-off]
         off *= 2
     return b
 
@@ -49,8 +53,7 @@ def gated_diag_scan(q, k, v, g, initial_state=None, cu_seqlens=None, do=None, df
     decay = gf.exp()
     kv = kf * vf
     st = start[:, None]
-    a = torch.where(st, torch.zeros_like(decay), decay)
-    s = _scan(a, kv + torch.where(st, decay * s0[seq], torch.zeros_like(kv)))
+    s = _scan(decay, kv + torch.where(st, decay * s0[seq], torch.zeros_like(kv)), start)
     o = (qf * s).reshape(q.shape)
     final = s0.clone()
     final[seq[end]] = s[end]
@@ -62,8 +65,8 @@ def gated_diag_scan(q, k, v, g, initial_state=None, cu_seqlens=None, do=None, df
     if dfinal is not None:
         dht = dfinal.reshape(n, h * d).to(dtype)
         beta = beta + torch.where(end[:, None], dht[seq], torch.zeros_like(beta))
-    a_next = torch.cat([a[1:], torch.zeros_like(a[:1])], 0)
-    ds = _scan(a_next.flip(0), beta.flip(0)).flip(0)
+    a_next = torch.cat([decay[1:], torch.zeros_like(decay[:1])], 0)
+    ds = _scan(a_next.flip(0), beta.flip(0), end.flip(0)).flip(0)
     s_prev = torch.cat([torch.zeros_like(s[:1]), s[:-1]], 0)
     s_prev = torch.where(st, s0[seq], s_prev)
     grads = [dof * s, ds * vf, ds * kf, ds * decay * s_prev]
