@@ -8,7 +8,9 @@
   once per split for all the q heads sharing it. The keys visible to the block (after left padding and
   the window) are cut into ``num_splits`` contiguous ranges; each program runs the online softmax over
   its range (exp2 domain, scores masked as in ``kernels_fwd``), and writes either the final output and
-  LSE (one split) or its normalised partial output and log2-sum-exp.
+  LSE (one split) or its normalised partial output and log2-sum-exp. HOIST (a tile constexpr): the
+  tiles that every row of the block sees whole run without masks (loads or scores); only the edge tiles
+  (window start, causal / window end, the range's last partial tile) mask.
 - ``_kvcache_merge_kernel``: one program per (batch row, q head, query) combines the splits:
   ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``. A row that sees no key gets
   zeros and lse = +inf.
