@@ -50,14 +50,21 @@ def choose_splits(programs: int, capacity: int, sms: int, rule: SplitRule = SPLI
     return max(1, min(want, triton.cdiv(capacity, rule.min_keys), rule.max_splits))
 
 
-def _attn_tiles(d: int):
-    """Key tiles of the attention kernel: 64 keys (32 at D > 128) in 3 stages, every tile masked; halved
-    when shared memory is short. One small tile under the interpreter (CPU tests cover several tiles and
-    splits)."""
+def _attn_tiles(d: int, paged: bool):
+    """Key tiles of the attention kernel, by layout (measured on the H200 at B = 64, cache 8K, Hq 32, Hk 8,
+    D = 128, bf16, graph replay; docs/PERFORMANCE.md): a contiguous cache streams 128-key tiles in 2 stages
+    with only the edge tiles masked (492 µs, 1.016x cuDNN SDPA; 561 µs with the paged tiles); a paged cache
+    keeps 64-key tiles in 3 stages, every tile masked (507 µs, 1.031x cuDNN paged; 691 µs with edge-only
+    masks). Halved when shared memory is short. One small tile under the interpreter (CPU tests cover
+    several tiles and splits)."""
     if triton_interpreter_on():
         return (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16, HOIST=0),)
-    first = tiles("decode: stream K/V in 64-key tiles, 3 stages in flight", num_warps=4, num_stages=3,
-                  BLOCK_N=64 if d <= 128 else 32, HOIST=0)
+    if paged:
+        first = tiles("paged: 64-key tiles, 3 stages, every tile masked", num_warps=4, num_stages=3,
+                      BLOCK_N=64 if d <= 128 else 32, HOIST=0)
+    else:
+        first = tiles("contiguous: 128-key tiles, 2 stages, edge tiles masked", num_warps=4, num_stages=2,
+                      BLOCK_N=128 if d <= 128 else 64, HOIST=1)
     return halving(first, ["BLOCK_N"])
 
 
@@ -153,7 +160,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                  HAS_ALIBI=alibi_slopes is not None, HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
                  ROTARY_PER_QUERY=bool(rotary_per_query), SPLIT=split, IEEE=q.dtype == torch.float32)
     launch(_kvcache_attn_kernel, lambda t: (row_blocks * splits, b * hk), args, fixed,
-           _attn_tiles(d) if config is None else (config,))
+           _attn_tiles(d, paged) if config is None else (config,))
     # 3. merge the splits
     if split:
         _kvcache_merge_kernel[(b * hq * sq,)](o_part, l_part, out, lse, *out.stride(), *lse.stride(), sq, hq, splits,
