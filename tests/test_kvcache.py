@@ -171,6 +171,74 @@ def test_triton_against_reference(name, poisoned):
         assert torch.equal(k_cache, kc32)
 
 
+HOIST_CASES = {
+    "contiguous_splits3": dict(num_splits=3, s_cache=47),
+    "paged_page3_sq3_snew2": dict(paged=True, page=3, sq=3, snew=2, s_cache=25),
+    "mqa_d24_window": dict(hk=1, group=4, d=24, window=(7, 0), causal=False, num_splits=2),
+    "window_both_sq3_long": dict(window=(20, 3), causal=False, sq=3, snew=2, s_cache=90, num_splits=2),
+    "leftpad_batch_idx_causal_sq2": dict(leftpad=True, batch_idx=True, b=3, sq=2, s_cache=70),
+    "empty_rows_sq_gt_keys": dict(sq=4, snew=1, zero_row=True, group=1),
+    "fp32_paged_window_splits": dict(dtype=torch.float32, paged=True, page=5, window=(9, 2), num_splits=3),
+    "noncausal_no_window_paged": dict(causal=False, paged=True, page=8, s_cache=77, sq=2),
+}
+
+
+@pytest.mark.parametrize("name", list(HOIST_CASES))
+def test_triton_hoisted_masks_against_reference(name, poisoned):
+    """The launcher's explicit config with HOIST=1 (unmasked interior tiles, masked edge tiles) == the
+    float64 reference by the error rule, over windows, splits, pages, left padding and empty rows."""
+    from delta_attn.ops._launch import tiles
+    from delta_attn.ops.flash import decode
+    from delta_attn.ops.flash.kvcache import validate
+    opts = dict(HOIST_CASES[name])
+    num_splits = opts.pop("num_splits", 0)
+    tensors, kw = make_case(11, **opts)
+    a = validate(*(_clone(t) for t in tensors), num_splits=num_splits, return_softmax_lse=True, **kw)
+    out, lse = decode.kvcache(a, config=tiles("test", BLOCK_N=16, HOIST=1))
+    o64, l64, _, _ = _ref(tensors, kw, dtype_to=torch.float64)
+    olp, llp, _, _ = _ref(tensors, kw, upcast=False)
+    assert_close(out, o64, olp, name="out")
+    assert_close(lse, l64, llp, name="lse")
+
+
+def test_triton_hoisted_window_edges():
+    """HOIST=1 at the edge tiles: seeded windows (both bounds, one, none) and cache lengths chosen so that the
+    unmasked interior's bounds land on and next to tile edges (an off-by-one there shows), three queries."""
+    from delta_attn.ops._launch import tiles
+    from delta_attn.ops.flash import decode
+    from delta_attn.ops.flash.kvcache import validate
+    import random
+    rnd = random.Random(5)
+    combos = [(30, 29, -1), (40, 12, 2), (60, 20, 10), (48, -1, 0), (40, 14, 0), (50, 13, 1), (31, -1, 1)]
+    combos += [(rnd.randint(0, 76), rnd.choice([-1] + list(range(34))), rnd.choice([-1] + list(range(34))))
+               for _ in range(15)]
+    for n0, wl, wr in combos:
+        tensors, kw = make_case(n0, b=1, sq=3, hk=1, group=1, s_cache=80, window=(wl, wr), causal=False)
+        kw["cache_seqlens"] = torch.tensor([n0], dtype=torch.int32)
+        a = validate(*(_clone(t) for t in tensors), return_softmax_lse=True, **kw)
+        out, lse = decode.kvcache(a, config=tiles("test", BLOCK_N=16, HOIST=1))
+        o64, l64, _, _ = _ref(tensors, kw, dtype_to=torch.float64)
+        olp, llp, _, _ = _ref(tensors, kw, upcast=False)
+        assert_close(out, o64, olp, name=f"out n0={n0} window=({wl}, {wr})")
+        assert_close(lse, l64, llp, name=f"lse n0={n0} window=({wl}, {wr})")
+
+
+@pytest.mark.parametrize("config, err, match", [
+    ("x", TypeError, "config must be a delta_attn.ops._launch.Tiles"),
+    (dict(BLOCK_N=16), ValueError, "config.meta must name exactly"),
+    (dict(BLOCK_N=24, HOIST=0), ValueError, "BLOCK_N must be a power of two"),
+    (dict(BLOCK_N=16, HOIST=2), ValueError, "HOIST must be 0 or 1"),
+])
+def test_triton_config_rejected(config, err, match):
+    from delta_attn.ops._launch import tiles
+    from delta_attn.ops.flash import decode
+    from delta_attn.ops.flash.kvcache import validate
+    tensors, kw = make_case(0)
+    a = validate(*tensors, **kw)
+    with pytest.raises(err, match=match):
+        decode.kvcache(a, config=tiles("test", **config) if isinstance(config, dict) else config)
+
+
 def test_triton_splits_agree():
     """The same call with 1, 2 and 5 splits (and the shape heuristic) gives the same result up to rounding."""
     tensors, kw = make_case(2, s_cache=45, snew=0)

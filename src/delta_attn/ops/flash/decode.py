@@ -16,7 +16,7 @@ import triton
 
 from ... import _outputs
 from .. import _triton_interpreter
-from .._launch import halving, launch, tiles
+from .._launch import Tiles, halving, launch, tiles
 from ...backends import sm_count, triton_interpreter_on
 from .kernels_decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_merge_kernel
 
@@ -50,14 +50,43 @@ def choose_splits(programs: int, capacity: int, sms: int, rule: SplitRule = SPLI
     return max(1, min(want, triton.cdiv(capacity, rule.min_keys), rule.max_splits))
 
 
-def _attn_tiles(d: int):
-    """Key tiles of the attention kernel: 64 keys (32 at D > 128) in 3 stages; halved when shared memory
-    is short. One small tile under the interpreter (CPU tests cover several tiles and splits)."""
+def _attn_tiles(d: int, paged: bool):
+    """Key tiles of the attention kernel, by layout (measured on the H200 at B = 64, cache 8K, Hq 32, Hk 8,
+    D = 128, bf16, graph replay; docs/PERFORMANCE.md): a contiguous cache streams 128-key tiles in 2 stages
+    with only the edge tiles masked (492 µs, 1.016x cuDNN SDPA; 561 µs with the paged tiles); a paged cache
+    keeps 64-key tiles in 3 stages, every tile masked (507 µs, 1.031x cuDNN paged; 691 µs with edge-only
+    masks). Halved when shared memory is short. One small tile under the interpreter (CPU tests cover
+    several tiles and splits)."""
     if triton_interpreter_on():
-        return (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16),)
-    first = tiles("decode: stream K/V in 64-key tiles, 3 stages in flight", num_warps=4, num_stages=3,
-                  BLOCK_N=64 if d <= 128 else 32)
+        return (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16, HOIST=0),)
+    if paged:
+        first = tiles("paged: 64-key tiles, 3 stages, every tile masked", num_warps=4, num_stages=3,
+                      BLOCK_N=64 if d <= 128 else 32, HOIST=0)
+    else:
+        first = tiles("contiguous: 128-key tiles, 2 stages, edge tiles masked", num_warps=4, num_stages=2,
+                      BLOCK_N=128 if d <= 128 else 64, HOIST=1)
     return halving(first, ["BLOCK_N"])
+
+
+ATTN_META = ("BLOCK_N", "HOIST")
+
+
+def check_attn_config(config: Tiles) -> None:
+    """An explicit attention-kernel config: :class:`Tiles` with ``BLOCK_N`` (keys per tile, a power of two
+    >= 16) and ``HOIST`` (1: only the tiles at the edges of the visible range are masked; 0: every tile)."""
+    if not isinstance(config, Tiles):
+        raise TypeError(f"config must be a delta_attn.ops._launch.Tiles or None, got {type(config).__name__}")
+    meta = dict(config.meta)
+    if sorted(meta) != sorted(ATTN_META):
+        raise ValueError(f"config.meta must name exactly {ATTN_META}, got {tuple(sorted(meta))}")
+    n = meta["BLOCK_N"]
+    if not isinstance(n, int) or n < 16 or n & (n - 1):
+        raise ValueError(f"config BLOCK_N must be a power of two >= 16, got {n!r}")
+    if meta["HOIST"] not in (0, 1):
+        raise ValueError(f"config HOIST must be 0 or 1, got {meta['HOIST']!r}")
+    if config.num_warps not in (1, 2, 4, 8, 16) or not 1 <= config.num_stages <= 8:
+        raise ValueError(f"config num_warps must be a power of two <= 16 and num_stages in [1, 8], got "
+                         f"num_warps={config.num_warps}, num_stages={config.num_stages}")
 
 
 def _row_block(rows: int) -> int:
@@ -71,9 +100,14 @@ def _s4(t: Optional[Tensor]) -> Tuple[int, ...]:
 
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, alibi_slopes, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                rotary_interleaved: bool, rotary_per_query: bool, num_splits: int) -> Tuple[Tensor, Tensor]:
+                rotary_interleaved: bool, rotary_per_query: bool, num_splits: int,
+                config: Optional[Tiles] = None) -> Tuple[Tensor, Tensor]:
     """Append ``k`` / ``v`` to the caches (in place), then attend. Returns ``(out (B, Sq, Hq, D),
-    lse (B, Hq, Sq) float32)``. Index tensors arrive as contiguous int32 (the validation's form)."""
+    lse (B, Hq, Sq) float32)``. Index tensors arrive as contiguous int32 (the validation's form).
+    ``config``: the attention kernel's tiles (:func:`check_attn_config`), launched as given (no smaller
+    fallback); None: the default, fitted to the device."""
+    if config is not None:
+        check_attn_config(config)
     b, sq, hq, d = q.shape
     hk = k_cache.shape[2]
     group = hq // hk
@@ -125,7 +159,8 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     fixed = dict(common, BLOCK_M=block_m, HAS_LEFTPAD=cache_leftpad is not None, SOFTCAP=softcap > 0,
                  HAS_ALIBI=alibi_slopes is not None, HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
                  ROTARY_PER_QUERY=bool(rotary_per_query), SPLIT=split, IEEE=q.dtype == torch.float32)
-    launch(_kvcache_attn_kernel, lambda t: (row_blocks * splits, b * hk), args, fixed, _attn_tiles(d))
+    launch(_kvcache_attn_kernel, lambda t: (row_blocks * splits, b * hk), args, fixed,
+           _attn_tiles(d, paged) if config is None else (config,))
     # 3. merge the splits
     if split:
         _kvcache_merge_kernel[(b * hq * sq,)](o_part, l_part, out, lse, *out.stride(), *lse.stride(), sq, hq, splits,
@@ -154,15 +189,18 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_ba
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-def kvcache(a):
+def kvcache(a, config: Optional[Tiles] = None):
     """Backend entry point (a validated :class:`~delta_attn.ops.flash.kvcache.KVCacheArgs`): ``(out, lse)``.
     Eager calls launch directly (a decode step is launch-bound; the dispatcher would cost more than the
-    kernels), traced calls go through the custom op."""
+    kernels), traced calls go through the custom op. ``config``: explicit attention-kernel tiles (eager
+    calls only; tuning experiments), see :func:`kvcache_fwd`."""
     wl, wr = a.window
     args = (a.q, a.k_cache, a.v_cache, a.k, a.v, a.rotary_cos, a.rotary_sin, a.cache_seqlens, a.cache_batch_idx,
             a.cache_leftpad, a.block_table, a.alibi_slopes, float(a.softmax_scale), int(wl), int(wr),
             float(a.softcap), bool(a.rotary_interleaved), bool(a.rotary_per_query), int(a.num_splits))
     if torch.compiler.is_compiling():
+        if config is not None:
+            raise ValueError("config is for eager calls only (the traced custom op uses the default tiles)")
         return _kvcache_op(*args)
     with torch.no_grad():
-        return kvcache_fwd(*args)
+        return kvcache_fwd(*args, config=config)

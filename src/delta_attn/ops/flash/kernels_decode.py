@@ -8,7 +8,9 @@
   once per split for all the q heads sharing it. The keys visible to the block (after left padding and
   the window) are cut into ``num_splits`` contiguous ranges; each program runs the online softmax over
   its range (exp2 domain, scores masked as in ``kernels_fwd``), and writes either the final output and
-  LSE (one split) or its normalised partial output and log2-sum-exp.
+  LSE (one split) or its normalised partial output and log2-sum-exp. HOIST (a tile constexpr): the
+  tiles that every row of the block sees whole run without masks (loads or scores); only the edge tiles
+  (window start, causal / window end, the range's last partial tile) mask.
 - ``_kvcache_merge_kernel``: one program per (batch row, q head, query) combines the splits:
   ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``. A row that sees no key gets
   zeros and lse = +inf.
@@ -89,6 +91,54 @@ def _kvcache_append_kernel(KNEW, VNEW, KC, VC, SEQLENS, IDX, BT, COS, SIN,
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, n, K, V, b, i, d, dmask, lp, diag, slope2, wl, wr, end, qk_mult, cap_in,
+                 BT, IDX, s_btb, s_btn, page, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                 HAS_IDX: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WL: tl.constexpr,
+                 HAS_WR: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile [n, n + BLOCK_N) of the online softmax: scores, running max / sum, P @ V into ``acc``.
+    MASKED: keys past ``end`` and outside the rows' windows are masked (loads and scores); otherwise
+    every key of the tile is visible to every row and nothing is masked (the channel mask only when
+    HEAD_DIM is not a power of two)."""
+    j = n + tl.arange(0, BLOCK_N)              # key index relative to the left padding
+    pos = j + lp                               # cache position
+    if MASKED:
+        kmask = j < end
+        tile_mask = kmask[:, None] & dmask[None, :]
+    else:
+        kmask = j < 2147483647                 # the block-table load's mask: always true
+        tile_mask = (j >= 0)[:, None] & dmask[None, :]
+    k_off = _cache_offsets(pos, b, kmask, BT, IDX, s_btb, s_btn, page, s_kb, s_ks, PAGED, HAS_IDX)
+    v_off = _cache_offsets(pos, b, kmask, BT, IDX, s_btb, s_btn, page, s_vb, s_vs, PAGED, HAS_IDX)
+    k_ptr = K + k_off[:, None] + d[None, :] * s_kd
+    v_ptr = V + v_off[:, None] + d[None, :] * s_vd
+    if MASKED or HEAD_DIM != BLOCK_D:
+        k = tl.load(k_ptr, mask=tile_mask, other=0.0)
+    else:
+        k = tl.load(k_ptr)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    s, _ = _scores(qk, i[:, None], j[None, :], diag, slope2[:, None], wl, wr, end, qk_mult, cap_in,
+                   SOFTCAP, HAS_ALIBI, MASKED, HAS_WL, HAS_WR, True)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED or HEAD_DIM != BLOCK_D:
+        v = tl.load(v_ptr, mask=tile_mask, other=0.0)
+    else:
+        v = tl.load(v_ptr)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _kvcache_attn_kernel(Q, KC, VC, O, LSE, OP, LP, SEQLENS, LEFTPAD, IDX, BT, ALIBI, COS, SIN,
                          s_qb, s_qs, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                          s_ob, s_os, s_oh, s_od, s_lb, s_lh, s_ls, s_btb, s_btn, s_ab, s_ah, s_ro, s_rod,
@@ -99,7 +149,7 @@ def _kvcache_attn_kernel(Q, KC, VC, O, LSE, OP, LP, SEQLENS, LEFTPAD, IDX, BT, A
                          HAS_LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, ROTARY: tl.constexpr,
                          INTERLEAVED: tl.constexpr, ROTARY_PER_QUERY: tl.constexpr, SPLIT: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, HOIST: tl.constexpr):
     pid0 = tl.program_id(0)
     rb = pid0 % row_blocks
     split = pid0 // row_blocks
@@ -147,35 +197,40 @@ def _kvcache_attn_kernel(Q, KC, VC, O, LSE, OP, LP, SEQLENS, LEFTPAD, IDX, BT, A
     start = lo + split * per
     end = tl.minimum(start + per, hi)
 
-    # 3. online softmax over this split's keys (log2 domain)
+    # 3. online softmax over this split's keys (log2 domain). HOIST: the tiles every row sees whole
+    #    (inside the window, before ``end``) run unmasked; only the edge tiles before / after them mask
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n in range(start, end, BLOCK_N):
-        j = n + tl.arange(0, BLOCK_N)          # key index relative to the left padding
-        kmask = j < end
-        pos = j + lp                           # cache position
-        k_off = _cache_offsets(pos, b, kmask, BT, IDX, s_btb, s_btn, page, s_kb, s_ks, PAGED, HAS_IDX)
-        v_off = _cache_offsets(pos, b, kmask, BT, IDX, s_btb, s_btn, page, s_vb, s_vs, PAGED, HAS_IDX)
-        tile_mask = kmask[:, None] & dmask[None, :]
-        k = tl.load(KC + k_off[:, None] + hk * s_kh + d[None, :] * s_kd, mask=tile_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        s, _ = _scores(qk, i[:, None], j[None, :], diag, slope2[:, None], wl, wr, end, qk_mult, cap_in,
-                       SOFTCAP, HAS_ALIBI, True, HAS_WL, HAS_WR, True)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + v_off[:, None] + hk * s_vh + d[None, :] * s_vd, mask=tile_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    k_base = KC + hk * s_kh
+    v_base = VC + hk * s_vh
+    if HOIST:
+        body_lo = start
+        if HAS_WL:                             # first key every row sees, on the split's tile grid
+            first_all = tl.minimum(tl.maximum(i_last + diag - wl, start), end)
+            body_lo = start + tl.cdiv(first_all - start, BLOCK_N) * BLOCK_N
+            for n in range(start, body_lo, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n, k_base, v_base, b, i, d, dmask, lp, diag, slope2,
+                                             wl, wr, end, qk_mult, cap_in, BT, IDX, s_btb, s_btn, page, s_kb, s_ks,
+                                             s_kd, s_vb, s_vs, s_vd, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, HAS_IDX,
+                                             SOFTCAP, HAS_ALIBI, HAS_WL, HAS_WR, IEEE, True)
+        last_all = end                         # one past the last key every row sees
+        if HAS_WR:
+            last_all = tl.minimum(end, i_first + diag + wr + 1)
+        body_hi = body_lo + tl.maximum(last_all - body_lo, 0) // BLOCK_N * BLOCK_N
+        for n in range(body_lo, body_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n, k_base, v_base, b, i, d, dmask, lp, diag, slope2,
+                                         wl, wr, end, qk_mult, cap_in, BT, IDX, s_btb, s_btn, page, s_kb, s_ks,
+                                         s_kd, s_vb, s_vs, s_vd, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, HAS_IDX,
+                                         SOFTCAP, HAS_ALIBI, HAS_WL, HAS_WR, IEEE, False)
+        tail = tl.maximum(body_hi, body_lo)
+    else:
+        tail = start
+    for n in range(tail, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n, k_base, v_base, b, i, d, dmask, lp, diag, slope2,
+                                     wl, wr, end, qk_mult, cap_in, BT, IDX, s_btb, s_btn, page, s_kb, s_ks,
+                                     s_kd, s_vb, s_vs, s_vd, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, HAS_IDX,
+                                     SOFTCAP, HAS_ALIBI, HAS_WL, HAS_WR, IEEE, True)
 
     # 4. normalised output and log2-sum-exp of the split (zeros / -inf where no key was seen)
     seen = l_i > 0
