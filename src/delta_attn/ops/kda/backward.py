@@ -332,7 +332,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         dG = tl.where(m, dG, 0.0)
         kdd = ks * eL * dkd
         dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + (tl.exp(G_last) * dgc)[None, :]
-        dd = tl.where(d > -FLOOR, dd, 0.0)
+        dd = tl.where(d < -FLOOR, 0.0, dd)       # a select that keeps a NaN gate NaN (see _kda_floor)
         dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
         tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
         if GATE != 0:

@@ -25,7 +25,7 @@ _triton_interpreter.patch()
 def _kda_gate(x, a, lower_bound, GATE: tl.constexpr):
     """Log decay from the gate input: raw (0), -a*softplus(x) (1), lower_bound*sigmoid(a*x) (2)."""
     if GATE == 1:
-        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.where(x > 20.0, 20.0, x))))
         return -a * sp
     elif GATE == 2:
         return lower_bound * tl.sigmoid(a * x)
@@ -37,7 +37,7 @@ def _kda_gate(x, a, lower_bound, GATE: tl.constexpr):
 def _kda_gate_grads(x, a, lower_bound, GATE: tl.constexpr):
     """(d decay / d x, d decay / d A_log) of ``_kda_gate``."""
     if GATE == 1:
-        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.where(x > 20.0, 20.0, x))))
         return -a * tl.sigmoid(x), -a * sp
     elif GATE == 2:
         s = tl.sigmoid(a * x)
@@ -45,6 +45,13 @@ def _kda_gate_grads(x, a, lower_bound, GATE: tl.constexpr):
         return ds * a, ds * a * x
     else:
         return tl.full(x.shape, 1.0, tl.float32), tl.zeros(x.shape, tl.float32)
+
+
+@triton.jit
+def _kda_floor(d, FLOOR: tl.constexpr):
+    """The log decay floored at -FLOOR. A select, not tl.maximum: on the GPU maximum(NaN, x) is x, which
+    would turn a NaN gate into a finite decay (a silent reset); NaN must propagate within its sequence."""
+    return tl.where(d < -FLOOR, -FLOOR, d)
 
 
 @triton.jit
@@ -64,7 +71,7 @@ def _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.co
     """``_kda_load_decay`` and G, the log decay floored at -FLOOR and summed over the chunk's rows up to
     each row (0 on masked rows): (x, d, G)."""
     x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K, GATE, HAS_DT_BIAS)
-    return x, d, tl.cumsum(tl.where(mask, tl.maximum(d, -FLOOR), 0.0), 0)
+    return x, d, tl.cumsum(tl.where(mask, _kda_floor(d, FLOOR), 0.0), 0)
 
 
 @triton.jit

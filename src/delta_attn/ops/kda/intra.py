@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gate import _kda_chunk_decay, _kda_chunk_rows, _kda_load_decay, _kda_row_at, _kda_row_norms_sliced
+from .gate import _kda_chunk_decay, _kda_chunk_rows, _kda_floor, _kda_load_decay, _kda_row_at, _kda_row_norms_sliced
 
 
 @triton.jit
@@ -249,7 +249,7 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                 kd_ = tl.load(k + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rk[:, None]
                 xd_, dd = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cd[None, :], hv, cd, md, K, GATE,
                                         HAS_DT_BIAS)
-                Gd = tl.cumsum(tl.where(md, tl.maximum(dd, -FLOOR), 0.0), 0)
+                Gd = tl.cumsum(tl.where(md, _kda_floor(dd, FLOOR), 0.0), 0)
                 G4 = tl.reshape(Gd, (NB, BC, BKD))
                 q4 = tl.reshape(qd, (NB, BC, BKD))
                 k4 = tl.reshape(kd_, (NB, BC, BKD))
