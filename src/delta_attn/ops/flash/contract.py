@@ -8,6 +8,8 @@ every call into one the kernel computes exactly, or answers it here:
 * ``softmax_scale < 0`` runs as ``(-q, |scale|)`` (``scale · q kᵀ = |scale| · (−q) kᵀ``, negation is
   exact, autograd carries the sign to dq); ``softmax_scale == 0`` as ``(0 · q, 1)``: uniform weights
   over the visible keys.
+* q, k and v whose last dimension is strided are copied to unit stride (PyTorch's CPU flash kernel reads
+  the head dimension as if it were contiguous: wrong values or NaN; FA2 and cuDNN need it too).
 * No query rows, or no keys at all: out zeros and lse +inf (rows that see no key, DESIGN.md), built
   inside the autograd graph of q, k and v so their gradients are exact zeros.
 """
@@ -66,6 +68,7 @@ def prepare(a: AttnArgs) -> Tuple[AttnArgs, Optional[Tuple[torch.Tensor, torch.T
     if done is not None:
         return a, done
     q, scale = positive_scale(a.q, a.softmax_scale)
-    if scale != a.softmax_scale:
-        a = dataclasses.replace(a, q=q, softmax_scale=scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, a.k, a.v))
+    if scale != a.softmax_scale or q is not a.q or k is not a.k or v is not a.v:
+        a = dataclasses.replace(a, q=q, k=k, v=v, softmax_scale=scale)
     return a, None
