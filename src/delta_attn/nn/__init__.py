@@ -10,8 +10,9 @@ module runs the Triton / cuDNN kernels on a GPU and the ``torch`` reference path
 - :class:`HybridLM`: a small decoder LM mixing those layers (3 linear : 1 attention by default), with
   cached ``generate``
 
-Caches are dataclasses (:class:`KVCache`, :class:`RecurrentCache`, :class:`CrossAttentionCache`)
-updated in place: pass an empty one to the prefill call and the same object to every later call.
+Caches are dataclasses (:class:`KVCache`, :class:`PagedKVCache`, :class:`RecurrentCache`,
+:class:`CrossAttentionCache`) updated in place: pass an empty one to the prefill call and the same
+object to every later call.
 
 ``torch.compile(model, fullgraph=True)`` traces dense batches (training forward/backward and
 decoding steps from the caches) without graph breaks. Padded batches (``attention_mask``) pack their
@@ -19,13 +20,13 @@ real tokens with ``nonzero`` (a data-dependent shape) and varlen batches on the 
 read ``cu_seqlens`` on the host: both graph-break under compile.
 """
 from .attention import GQACrossAttention, MultiheadAttention
-from .cache import CrossAttentionCache, KVCache, RecurrentCache
+from .cache import CrossAttentionCache, KVCache, PagedKVCache, RecurrentCache
 from .linear_attention import GatedDiagonalAttention, KimiDeltaAttention
 from ._utils import RMSNorm, RotaryEmbedding, ShortConvolution
 from .hybrid import HybridCache, HybridConfig, HybridLM
 
 __all__ = [
     "MultiheadAttention", "GQACrossAttention", "KimiDeltaAttention", "GatedDiagonalAttention",
-    "KVCache", "RecurrentCache", "CrossAttentionCache", "RMSNorm", "RotaryEmbedding", "ShortConvolution",
+    "KVCache", "PagedKVCache", "RecurrentCache", "CrossAttentionCache", "RMSNorm", "RotaryEmbedding", "ShortConvolution",
     "HybridConfig", "HybridLM", "HybridCache",
 ]

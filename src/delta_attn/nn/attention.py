@@ -7,8 +7,9 @@ import torch
 import torch.nn as nn
 
 from ..ops.flash.api import flash_attn_func, flash_attn_varlen_func
+from ..ops.flash.kvcache import flash_attn_with_kvcache
 from ._utils import Packing, RotaryEmbedding, make_packing, packing_from_mask
-from .cache import CrossAttentionCache, KVCache
+from .cache import CrossAttentionCache, KVCache, PagedKVCache
 
 
 def _masked_attention(q, k, v, qmask: Optional[torch.Tensor], kmask: Optional[torch.Tensor], backend: str,
@@ -37,8 +38,11 @@ class MultiheadAttention(nn.Module):
     ``forward(x (B, T, C), attention_mask=None, cu_seqlens=None, max_seqlen=None, cache=None)``:
     ``attention_mask`` (B, T) marks real tokens (padding on any side; rotary positions count real
     tokens only); ``cu_seqlens`` int32 (N + 1,) with B == 1 runs N packed sequences (varlen);
-    ``cache`` (:class:`KVCache`, filled in place) makes the call continue the cached sequences —
-    incremental decoding gives the outputs of one full forward. Padded positions of the output are 0.
+    ``cache`` (:class:`KVCache` or :class:`PagedKVCache`, filled in place) makes the call continue the
+    cached sequences — incremental decoding gives the outputs of one full forward. Padded positions of
+    the output are 0. With a :class:`PagedKVCache` (inference only), the first call may be padded or
+    varlen; later calls are dense and run :func:`delta_attn.flash_attn_with_kvcache` on the pages (a
+    decode step with static addresses, capturable in a CUDA graph on the Triton backend).
 
     >>> import torch, delta_attn.nn as dnn
     >>> attn = dnn.MultiheadAttention(64, num_heads=4, num_kv_heads=2, backend="torch")
@@ -98,7 +102,9 @@ class MultiheadAttention(nn.Module):
         cu, ms = packing.cu_seqlens, packing.max_seqlen
         return flash_attn_varlen_func(q, k, v, cu, cu, ms, ms, backend=self.backend, **self._attn_kwargs())
 
-    def _attend(self, q, k, v, mask: Optional[torch.Tensor], cache: Optional[KVCache]) -> torch.Tensor:
+    def _attend(self, q, k, v, mask: Optional[torch.Tensor], cache) -> torch.Tensor:
+        if isinstance(cache, PagedKVCache):
+            return self._attend_paged(q, k, v, mask, cache)
         b, t = q.shape[:2]
         if mask is not None:
             mask = mask.bool()
@@ -122,6 +128,46 @@ class MultiheadAttention(nn.Module):
                 new = new + cache.seen
             cache.k, cache.v, cache.mask, cache.seen = k, v, kmask, new
         return _masked_attention(q, k, v, mask, kmask, self.backend, **self._attn_kwargs())
+
+    def _attend_paged(self, q, k, v, mask: Optional[torch.Tensor], cache: PagedKVCache) -> torch.Tensor:
+        """First call: attention over the (padded) prompt, then its real keys / values go to the pages.
+        Later calls: rotary at ``cache_seqlens + i``, then one ``flash_attn_with_kvcache`` call appends
+        the new keys / values in place and attends over the pages; ``cache_seqlens`` advances in place."""
+        b, t = q.shape[:2]
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if cache.empty:
+            cache.allocate(b, self.num_kv_heads, self.head_dim, k.dtype, k.device)
+        elif cache.block_table.shape[0] != b:
+            raise ValueError(f"the cache holds {cache.block_table.shape[0]} sequences, this call has {b}")
+        first = not capturing and max(cache.host_len) == 0
+        if mask is not None and not first:
+            raise ValueError("attention_mask with a PagedKVCache is only accepted on the first (prefill) call; "
+                             "later calls take dense (B, T) tokens")
+        if not capturing:    # hand out pages on the host; a captured step uses pages reserved before capture
+            cache.reserve(t)
+            cache.advance(t)
+        if first:
+            if mask is not None:
+                mask = mask.bool()
+                positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+            else:
+                positions = torch.arange(t, device=q.device).unsqueeze(0).expand(b, t)
+            if self.rotary is not None:
+                q, k = self.rotary(q, positions), self.rotary(k, positions)
+            out = _masked_attention(q, k, v, mask, mask, self.backend, **self._attn_kwargs())
+            cache.write(k, v, mask)
+            return out
+        if self.training and self.dropout > 0:
+            raise ValueError("a PagedKVCache is for inference: dropout must be 0 or the layer in eval mode")
+        positions = cache.cache_seqlens.long().unsqueeze(1) + torch.arange(t, device=q.device)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages, k.to(cache.k_pages.dtype),
+                                      v.to(cache.v_pages.dtype), cache_seqlens=cache.cache_seqlens,
+                                      block_table=cache.block_table, softmax_scale=self.softmax_scale,
+                                      causal=self.causal, window_size=self.window_size, backend=self.backend)
+        cache.cache_seqlens.add_(t)
+        return out
 
 
 class GQACrossAttention(nn.Module):

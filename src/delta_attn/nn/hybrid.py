@@ -11,11 +11,14 @@ block is pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``.
 torch.Size([2, 6, 32])
 >>> model.generate(torch.randint(0, 32, (2, 6)), max_new_tokens=3).shape
 torch.Size([2, 3])
+
+``generate`` keeps the attention layers' keys and values in a :class:`PagedKVCache` and, on CUDA,
+replays one captured decode step (embedding -> layers -> logits -> next token) per token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from ._utils import RMSNorm
 from .attention import MultiheadAttention
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache, PagedKVCache, RecurrentCache
 from .linear_attention import GatedDiagonalAttention, KimiDeltaAttention
 
 LAYER_TYPES = {"K": "kda", "D": "diag", "A": "attention"}
@@ -83,8 +86,11 @@ class HybridBlock(nn.Module):
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, inner)
 
-    def new_cache(self) -> Union[KVCache, RecurrentCache]:
-        return KVCache() if self.kind == "attention" else RecurrentCache()
+    def new_cache(self, max_seqlen: Optional[int] = None, page_size: int = 256
+                  ) -> Union[KVCache, PagedKVCache, RecurrentCache]:
+        if self.kind != "attention":
+            return RecurrentCache()
+        return KVCache() if max_seqlen is None else PagedKVCache(max_seqlen, page_size)
 
     def forward(self, x, **kw):
         x = x + self.mixer(self.norm1(x), **kw)
@@ -93,12 +99,29 @@ class HybridBlock(nn.Module):
 
 @dataclass
 class HybridCache:
-    """One cache per layer (:class:`KVCache` or :class:`RecurrentCache`), filled in place."""
+    """One cache per layer (:class:`KVCache` / :class:`PagedKVCache` or :class:`RecurrentCache`),
+    filled in place."""
     layers: list = field(default_factory=list)
 
     def reorder(self, index: torch.Tensor) -> None:
         for c in self.layers:
             c.reorder(index)
+
+    def reserve(self, num_tokens: int) -> None:
+        """Hand out the pages of the paged layers for ``num_tokens`` more tokens per sequence (host side;
+        call before capturing a step that will be replayed that many times)."""
+        for c in self.layers:
+            if isinstance(c, PagedKVCache):
+                c.reserve(num_tokens)
+
+
+def _next_token(logits: torch.Tensor, temperature: float, noise: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, V) logits -> (B, 1) token: argmax, or Gumbel-max sampling with uniform ``noise`` (B, V)
+    (a sample of softmax(logits / temperature), drawn without a host synchronisation)."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    gumbel = -torch.log(-torch.log(noise.clamp(min=torch.finfo(noise.dtype).tiny)))
+    return (logits.float() / temperature + gumbel).argmax(-1, keepdim=True)
 
 
 class HybridLM(nn.Module):
@@ -120,8 +143,10 @@ class HybridLM(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def new_cache(self) -> HybridCache:
-        return HybridCache([blk.new_cache() for blk in self.blocks])
+    def new_cache(self, max_seqlen: Optional[int] = None, page_size: int = 256) -> HybridCache:
+        """Empty caches; with ``max_seqlen`` the attention layers get a :class:`PagedKVCache` of that many
+        tokens per sequence (pages of ``page_size`` tokens), else a growing :class:`KVCache`."""
+        return HybridCache([blk.new_cache(max_seqlen, page_size) for blk in self.blocks])
 
     def forward(self, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
@@ -135,27 +160,83 @@ class HybridLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                  attention_mask: Optional[torch.Tensor] = None, temperature: float = 0.0,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                 generator: Optional[torch.Generator] = None, paged: bool = True, page_size: int = 256,
+                 cuda_graph: Union[bool, str] = "auto") -> torch.Tensor:
         """Prefill the prompt once, then decode ``max_new_tokens`` tokens one at a time from the caches.
 
         ``attention_mask`` (B, T) allows padded prompts (either side). Greedy when ``temperature``
-        is 0, else sampling. Returns the new tokens (B, max_new_tokens).
+        is 0, else sampling (Gumbel-max with uniform noise from ``generator``). Returns the new tokens
+        (B, max_new_tokens).
+
+        ``paged``: the attention layers keep a :class:`PagedKVCache` of ``page_size``-token pages sized
+        for prompt + new tokens (else a growing :class:`KVCache`). ``cuda_graph``: after the eager
+        prefill and one eager decode step (the warm-up), capture one decode step in a
+        ``torch.cuda.CUDAGraph`` and replay it for the remaining tokens; it needs CUDA, the paged cache
+        and capturable operators (backend ``auto`` / ``triton``), and a model in its compute dtype (no
+        autocast). ``"auto"``: on when all of that holds. Both paths give the same tokens.
         """
-        cache = self.new_cache()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        on_cuda = input_ids.is_cuda
+        if cuda_graph == "auto":
+            cuda_graph = on_cuda and paged and self.config.backend != "torch" and not torch.is_autocast_enabled()
+        elif not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
+        elif cuda_graph and not (on_cuda and paged):
+            raise ValueError(f"cuda_graph=True needs CUDA inputs and paged=True, got device {input_ids.device} and "
+                             f"paged={paged}")
+        b, t = input_ids.shape
+        cache = self.new_cache(t + max_new_tokens, page_size) if paged else self.new_cache()
         logits = self(input_ids, attention_mask=attention_mask, cache=cache)
         if attention_mask is None:
             last = logits[:, -1]
         else:   # the last real token of each row
-            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            pos = torch.arange(t, device=input_ids.device)
             idx = (attention_mask.bool() * (pos + 1)).argmax(1)
-            last = logits[torch.arange(logits.shape[0], device=logits.device), idx]
+            last = logits[torch.arange(b, device=logits.device), idx]
+        noise = None
+        if temperature > 0:
+            noise = torch.empty(b, self.config.vocab_size, device=input_ids.device, dtype=torch.float32)
+
+        def pick(logits_last: torch.Tensor) -> torch.Tensor:
+            if noise is not None:
+                noise.uniform_(generator=generator)
+            return _next_token(logits_last, temperature, noise)
+
+        out = [pick(last)] if max_new_tokens else []
+        step: Callable[[torch.Tensor], torch.Tensor] = lambda tok: self(tok, cache=cache)[:, -1]   # noqa: E731
+        if cuda_graph and max_new_tokens > 2:
+            out.append(pick(self._graph_warmup(step, out[-1])))
+            out += self._graph_decode(step, cache, out[-1], max_new_tokens - 2, temperature, noise, generator)
+        else:
+            for _ in range(max_new_tokens - 1):
+                out.append(pick(step(out[-1])))
+        return torch.cat(out, 1) if out else input_ids.new_zeros(b, 0)
+
+    @staticmethod
+    def _graph_warmup(step, tok: torch.Tensor) -> torch.Tensor:
+        """One real decode step, eagerly on a side stream (compiles the kernels, sets up workspaces)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = step(tok)
+        torch.cuda.current_stream().wait_stream(side)
+        return logits
+
+    @staticmethod
+    def _graph_decode(step, cache: HybridCache, tok: torch.Tensor, n: int, temperature: float,
+                      noise: Optional[torch.Tensor], generator) -> List[torch.Tensor]:
+        """Capture step -> next token once on static buffers, replay it ``n`` times."""
+        cache.reserve(n)                       # every page the replays write, handed out before capture
+        static_tok = tok.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            nxt = _next_token(step(static_tok), temperature, noise)
+            static_tok.copy_(nxt)              # the next replay reads this step's token
         out = []
-        for i in range(max_new_tokens):
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(last.float() / temperature, -1), 1, generator=generator)
-            else:
-                nxt = last.argmax(-1, keepdim=True)
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                last = self(nxt, cache=cache)[:, -1]
-        return torch.cat(out, 1) if out else input_ids.new_zeros(input_ids.shape[0], 0)
+        for _ in range(n):
+            if noise is not None:
+                noise.uniform_(generator=generator)
+            graph.replay()
+            out.append(static_tok.clone())
+        return out

@@ -79,7 +79,10 @@ class _RecurrentLayer(nn.Module):
         step = (state0 is not None and packing is None and t <= MAX_STEP_TOKENS and not torch.is_grad_enabled())
         o, state = self._mix(xp.reshape(*lead, -1), q, k, v, state0, cache is not None,
                              None if packing is None else packing.cu_seqlens, step)
-        if cache is not None:
+        if step:   # decode: both states keep their addresses (a captured step replays on them)
+            if conv_state is not None:
+                cache.conv_state.copy_(conv_state)
+        elif cache is not None:
             cache.conv_state, cache.state = conv_state, state
         gate = self.g_proj(xp).reshape(*o.shape)
         o = self.o_norm(o, gate).reshape(-1, self.v_dim)
