@@ -115,6 +115,11 @@ class HybridCache:
                 c.reserve(num_tokens)
 
 
+def _check_new_tokens(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {n!r}")
+
+
 def _next_token(logits: torch.Tensor, temperature: float, noise: Optional[torch.Tensor]) -> torch.Tensor:
     """(B, V) logits -> (B, 1) token: argmax, or Gumbel-max sampling with uniform ``noise`` (B, V)
     (a sample of softmax(logits / temperature), drawn without a host synchronisation)."""
@@ -175,35 +180,52 @@ class HybridLM(nn.Module):
         and capturable operators (backend ``auto`` / ``triton``), and a model in its compute dtype (no
         autocast). ``"auto"``: on when all of that holds. Both paths give the same tokens.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        on_cuda = input_ids.is_cuda
+        cache, last = self.prefill(input_ids, max_new_tokens, attention_mask=attention_mask, paged=paged,
+                                   page_size=page_size)
+        return self.decode(cache, last, max_new_tokens, temperature=temperature, generator=generator,
+                           cuda_graph=cuda_graph)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                attention_mask: Optional[torch.Tensor] = None, paged: bool = True, page_size: int = 256):
+        """Eager forward of the prompt into new caches (paged ones sized for ``max_new_tokens`` more
+        tokens). Returns ``(cache, logits of each row's last real token (B, vocab))``."""
+        _check_new_tokens(max_new_tokens)
+        b, t = input_ids.shape
+        cache = self.new_cache(t + max_new_tokens, page_size) if paged else self.new_cache()
+        logits = self(input_ids, attention_mask=attention_mask, cache=cache)
+        if attention_mask is None:
+            return cache, logits[:, -1]
+        pos = torch.arange(t, device=input_ids.device)    # the last real token of each row
+        idx = (attention_mask.bool() * (pos + 1)).argmax(1)
+        return cache, logits[torch.arange(b, device=logits.device), idx]
+
+    @torch.no_grad()
+    def decode(self, cache: HybridCache, logits: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+               generator: Optional[torch.Generator] = None, cuda_graph: Union[bool, str] = "auto") -> torch.Tensor:
+        """Pick a token from ``logits`` (B, vocab), then feed each picked token through the caches:
+        ``max_new_tokens`` tokens (B, max_new_tokens). ``cuda_graph`` as in :meth:`generate`."""
+        _check_new_tokens(max_new_tokens)
+        paged = any(isinstance(c, PagedKVCache) for c in cache.layers) or "A" not in self.config.pattern
+        on_cuda = logits.is_cuda
         if cuda_graph == "auto":
             cuda_graph = on_cuda and paged and self.config.backend != "torch" and not torch.is_autocast_enabled()
         elif not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
         elif cuda_graph and not (on_cuda and paged):
-            raise ValueError(f"cuda_graph=True needs CUDA inputs and paged=True, got device {input_ids.device} and "
+            raise ValueError(f"cuda_graph=True needs CUDA inputs and paged=True, got device {logits.device} and "
                              f"paged={paged}")
-        b, t = input_ids.shape
-        cache = self.new_cache(t + max_new_tokens, page_size) if paged else self.new_cache()
-        logits = self(input_ids, attention_mask=attention_mask, cache=cache)
-        if attention_mask is None:
-            last = logits[:, -1]
-        else:   # the last real token of each row
-            pos = torch.arange(t, device=input_ids.device)
-            idx = (attention_mask.bool() * (pos + 1)).argmax(1)
-            last = logits[torch.arange(b, device=logits.device), idx]
+        b = logits.shape[0]
         noise = None
         if temperature > 0:
-            noise = torch.empty(b, self.config.vocab_size, device=input_ids.device, dtype=torch.float32)
+            noise = torch.empty(b, logits.shape[-1], device=logits.device, dtype=torch.float32)
 
         def pick(logits_last: torch.Tensor) -> torch.Tensor:
             if noise is not None:
                 noise.uniform_(generator=generator)
             return _next_token(logits_last, temperature, noise)
 
-        out = [pick(last)] if max_new_tokens else []
+        out = [pick(logits)] if max_new_tokens else []
         step: Callable[[torch.Tensor], torch.Tensor] = lambda tok: self(tok, cache=cache)[:, -1]   # noqa: E731
         if cuda_graph and max_new_tokens > 2:
             out.append(pick(self._graph_warmup(step, out[-1])))
@@ -211,7 +233,7 @@ class HybridLM(nn.Module):
         else:
             for _ in range(max_new_tokens - 1):
                 out.append(pick(step(out[-1])))
-        return torch.cat(out, 1) if out else input_ids.new_zeros(b, 0)
+        return torch.cat(out, 1) if out else logits.new_zeros(b, 0, dtype=torch.long)
 
     @staticmethod
     def _graph_warmup(step, tok: torch.Tensor) -> torch.Tensor:
