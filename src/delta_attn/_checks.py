@@ -7,10 +7,11 @@ shape or value). Value checks that need the host to read a device tensor (``cu_s
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import settings
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -119,7 +120,7 @@ def value_checks_enabled() -> bool:
     the indices it captures), or when the user sets DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches
     asynchronous."""
     return (not _tracing() and not _capturing()
-            and os.environ.get("DELTA_ATTN_SKIP_VALUE_CHECKS", "0") in ("", "0"))
+            and not settings.skip_value_checks())
 
 
 INT32_MAX = 2 ** 31 - 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from functools import lru_cache
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import settings
 
 BACKEND_NAMES = ("auto", "triton", "cudnn", "sdpa", "torch")
 
@@ -107,8 +108,8 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def triton_interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton's CPU interpreter is on (TRITON_INTERPRET, read in settings.py)
+triton_interpreter_on = settings.triton_interpreter
 
 
 @lru_cache(maxsize=None)

@@ -18,8 +18,8 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from ... import settings
 from ..._outputs import empty
-from ...backends import triton_interpreter_on
 from .api import DiagArgs
 from .kernels import (_diag_bwd_kernel, _diag_bwd_rows_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel,
                       _diag_step_kernel)
@@ -71,7 +71,7 @@ INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, kind="rows")
 
 def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
     """(forward without gradient, training forward, backward)."""
-    if triton_interpreter_on():
+    if settings.triton_interpreter():
         return INTERP_FWD_CONFIG, INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
     return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
 
@@ -122,7 +122,7 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
     if cfg.kind == "rows":
         bd = _block_hd(cfg, n_tiles, h * d, device)
         kernel, programs, width = rows_kernel, n_tiles * triton.cdiv(h * d, bd), h * d
-        extra = dict(rows_meta or {}, FAST_EXP=not triton_interpreter_on())
+        extra = dict(rows_meta or {}, FAST_EXP=not settings.triton_interpreter())
     else:
         bd = _block_d(cfg, n_tiles, h, d, device)
         kernel, programs, width = default_kernel, n_tiles * h * triton.cdiv(d, bd), d

@@ -24,15 +24,13 @@ sequence lengths, never the raw lengths, so a varlen loop does not re-tune every
 from __future__ import annotations
 
 import functools
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 
-from ... import _outputs
+from ... import _outputs, settings
 from .. import _triton_interpreter
-from ...backends import triton_interpreter_on
 from .api import AttnArgs
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
@@ -53,7 +51,7 @@ def _cfg(bm, bn, warps, stages, extra=None):
 _TMA = {"USE_TMA": True}
 _PIPE_TMA = {"PIPE": True, "USE_TMA": True}
 # (BLOCK_M, BLOCK_N, warps, stages[, extra meta]) per head-dim class, from the H200 sweeps in
-# docs/PERFORMANCE.md; the first entry is what DELTA_ATTN_AUTOTUNE=0 runs.
+# docs/PERFORMANCE.md.
 # The forward tries K/V loads through TMA descriptors ("USE_TMA"), warp specialisation of the
 # unmasked loop ("WS") and the loop software-pipelined by one key block ("PIPE") as tuning choices.
 # Measured (sweep of 2026-11-21 03:14): PIPE with TMA is the fastest D=128 forward on all four issue
@@ -105,11 +103,7 @@ def _tuned(kind: str, dclass: int):
     return triton.autotune(configs, key=key)(kernel)
 
 
-# benchmarking hooks: force one (BLOCK_M, BLOCK_N, warps, stages) per kernel kind, or set
-# DELTA_ATTN_AUTOTUNE=0 to run the first configuration of each table without tuning (GPU tests)
-FORCED_CONFIGS: dict = {}
 _KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}
-_TABLES = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,26 +124,25 @@ def _tma_ok(*tensors) -> bool:
     return True
 
 
-def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict) -> None:
+def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict,
+            config: Optional[tuple] = None) -> None:
     """Launch kernel ``kind``: grid (cdiv(rows, block), grid_b); autotuned on GPU, fixed under the
-    interpreter. ``grid_m`` names the meta-parameter that tiles ``rows``."""
+    interpreter. ``grid_m`` names the meta-parameter that tiles ``rows``. ``config`` (one entry of the
+    kind's table: BLOCK_M, BLOCK_N, warps, stages[, forward meta]) runs that configuration untuned."""
     if rows == 0 or grid_b == 0:
         return
     kernel = _KERNELS[kind]
-    if triton_interpreter_on():
+    if settings.triton_interpreter():
         meta = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta)
         return
     if kwargs.get("TMA_OK"):
         _set_allocator()
-    forced = FORCED_CONFIGS.get(kind)
-    if forced is None and os.environ.get("DELTA_ATTN_AUTOTUNE", "1") == "0":
-        forced = _TABLES[kind][_dclass(d)][0]
-    if forced is not None:
-        bm, bn, warps, stages = forced[:4]
+    if config is not None:
+        bm, bn, warps, stages = config[:4]
         meta = dict(BLOCK_M=bm, BLOCK_N=bn)
         if kind == "fwd":
-            meta.update(_FWD_META, **(forced[4] if len(forced) > 4 else {}))
+            meta.update(_FWD_META, **(config[4] if len(config) > 4 else {}))
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta, num_warps=warps,
                                                           num_stages=stages)
         return
@@ -234,9 +227,9 @@ class _Launch:
 
 
 def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", scale=1.0, wl=-1, wr=-1,
-              softcap=0.0, alibi=None, dropout_p=0.0, seed=None) -> Tuple[Tensor, Tensor]:
+              softcap=0.0, alibi=None, dropout_p=0.0, seed=None, config=None) -> Tuple[Tensor, Tensor]:
     """Forward pass. Returns ``(out in q's layout, lse float32)``; ``seed`` (1,) int64 on the device
-    when ``dropout_p > 0``."""
+    when ``dropout_p > 0``. ``config``: one entry of ``_FWD_CONFIGS`` run untuned (GPU; tests, sweeps)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     out = _outputs.empty(q.shape, q.dtype, q.device)
@@ -246,13 +239,15 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_lse_strides(lse, layout), *L.alibi_strides)
     _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
             dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
-                 TMA_OK=not triton_interpreter_on() and _tma_ok(k, v)))
+                 TMA_OK=not settings.triton_interpreter() and _tma_ok(k, v)), config)
     return out, lse
 
 
 def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", scale=1.0,
-              wl=-1, wr=-1, softcap=0.0, alibi=None, dropout_p=0.0, seed=None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward pass: ``(dq, dk, dv)`` in the layouts of q, k, v (dK/dV summed over GQA groups)."""
+              wl=-1, wr=-1, softcap=0.0, alibi=None, dropout_p=0.0, seed=None, dkdv_config=None,
+              dq_config=None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward pass: ``(dq, dk, dv)`` in the layouts of q, k, v (dK/dV summed over GQA groups).
+    ``dkdv_config`` / ``dq_config``: entries of ``_DKDV_CONFIGS`` / ``_DQ_CONFIGS`` run untuned (GPU)."""
     do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     dq = _outputs.empty(q.shape, q.dtype, q.device)
@@ -274,11 +269,11 @@ def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, l
     _launch("dkdv", L.d, "BLOCK_N", L.sk, L.batch * L.hk,
             (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk, layout), *_strides(dv, layout), *lse_s,
              *L.alibi_strides),
-            dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags))
+            dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags), dkdv_config)
     # 3. dQ: one program per query block and query head
     _launch("dq", L.d, "BLOCK_M", L.sq, L.batch * L.hq,
             (q, k, v, do, lse, delta, dq, *common, *_strides(dq, layout), *lse_s, *L.alibi_strides),
-            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m))
+            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m), dq_config)
     if L.sk == 0 or L.batch * L.hk == 0:
         dk.zero_()
         dv.zero_()
@@ -299,7 +294,7 @@ def dropout_keep_mask(seed: Tensor, batch: int, heads: int, seqlen_q: int, seqle
     b's mask is ``[b, :, :Sq_b, :Sk_b]``."""
     mask = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=seed.device)
     if mask.numel():
-        bm = bn = 16 if triton_interpreter_on() else 64
+        bm = bn = 16 if settings.triton_interpreter() else 64
         _flash_dropout_mask_kernel[(triton.cdiv(seqlen_q, bm), triton.cdiv(seqlen_k, bn), batch * heads)](
             seed, mask, seqlen_q, seqlen_k, seqlen_k if rng_stride is None else rng_stride, float(dropout_p),
             BLOCK_M=bm, BLOCK_N=bn)
