@@ -11,7 +11,7 @@ it cannot, ``auto`` must pass it over with the same reasons and an explicit requ
 
 Also here: ``auto`` on CPU tensors runs PyTorch SDPA's CPU kernel (and is faster than the reference),
 the Triton interpreter's bf16 ``tl.dot`` (wrong on the installed Triton) is declared, and the wrapper of
-the CUDA FlashAttention-2 path (``ops/sdpa.py``) is exercised on CPU against a stand-in kernel that has
+the CUDA FlashAttention-2 path (``ops/flash/sdpa.py``) is exercised on CPU against a stand-in kernel that has
 FA2's arithmetic. ``tests/gpu/test_sdpa_gpu.py`` runs the same configurations on a GPU.
 """
 from __future__ import annotations
@@ -319,7 +319,7 @@ def test_triton_interpreter_bf16_dot_is_still_wrong():
 
 
 # ---------------------------------------------------------------------------------------------
-# the CUDA FlashAttention-2 wrapper of ops/sdpa.py, on CPU against a stand-in kernel
+# the CUDA FlashAttention-2 wrapper of ops/flash/sdpa.py, on CPU against a stand-in kernel
 # ---------------------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
@@ -400,7 +400,7 @@ def fa2_standin(monkeypatch):
     (dict(), 5, 0),                                       # no key at all
 ])
 def test_fa2_wrapper_dense_computes_the_contract(fa2_standin, kw, sq, sk):
-    from delta_attn.ops import sdpa
+    from delta_attn.ops.flash import sdpa
     from delta_attn.ops.flash.api import validate_dense
     q, k, v = _dense(sq, sk, 4, 2, 16, torch.float16)
     q, k, v = q.repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)
@@ -415,7 +415,7 @@ def test_fa2_wrapper_dense_computes_the_contract(fa2_standin, kw, sq, sk):
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(causal=True, softmax_scale=-1.1),
                                 dict(window_size=(0, -1))])
 def test_fa2_wrapper_varlen_computes_the_contract(fa2_standin, kw, layout):
-    from delta_attn.ops import sdpa
+    from delta_attn.ops.flash import sdpa
     from delta_attn.ops.flash.api import validate_varlen
     lq, lk = (0, 7, 12, 3, 5), (4, 0, 5, 3, 9)
     cu_q, cu_k = _cu(lq, "cpu"), _cu(lk, "cpu")
@@ -431,7 +431,7 @@ def test_fa2_wrapper_varlen_computes_the_contract(fa2_standin, kw, layout):
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fa2_wrapper_gradients(fa2_standin, varlen):
     """The backward is fed the wrapper's out / lse (zeros / +inf on rows that see no key): dq is zero there."""
-    from delta_attn.ops import sdpa
+    from delta_attn.ops.flash import sdpa
     from delta_attn.ops.flash.api import validate_dense, validate_varlen
     kw = dict(causal=True, softmax_scale=-0.8)
     if varlen:

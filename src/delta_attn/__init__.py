@@ -13,7 +13,6 @@ from .backends import Explanation, ReferenceFallbackWarning, UnsupportedError
 from .ops.diag.api import gated_diag_attn, gated_diag_step
 from .ops.flash.api import flash_attn_func, flash_attn_varlen_func
 from .ops.kda.api import kda, kda_step
-from .ops import cudnn as _cudnn_and_sdpa  # noqa: F401  (registers the cudnn and sdpa backends)
 
 __version__ = "0.1.0"
 

@@ -232,3 +232,7 @@ _TRITON = dict(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), h
                features=ALL_FEATURES - {"head_dim_v"}, requires=("triton",), install_hint="pip install triton")
 register("triton", "flash", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
 register("triton", "flash_varlen", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
+
+# backend="cudnn" (and the attention auto policy) and backend="sdpa": each module registers itself; neither
+# imports its optional package (cudnn-frontend) before a call runs
+from . import cudnn as _cudnn, sdpa as _sdpa  # noqa: E402,F401
