@@ -12,6 +12,7 @@ import triton.language as tl
 import delta_attn as da
 from delta_attn import reference
 from delta_attn.testing import assert_close
+from delta_attn.ops import _launch  # noqa: F401  (applies the interpreter fixes: a probe kernel below is launched directly)
 from delta_attn.ops.diag import kernels as K
 
 pytestmark = pytest.mark.skipif(not da.backends.triton_interpreter_on() and not torch.cuda.is_available(),

@@ -12,6 +12,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import settings
+from .ops._prepare import index
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -160,10 +161,9 @@ def cu_seqlens_values(name: str, values: List[int], total: int, max_seqlen: Opti
                          f"got {max_seqlen}")
 
 
-def as_int32(cu: torch.Tensor) -> torch.Tensor:
-    """The form every backend receives: a contiguous int32 tensor (``cu`` itself when it already is one;
-    call after the values are checked, an int64 value beyond int32 would wrap)."""
-    return cu.to(torch.int32).contiguous()
+# The form every backend receives: a contiguous int32 tensor (``cu`` itself when it already is one; call after
+# the values are checked, an int64 value beyond int32 would wrap). The launch layer's preparation of index tensors.
+as_int32 = index
 
 
 def max_seqlen(name: str, value) -> None:

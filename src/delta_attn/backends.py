@@ -100,14 +100,6 @@ def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
     return torch.cuda.get_device_capability(device)
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 for the CPU / interpreter, where grids run in order)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # Triton's CPU interpreter is on (TRITON_INTERPRET, read in settings.py)
 triton_interpreter_on = settings.triton_interpreter
 

@@ -40,14 +40,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import _triton_interpreter
-
 # a published word with the valid bit set, A = 0 and B = 0: "state 0, nothing before matters"
 INCL_ZERO = -(1 << 63)
 _INCL_ZERO: tl.constexpr = tl.constexpr(INCL_ZERO)
-
-
-_triton_interpreter.patch()
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import triton
 
 from ... import settings
 from ..._outputs import empty
+from .._launch import index, optional, param, sm_count
 from .api import DiagArgs
 from .kernels import (_diag_bwd_kernel, _diag_bwd_rows_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel,
                       _diag_step_kernel)
@@ -76,16 +77,10 @@ def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
     return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _block_d(cfg: DiagConfig, n_tiles: int, H: int, D: int, device: torch.device) -> int:
     """Channels per program: shrink the block while the grid would not fill the GPU twice."""
     bd = min(cfg.bd, triton.next_power_of_2(D))
-    target = 2 * _sm_count(device)
+    target = 2 * sm_count(device)
     while bd > 16 and n_tiles * H * triton.cdiv(D, bd) < target:
         bd //= 2
     return bd
@@ -95,7 +90,7 @@ def _block_hd(cfg: DiagConfig, n_tiles: int, hd: int, device: torch.device) -> i
     """Rows variants: channel blocks over the flattened H * D axis, shrunk while the grid would not
     fill the GPU twice."""
     bd = min(cfg.bd, triton.next_power_of_2(hd))
-    while bd > 16 and n_tiles * triton.cdiv(hd, bd) < 2 * _sm_count(device):
+    while bd > 16 and n_tiles * triton.cdiv(hd, bd) < 2 * sm_count(device):
         bd //= 2
     return bd
 
@@ -144,10 +139,12 @@ def _carry_words(cfg: DiagConfig, total: int, training: bool) -> int:
 
 def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
              config: Optional[DiagConfig] = None, training: bool = False):
-    """Forward scan. q, k, v, g contiguous (B, T, H, D). Returns ``(o, final_state, workspace)``;
+    """Forward scan. q, k, v, g (B, T, H, D). Returns ``(o, final_state, workspace)``;
     ``final_state`` is (N, H, D) float32 or an empty tensor when not requested. ``training`` picks the
     training forward's config, and the workspace then holds the state every ``cfg.segment_rows`` rows
     (what the default backward expects); otherwise every ``cfg.bt`` rows."""
+    q, k, v, g, initial_state = map(param, (q, k, v, g, initial_state))
+    cu_seqlens = index(cu_seqlens)
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
     cfg = config or _configs()[1 if training else 0]
     n_tiles = triton.cdiv(total, cfg.bt)
@@ -161,13 +158,10 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
         if output_final_state:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final, carries
-    dummy = ws
     _launch_scan(_diag_fwd_kernel, _diag_fwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
                  cu_seqlens,
-                 (q, k, v, g, o,
-                  initial_state if initial_state is not None else dummy,
-                  final if output_final_state else dummy,
-                  ws, cu_seqlens if cu_seqlens is not None else dummy,
+                 (q, k, v, g, o, optional(initial_state, ws), optional(final if output_final_state else None, ws),
+                  ws, optional(cu_seqlens, ws),
                   max(t_seq, 1), total, n, n_tiles),
                  dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, Q_EARLY=cfg.early),
                  rows_meta=dict(HOLD=cfg.hold, SPLIT=cfg.split, carries=carries, STORE_CARRIES=carries is not ws))
@@ -179,6 +173,8 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
     """Backward scan on the forward's workspace ``ws``, which holds the state every ``fwd_bt`` rows
     (default: the training forward's ``segment_rows``). Returns ``(dq, dk, dv, dg, d_initial_state or
     an empty tensor)``."""
+    q, k, v, g, do, initial_state, dfinal = map(param, (q, k, v, g, do, initial_state, dfinal))
+    cu_seqlens = index(cu_seqlens)
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
     cfg = config or _configs()[2]
     fbt = fwd_bt or _configs()[1].segment_rows
@@ -196,14 +192,10 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
         return dq, dk, dv, dg, dh0
     n_tiles = triton.cdiv(total, cfg.bt)
     ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
-    dummy = ws
     _launch_scan(_diag_bwd_kernel, _diag_bwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
                  cu_seqlens,
-                 (q, k, v, g, do, dq, dk, dv, dg,
-                  initial_state if initial_state is not None else dummy,
-                  dfinal if dfinal is not None else dummy,
-                  dh0 if initial_state is not None else dummy,
-                  ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
+                 (q, k, v, g, do, dq, dk, dv, dg, optional(initial_state, ws), optional(dfinal, ws),
+                  optional(dh0 if initial_state is not None else None, ws), ws, ws_b, optional(cu_seqlens, ws),
                   max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt),
                  dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None),
                  default_meta=dict(KV_EARLY=cfg.early))
@@ -211,17 +203,20 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
 
 
 def diag_step(q, k, v, g, state, state_indices=None):
-    """Decode: the recurrence over q.shape[1] new tokens per sequence; ``state`` updated in place.
-    ``state_indices`` may be a strided view: the kernel reads ``idx + b``, so it gets a unit-stride copy."""
-    if state_indices is not None:
-        state_indices = state_indices.contiguous()
+    """Decode: the recurrence over q.shape[1] new tokens per sequence; ``state`` (P, H, D), contiguous,
+    updated in place."""
+    if not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous (P, H, D) pool (it is updated in place), got strides "
+                         f"{tuple(state.stride())}")
+    q, k, v, g = map(param, (q, k, v, g))
+    state_indices = index(state_indices)
     b, t, h, d = q.shape
     o = empty(q.shape, q.dtype, q.device)
     if b == 0 or t == 0:
         return o
     bd = min(128, triton.next_power_of_2(d))
     _diag_step_kernel[(b, h, triton.cdiv(d, bd))](
-        q, k, v, g, o, state, state_indices if state_indices is not None else state,
+        q, k, v, g, o, state, optional(state_indices, state),
         t, h, d, HAS_IDX=state_indices is not None, BD=bd, num_warps=4 if bd >= 128 else 1)
     return o
 
@@ -288,8 +283,7 @@ class GatedDiagFunction(torch.autograd.Function):
         if dfinal is not None and dfinal.numel() == 0:
             dfinal = None
         dq, dk, dv, dg, dh0 = torch.ops.delta_attn.diag_bwd(
-            q, k, v, g, do.contiguous(), ws, initial_state,
-            dfinal.contiguous() if dfinal is not None else None, cu_seqlens)
+            q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
         return dq, dk, dv, dg, (dh0 if initial_state is not None else None), None, None
 
 
@@ -300,8 +294,7 @@ def _eager_or_op(fn, op):
 
 
 def gated_diag(a: DiagArgs):
-    q, k, v, g = (x.contiguous() for x in (a.q, a.k, a.v, a.g))
-    h0 = a.initial_state.contiguous() if a.initial_state is not None else None
+    q, k, v, g, h0 = a.q, a.k, a.v, a.g, a.initial_state
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, h0)):
         o, final = GatedDiagFunction.apply(q, k, v, g, h0, a.cu_seqlens, a.output_final_state)
     else:
@@ -311,7 +304,4 @@ def gated_diag(a: DiagArgs):
 
 
 def gated_diag_step(a: DiagArgs):
-    q, k, v, g = (x.contiguous() for x in (a.q, a.k, a.v, a.g))
-    if not a.state.is_contiguous():
-        raise ValueError("state must be contiguous (it is updated in place)")
-    return _eager_or_op(diag_step, torch.ops.delta_attn.diag_step)(q, k, v, g, a.state, a.state_indices)
+    return _eager_or_op(diag_step, torch.ops.delta_attn.diag_step)(a.q, a.k, a.v, a.g, a.state, a.state_indices)

@@ -30,12 +30,10 @@ import torch
 import triton
 
 from ... import _outputs, settings
-from .. import _triton_interpreter
+from .._launch import index, optional, unit_last
 from .api import AttnArgs
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
-
-_triton_interpreter.patch()
 
 Tensor = torch.Tensor
 
@@ -163,10 +161,6 @@ def _strides(x: Tensor, layout: str) -> Tuple[int, int, int]:
     return 0, x.stride(1), x.stride(0)     # "htd"
 
 
-def _unit_last(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _dims(q: Tensor, k: Tensor, layout: str):
     """(batch or num_seqs placeholder, Hq, Hk, total_q)"""
     if layout == "bshd":
@@ -203,12 +197,12 @@ class _Launch:
         self.sq = q.shape[1] if not self.varlen else max_sq
         self.sk = k.shape[1] if not self.varlen else max_sk
         self.d = q.shape[-1]
-        self.cu_q = cu_q if cu_q is not None else q
-        self.cu_k = cu_k if cu_k is not None else q
-        self.alibi = alibi if alibi is not None else q
+        self.cu_q = optional(index(cu_q), q)
+        self.cu_k = self.cu_q if cu_k is cu_q else optional(index(cu_k), q)
+        self.alibi = optional(alibi, q)           # read through its strides
         self.alibi_strides = (0, 0) if alibi is None else (
             (0, alibi.stride(0)) if alibi.dim() == 1 else (alibi.stride(0), alibi.stride(1)))
-        self.seed = seed if seed is not None else q
+        self.seed = optional(seed, q)
         self.scalars = dict(seqlen_q=self.sq, seqlen_k=self.sk, rng_stride=self.sk, n_heads=hq,
                             group=hq // hk, scale=float(scale), softcap=float(softcap), wl=int(wl), wr=int(wr),
                             dropout_p=float(dropout_p), SQ_BUCKET=_bucket(self.sq), SK_BUCKET=_bucket(self.sk))
@@ -230,7 +224,7 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
               softcap=0.0, alibi=None, dropout_p=0.0, seed=None, config=None) -> Tuple[Tensor, Tensor]:
     """Forward pass. Returns ``(out in q's layout, lse float32)``; ``seed`` (1,) int64 on the device
     when ``dropout_p > 0``. ``config``: one entry of ``_FWD_CONFIGS`` run untuned (GPU; tests, sweeps)."""
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     out = _outputs.empty(q.shape, q.dtype, q.device)
     lse = _outputs.empty(_lse_shape(q, layout), torch.float32, q.device)
@@ -248,7 +242,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, l
               dq_config=None) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward pass: ``(dq, dk, dv)`` in the layouts of q, k, v (dK/dV summed over GQA groups).
     ``dkdv_config`` / ``dq_config``: entries of ``_DKDV_CONFIGS`` / ``_DQ_CONFIGS`` run untuned (GPU)."""
-    do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
+    do, q, k, v, out = (unit_last(t) for t in (do, q, k, v, out))
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     dq = _outputs.empty(q.shape, q.dtype, q.device)
     dk = _outputs.empty(k.shape, k.dtype, k.device)
