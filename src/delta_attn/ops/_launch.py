@@ -27,7 +27,14 @@ from ._prepare import index, optional, param, shared_memory, sm_count, unit_last
 _triton_interpreter.patch()
 
 __all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
-           "shared_memory"]
+           "shared_memory", "eager_or_op"]
+
+
+def eager_or_op(fn: Callable, op: Callable) -> Callable:
+    """The one eager fast path of every op: ``fn`` (a custom op's own body) in eager mode, the custom op ``op``
+    while torch.compile traces. A custom op's dispatch costs ~10-20 us of host time per call, more than a
+    decode step's kernel takes on the GPU; both run the same launcher."""
+    return op if torch.compiler.is_compiling() else fn
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 ``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (by
 default the "rows" kernels, the forward with split tiles: measured fastest; the tile kernels opt-in);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
-ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
-:class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
-the final states, its workspace: the state at the end of every time tile (of every segment for a
+ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them),
+:class:`GatedDiagFunction` ties forward and backward together, and the backend entries take the
+Function when a gradient is needed, else the op's body in eager mode (the op while traced). The
+forward returns, besides ``o`` and the final states, its workspace: the state at the end of every time tile (of every segment for a
 training forward with split tiles), which the backward uses as carries (int64 words, 8 bytes per
 channel every ``BT`` or ``BT / split`` tokens).
 """
@@ -20,7 +21,7 @@ import triton
 
 from ... import settings
 from ..._outputs import empty
-from .._launch import index, optional, param, sm_count
+from .._launch import eager_or_op, index, optional, param, sm_count
 from .api import DiagArgs
 from .kernels import (_diag_bwd_kernel, _diag_bwd_rows_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel,
                       _diag_step_kernel)
@@ -225,12 +226,14 @@ def diag_step(q, k, v, g, state, state_indices=None):
 # torch.library custom ops (fake implementations give shapes for torch.compile)
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("delta_attn::diag_fwd", mutates_args=())
-def _diag_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                 output_final_state: bool, training: bool = False
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+         output_final_state: bool, training: bool = False
+         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=training)
+
+
+_diag_fwd_op = torch.library.custom_op("delta_attn::diag_fwd", _fwd, mutates_args=())
 
 
 @_diag_fwd_op.register_fake
@@ -241,12 +244,14 @@ def _(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=False)
     return q.new_empty(q.shape), final, q.new_empty((words, h, d), dtype=torch.int64)
 
 
-@torch.library.custom_op("delta_attn::diag_bwd", mutates_args=())
-def _diag_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
-                 ws: torch.Tensor, initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
-                 cu_seqlens: Optional[torch.Tensor]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
+         ws: torch.Tensor, initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
+         cu_seqlens: Optional[torch.Tensor]
+         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return diag_bwd(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
+
+
+_diag_bwd_op = torch.library.custom_op("delta_attn::diag_bwd", _bwd, mutates_args=())
 
 
 @_diag_bwd_op.register_fake
@@ -257,10 +262,12 @@ def _(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
 
 
-@torch.library.custom_op("delta_attn::diag_step", mutates_args=("state",))
-def _diag_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
-                  state_indices: Optional[torch.Tensor]) -> torch.Tensor:
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
+          state_indices: Optional[torch.Tensor]) -> torch.Tensor:
     return diag_step(q, k, v, g, state, state_indices)
+
+
+_diag_step_op = torch.library.custom_op("delta_attn::diag_step", _step, mutates_args=("state",))
 
 
 @_diag_step_op.register_fake
@@ -287,21 +294,14 @@ class GatedDiagFunction(torch.autograd.Function):
         return dq, dk, dv, dg, (dh0 if initial_state is not None else None), None, None
 
 
-def _eager_or_op(fn, op):
-    """The launcher itself in eager mode, the custom op while torch.compile traces: the op's
-    dispatch costs ~10-20 us of CPU per call, more than a decode step's kernel takes on the GPU."""
-    return op if torch.compiler.is_compiling() else fn
-
-
 def gated_diag(a: DiagArgs):
-    q, k, v, g, h0 = a.q, a.k, a.v, a.g, a.initial_state
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, h0)):
-        o, final = GatedDiagFunction.apply(q, k, v, g, h0, a.cu_seqlens, a.output_final_state)
+    args = (a.q, a.k, a.v, a.g, a.initial_state, a.cu_seqlens, a.output_final_state)
+    if a.needs_grad():
+        o, final = GatedDiagFunction.apply(*args)
     else:
-        o, final, _ = _eager_or_op(diag_fwd, torch.ops.delta_attn.diag_fwd)(q, k, v, g, h0, a.cu_seqlens,
-                                                                            a.output_final_state)
+        o, final, _ = eager_or_op(_fwd, _diag_fwd_op)(*args)
     return o, (final if a.output_final_state else None)
 
 
 def gated_diag_step(a: DiagArgs):
-    return _eager_or_op(diag_step, torch.ops.delta_attn.diag_step)(a.q, a.k, a.v, a.g, a.state, a.state_indices)
+    return eager_or_op(_step, _diag_step_op)(a.q, a.k, a.v, a.g, a.state, a.state_indices)

@@ -1,13 +1,14 @@
 """``backend="triton"`` for attention: launchers, ``torch.library`` custom ops, autograd.
 
-Layers, bottom up:
+Layers, bottom up (the pattern of every op, docs/ARCHITECTURE.md):
 - :func:`flash_fwd` / :func:`flash_bwd` launch the kernels of ``kernels_fwd`` / ``kernels_bwd`` on a
   dense (B, S, H, D) batch or a packed one ("thd" (total, H, D) / "htd" (H, total, D), addressed
   through strides, never copied);
 - ``delta_attn::flash_attn_fwd`` / ``delta_attn::flash_attn_bwd`` are ``torch.library`` custom ops
   with fake implementations, so ``torch.compile(fullgraph=True)`` traces through them;
 - :class:`FlashAttnFunction` ties them together for autograd; :func:`attention` is the backend
-  entry point that receives the validated :class:`~delta_attn.ops.flash.api.AttnArgs`.
+  entry point that receives the validated :class:`~delta_attn.ops.flash.api.AttnArgs`: the Function
+  when a gradient is needed, else the forward op's body in eager mode (the op while traced).
 
 Determinism: the backward never uses atomics (dK/dV and dQ are separate passes and GQA groups are
 summed in registers), so gradients are bit-identical across runs whether or not
@@ -30,7 +31,7 @@ import torch
 import triton
 
 from ... import _outputs, settings
-from .._launch import index, optional, unit_last
+from .._launch import eager_or_op, index, optional, unit_last
 from .api import AttnArgs
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
@@ -300,15 +301,17 @@ def dropout_keep_mask(seed: Tensor, batch: int, heads: int, seqlen_q: int, seqle
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("delta_attn::flash_attn_fwd", mutates_args=())
-def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-            max_seqlen_q: int, max_seqlen_k: int, layout: str, softmax_scale: float, window_left: int,
-            window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float
-            ) -> Tuple[Tensor, Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+         max_seqlen_q: int, max_seqlen_k: int, layout: str, softmax_scale: float, window_left: int,
+         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float
+         ) -> Tuple[Tensor, Tensor, Tensor]:
     seed = draw_dropout_seed(q.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=q.device)
     out, lse = flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, softmax_scale,
                          window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
     return out, lse, seed
+
+
+_fwd_op = torch.library.custom_op("delta_attn::flash_attn_fwd", _fwd, mutates_args=())
 
 
 @_fwd_op.register_fake
@@ -319,13 +322,15 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, l
     return out, lse, q.new_empty((1,), dtype=torch.int64)
 
 
-@torch.library.custom_op("delta_attn::flash_attn_bwd", mutates_args=())
-def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
-            cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-            layout: str, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-            alibi_slopes: Optional[Tensor], dropout_p: float) -> Tuple[Tensor, Tensor, Tensor]:
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+         layout: str, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+         alibi_slopes: Optional[Tensor], dropout_p: float) -> Tuple[Tensor, Tensor, Tensor]:
     return flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout,
                      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+
+
+_bwd_op = torch.library.custom_op("delta_attn::flash_attn_bwd", _bwd, mutates_args=())
 
 
 @_bwd_op.register_fake
@@ -364,9 +369,12 @@ def attention(a: AttnArgs):
     else:
         vl = a.varlen
         cu_q, cu_k, max_sq, max_sk, layout = vl.cu_seqlens_q, vl.cu_seqlens_k, vl.max_seqlen_q, vl.max_seqlen_k, vl.layout
-    return FlashAttnFunction.apply(a.q, a.k, a.v, cu_q, cu_k, int(max_sq), int(max_sk), layout,
-                                   float(a.softmax_scale), int(wl), int(wr), float(a.softcap), a.alibi_slopes,
-                                   float(a.dropout_p))
+    args = (a.q, a.k, a.v, cu_q, cu_k, int(max_sq), int(max_sk), layout, float(a.softmax_scale), int(wl), int(wr),
+            float(a.softcap), a.alibi_slopes, float(a.dropout_p))
+    if a.needs_grad():
+        return FlashAttnFunction.apply(*args)
+    out, lse, _ = eager_or_op(_fwd, _fwd_op)(*args)
+    return out, lse
 
 
 __all__: List[str] = ["flash_fwd", "flash_bwd", "FlashAttnFunction", "attention", "dropout_keep_mask",
