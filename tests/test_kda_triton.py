@@ -181,7 +181,8 @@ def _op_args(varlen: bool):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_custom_ops_fake_and_autograd(varlen):
     """torch.library.opcheck: schema, fake implementation (shapes from shapes only: the saved per-chunk
-    tensors are sized by an upper bound of the chunk count), autograd registration."""
+    tensors are sized by an upper bound of the chunk count). Autograd is KDAFunction's (the pattern of every
+    op), checked by the gradient tests and by the torch.compile test below."""
     from delta_attn.ops.kda import autograd  # noqa: F401  (registers the ops)
     args = _op_args(varlen)
     torch.library.opcheck(torch.ops.delta_attn.kda_infer.default, args,
@@ -189,7 +190,7 @@ def test_custom_ops_fake_and_autograd(varlen):
     train_args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
                        for a in args)
     torch.library.opcheck(torch.ops.delta_attn.kda_train.default, train_args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fit_takes_the_first_tiles_that_fit_shared_memory():
@@ -219,9 +220,39 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
 
 
 def test_precision_rules():
-    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots."""
+    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots. tf32 on
+    fp32 tiles only for K <= 128 (IEEE beyond)."""
     p = pipeline.precision
-    assert (p(torch.float32, False).dot, p(torch.float32, False).scan) == ("ieee", "ieee")
-    assert (p(torch.float32, True).dot, p(torch.float32, True).scan) == ("tf32", "tf32")
-    assert p(torch.bfloat16, False).work == torch.bfloat16 and p(torch.bfloat16, False).dot == "tf32"
-    assert p(torch.float16, False).dot == "ieee" and p(torch.float16, False).work == torch.float32
+    assert (p(torch.float32, False, 64).dot, p(torch.float32, False, 64).scan) == ("ieee", "ieee")
+    assert (p(torch.float32, True, 128).dot, p(torch.float32, True, 128).scan) == ("tf32", "tf32")
+    assert p(torch.bfloat16, False, 64).work == torch.bfloat16 and p(torch.bfloat16, False, 64).dot == "tf32"
+    assert p(torch.float16, False, 64).dot == "ieee" and p(torch.float16, False, 64).work == torch.float32
+    assert p(torch.float16, False, 64).scan == "tf32"
+    # K > 128: fp16 scans and allow_tf32 fp32 run IEEE; bf16 keeps tf32 on bf16 tiles
+    assert p(torch.float16, False, 144).scan == "ieee"
+    assert (p(torch.float32, True, 192).dot, p(torch.float32, True, 192).scan) == ("ieee", "ieee")
+    assert p(torch.bfloat16, False, 256).dot == "tf32"
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    """KDAFunction (kda_train / kda_train_bwd custom ops) traces with fullgraph=True and gives eager's
+    outputs and gradients bit for bit; the inference op too."""
+    c = _case(5, B=1, T=19, H=1, HV=2, K=16, V=16, dtype="fp32", gate="softplus", h0=True, cu=(0, 7, 19))
+    xs, kw = kda_props.inputs(c, "cpu")
+    leaves = [x.detach().requires_grad_() for x in xs]
+
+    def f(*xs):
+        o, s = da.kda(*xs, output_final_state=True, use_qk_l2norm=True, backend="triton", **kw)
+        return o.square().sum() + s.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    loss_e = f(*leaves)
+    grads_e = torch.autograd.grad(loss_e, leaves)
+    assert torch.equal(loss, loss_e)
+    for a, b in zip(grads, grads_e):
+        assert torch.equal(a, b)
+    with torch.no_grad():             # the inference op (another pipeline: compared with its own eager run)
+        assert torch.equal(compiled(*leaves), f(*leaves))
