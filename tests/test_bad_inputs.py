@@ -52,12 +52,16 @@ def _kda(varlen=False):
     return kw
 
 
-def _kda_step():
-    kw = _kda()
+def _as_step(kw, pool_shape, indices):
+    """A whole-sequence call made a decode call: no initial / final state, a pool of 3 slots, two sequences."""
     for n in ("initial_state", "output_final_state"):
         kw.pop(n)
-    kw.update(state=torch.zeros(3, 4, 8, 6), state_indices=torch.tensor([2, 0], dtype=I32))
+    kw.update(state=torch.zeros(pool_shape), state_indices=indices)
     return kw
+
+
+def _kda_step():
+    return _as_step(_kda(), (3, 4, 8, 6), torch.tensor([2, 0], dtype=I32))
 
 
 def _diag(varlen=False):
@@ -70,11 +74,7 @@ def _diag(varlen=False):
 
 
 def _diag_step():
-    kw = _diag()
-    for n in ("initial_state", "output_final_state"):
-        kw.pop(n)
-    kw.update(state=torch.zeros(3, 3, 8), state_indices=torch.tensor([2, 0], dtype=I64))
-    return kw
+    return _as_step(_diag(), (3, 3, 8), torch.tensor([2, 0], dtype=I64))
 
 
 VALID = {"flash": _flash, "flash_varlen": _varlen, "kda": _kda, "kda_varlen": lambda: _kda(True),
