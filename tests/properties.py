@@ -768,12 +768,28 @@ def known_defect(checker: Checker, backend: str) -> Optional[str]:
     return None
 SDPA_CPU_LAST_STRIDE = ("sdpa on CPU: PyTorch's CPU flash kernel ignores a non-unit last-dim stride of q / k / v (wrong "
                         "values or NaN); ops/sdpa.py must hand it stride(-1) == 1 (issue #15)")
-SDPA_CPU_ONE_KEY_GRAD = ("sdpa on CPU: gradients above the rule (up to 2x the floor) with scale 25 where every row sees one "
-                         "key: the reference is exact there (p = 1), the float32 kernel rounds exp at |s| ~ 500; kernel "
-                         "accuracy or a rule too strict at such scores, for the lead to decide (issue #15)")
-DIAG_NAN = ("gated diagonal Triton: a NaN gate at a sequence's first token without initial state (or before a full decay) "
-            "gives a finite output where the specification gives NaN (the fix is on wip/diag-nan-isolation, reverted on "
-            "main) (issue #15)")
+SDPA_CPU_ONE_KEY_GRAD = ("sdpa on CPU: gradients above the rule (up to 2x the floor) with |scale| 25-40 where every row "
+                         "sees one key: the reference is exact there (p = 1), the float32 kernel rounds exp at |s| in the "
+                         "hundreds; kernel accuracy or a rule too strict at such scores, for the lead to decide (issue #15)")
+DIAG_NAN = ("gated diagonal Triton: a NaN gate leaks into the next sequences of a varlen batch (0 * NaN at sequence "
+            "starts) and is dropped at a first token without initial state; the fix is on wip/diag-nan-isolation, "
+            "reverted on main (issue #15)")
 INTERPRETER_BF16_ROUNDING = ("Triton interpreter: float32 -> bfloat16 casts truncate (round toward zero), so bf16 outputs of "
                              "the kernels without tl.dot (diagonal scans, kda_step) are off by up to 1 ulp and exceed the "
                              "rule; backends.py declares bf16 on the interpreter unsupported only for tl.dot ops (issue #15)")
+
+
+def edge(op: str, *, domain: str = "cpu", dtype: str, grad: bool = False, strided=None, nan=None, **p) -> Case:
+    """A hand-set configuration: the first draw of ``op`` with ``p`` overriding its parameters (``kda`` takes
+    KDACase fields as ``kda={...}``)."""
+    base = draw(op, 0, domain)
+    params = dict(base.p)
+    if "kda" in p:
+        params["kda"] = replace(params["kda"], dtype=dtype, grad=grad, **p.pop("kda"))
+    params.update(p)
+    return Case(op, 0, domain, dtype, grad, params, dict(strided or {}), nan)
+
+
+FLASH_BWD_SHORT_KEY_TILE = ("flash Triton backward: NaN dq when a key tile holds keys past the end of the sequence and "
+                            "the visible scores are very negative (p = exp(0 - lse) overflows; fix on "
+                            "wip/flash-bwd-masked-keys, not on main) (issue #15)")

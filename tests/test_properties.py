@@ -113,3 +113,59 @@ def test_the_draws_cover_the_edges():
     for op, names in want.items():
         seen = {n for c in cases[op] for n in c.strided if n in P.problem(c, "cpu").tensors}
         assert names <= seen, (op, names - seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# the edges of issue #15, set by hand: one test per defect class, on every backend
+# ---------------------------------------------------------------------------------------------
+
+_FLASH = dict(d=16, dv=16, hq=2, hk=1, causal=False, window=(-1, -1), softcap=0.0, alibi=False, deterministic=False)
+EDGES = {
+    # one key against 17 queries, scores near -40 |q.k|: keys past Sk in the tile (flash backward NaN dq)
+    "flash 17x1 very negative scores": P.edge("flash", dtype="fp16", grad=True, **_FLASH, b=1, sq=17, sk=1, scale=-40.0),
+    # varlen key lengths 0 and 1 next to longer ones, very negative scores
+    "varlen 0/1-key sequences": P.edge("flash_varlen", dtype="fp16", grad=True, **_FLASH, scale=-40.0, layout="thd",
+                                       lens_q=(17, 17, 17, 5), lens_k=(0, 1, 33, 1), same_cu=False, cu_dtype="int32"),
+    # rows that see no key (causal Sq > Sk), negative scale, window (0, -1)
+    "rows without keys, negative scale": P.edge("flash", dtype="fp16", grad=True, **{**_FLASH, "causal": True},
+                                                b=2, sq=23, sk=9, scale=-0.7),
+    "window (0, -1), Sq < Sk, negative scale": P.edge("flash", dtype="fp16", **{**_FLASH, "window": (0, -1)},
+                                                      b=1, sq=9, sk=23, scale=-1.7),
+    "bf16 attention on CPU": P.edge("flash", dtype="bf16", **{**_FLASH, "causal": True}, b=1, sq=17, sk=17, scale=None),
+    # strided index tensors and gate parameters
+    "strided cu_seqlens (varlen)": P.edge("flash_varlen", dtype="fp16", **_FLASH, scale=None, layout="htd",
+                                          lens_q=(5, 0, 17), lens_k=(9, 3, 0), same_cu=False, cu_dtype="int64",
+                                          strided={"cu_seqlens_q": "step", "cu_seqlens_k": "pad"}),
+    "strided state_indices (diag_step)": P.edge("diag_step", dtype="fp32", b=3, t=2, pool=6, indices="int32",
+                                                perm=[4, 0, 5], strided={"state_indices": "step"}),
+    "strided state_indices (kda_step)": P.edge("kda_step", dtype="fp32", b=3, t=2, pool=6, indices="int64",
+                                               perm=[4, 0, 5], strided={"state_indices": "pad", "A_log": "step",
+                                                                        "dt_bias": "swap"},
+                                               kda=dict(B=3, T=2, gate="softplus")),
+    # a NaN gate stays in its own sequence: varlen, the NaN in the first sequence, no initial state
+    "diag NaN isolation (varlen)": P.edge("diag", dtype="fp32", h=2, d=16, decay=-1e4, g32=False, h0=False,
+                                          final=True, b=1, t=24, lens=(9, 0, 7, 8), cu_dtype="int32", nan=0),
+    "kda NaN isolation (varlen)": P.edge("kda", dtype="fp32", nan=0,
+                                         kda=dict(B=1, T=14, cu=(0, 6, 6, 14), h0=True, final=True, gate=None,
+                                                  decay=None)),
+}
+EDGE_KNOWN = {
+    ("flash 17x1 very negative scores", "triton"): P.FLASH_BWD_SHORT_KEY_TILE,
+    ("varlen 0/1-key sequences", "triton"): P.FLASH_BWD_SHORT_KEY_TILE,
+    ("kda NaN isolation (varlen)", "triton"): P.KDA_NAN_RESET,
+    ("diag NaN isolation (varlen)", "triton"): P.DIAG_NAN,
+    ("flash 17x1 very negative scores", "sdpa"): P.SDPA_CPU_ONE_KEY_GRAD,
+    ("flash 17x1 very negative scores", "auto"): P.SDPA_CPU_ONE_KEY_GRAD,
+}
+EDGE_BACKENDS = {"flash": ("torch", "sdpa", "triton", "auto"), "flash_varlen": ("torch", "sdpa", "triton", "auto"),
+                 "kda": ("torch", "triton"), "kda_step": ("torch", "triton"), "diag": ("torch", "triton"),
+                 "diag_step": ("torch", "triton")}
+
+
+@pytest.mark.parametrize("name,backend", [(n, b) for n, c in EDGES.items() for b in EDGE_BACKENDS[c.op]])
+def test_issue_edge(name, backend, request):
+    if (name, backend) in EDGE_KNOWN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=EDGE_KNOWN[name, backend]))
+    checker = P.Checker(EDGES[name], "cpu")
+    assert checker.runs(backend) or name == "bf16 attention on CPU", f"{backend} should run {name}"
+    checker.check(backend)
