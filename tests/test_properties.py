@@ -150,7 +150,9 @@ EDGES = {
                                                   decay=None)),
 }
 EDGE_KNOWN = {
-    ("flash 17x1 very negative scores", "triton"): P.FLASH_BWD_SHORT_KEY_TILE,
+    # with the wip fix the NaN goes, and dq / dk still exceed the rule's floor by 1.3x (the one-key rounding that
+    # sdpa shows too: P.SDPA_CPU_ONE_KEY_GRAD)
+    ("flash 17x1 very negative scores", "triton"): P.FLASH_BWD_SHORT_KEY_TILE + "; then " + P.SDPA_CPU_ONE_KEY_GRAD,
     ("varlen 0/1-key sequences", "triton"): P.FLASH_BWD_SHORT_KEY_TILE,
     ("kda NaN isolation (varlen)", "triton"): P.KDA_NAN_RESET,
     ("diag NaN isolation (varlen)", "triton"): P.DIAG_NAN,
