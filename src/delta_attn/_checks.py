@@ -53,6 +53,9 @@ def same_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
 
 def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
     named = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     first_name, first = named[0]
     for n, t in named[1:]:
         if t.device != first.device:

@@ -139,7 +139,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     tdim, hdim = (0, 1) if layout == "thd" else (1, 0)
     C.dim_equal("token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
-    device = q.device
+    device = C.same_device(q=q, k=k, v=v)            # before cu_seqlens, which must be on this device
     cu_seqlens_q, cu_seqlens_k, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[tdim], k.shape[tdim],
                                                       max_seqlen_q, max_seqlen_k, device)   # int32, contiguous
     common = _common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
