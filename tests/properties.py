@@ -24,7 +24,6 @@ The KDA generator of the earlier ``kda_props`` module lives here too (``KDACase`
 """
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
@@ -32,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 import delta_attn as da
-from delta_attn import reference as ref
+from delta_attn import reference as ref, settings
 from delta_attn.backends import UnsupportedError
 from delta_attn.testing import check as rule, poison_outputs
 
@@ -352,7 +351,19 @@ def _draw_step(r: random.Random, seed: int, domain: str, op: str) -> Case:
     p["state64"] = dtype == "fp32" and r.random() < 0.4
     nan = r.randrange(b) if r.random() < 0.12 else None
     grad = nan is None and r.random() < 0.1       # steps have no backward: declared by every backend
-    return Case(op, seed, domain, dtype, grad, p, _strided_names(r, names, 0.2), nan)
+    strided = _strided_names(r, names, 0.2)
+    # speculative decoding (docs/SERVING.md): (B, T) slots written after every token, the start slot chosen by
+    # num_accepted_tokens (or column 0 without it). Drawn from their own stream: the draws above stay unchanged
+    rs = random.Random(f"{op}/{seed}/{domain}/speculative")
+    if p["t"] > 1 and rs.random() < 0.4:
+        t = p["t"]
+        p["pool"] = b * t + rs.choice([0, 2])
+        p["indices"] = p["indices"] or "int32"
+        p["spec"] = dict(slots=rs.sample(range(p["pool"]), b * t),
+                         accepted=[rs.randint(1, t) for _ in range(b)] if rs.random() < 0.7 else None)
+        if p["spec"]["accepted"] is not None and rs.random() < 0.35:
+            strided["num_accepted_tokens"] = rs.choice(STRIDE_KINDS)
+    return Case(op, seed, domain, dtype, grad, p, strided, nan)
 
 
 def draw(op: str, seed: int, domain: str = "cpu") -> Case:
@@ -524,7 +535,13 @@ def _recurrent_problem(c: Case, device) -> Problem:
         tensors["g"] = g
     if step:
         tensors["state"] = (torch.randn((p["pool"],) + state_shape, generator=gen) * 0.5).to(device, state_dt)
-        if p["indices"] is not None:
+        spec = p.get("spec")
+        if spec is not None:
+            tensors["state_indices"] = torch.tensor(spec["slots"], dtype=getattr(torch, p["indices"]),
+                                                    device=device).view(b, t)
+            if spec["accepted"] is not None:
+                tensors["num_accepted_tokens"] = torch.tensor(spec["accepted"], dtype=torch.int32, device=device)
+        elif p["indices"] is not None:
             tensors["state_indices"] = torch.tensor(p["perm"], dtype=getattr(torch, p["indices"]), device=device)
         names.append("state")
         leaves = [x for x in leaves if x not in _GRAD_KW]
@@ -556,15 +573,30 @@ def _recurrent_problem(c: Case, device) -> Problem:
             pool = vals["state"].clone()
             idx = vals.get("state_indices")
             idx = torch.arange(b, device=pool.device) if idx is None else idx.long()
-            o, s = run_ref(vals, upcast, initial_state=pool[idx], output_final_state=True)
-            pool[idx] = s.to(pool.dtype)
-            return {"o": o, "state": pool}
+            if idx.dim() == 1:
+                o, s = run_ref(vals, upcast, initial_state=pool[idx], output_final_state=True)
+                pool[idx] = s.to(pool.dtype)
+                return {"o": o, "state": pool}
+            # (B, T) slots: start from the last accepted token's slot, write the state after every token
+            nat = vals.get("num_accepted_tokens")
+            col = torch.zeros(b, dtype=torch.long, device=pool.device) if nat is None else nat.long() - 1
+            s, outs = pool[idx.gather(1, col[:, None])[:, 0]], []
+            for i in range(t):
+                one = {n: (x[:, i:i + 1] if n in per_token else x) for n, x in vals.items()}
+                o_i, s = run_ref(one, upcast, initial_state=s, output_final_state=True)
+                pool[idx[:, i]] = s.to(pool.dtype)
+                outs.append(o_i)
+            return {"o": torch.cat(outs, 1), "state": pool}
 
         def outputs(res, vals):
             return {"o": res, "state": vals["state"]}
+        per_token = ("q", "k", "v", "g", "beta")
         slot_seq = torch.full((p["pool"],), -1, dtype=torch.long, device=device)
-        slot_seq[torch.tensor(p["perm"] if p["indices"] is not None else list(range(b)), device=device)] = \
-            torch.arange(b, device=device)
+        if spec is not None:              # slot -> the sequence whose row holds it
+            slot_seq[torch.tensor(spec["slots"], device=device)] = torch.arange(b, device=device).repeat_interleave(t)
+        else:
+            slot_seq[torch.tensor(p["perm"] if p["indices"] is not None else list(range(b)), device=device)] = \
+                torch.arange(b, device=device)
         sequence_of = {"o": seq[:, :, None, None], "state": slot_seq}
         pools = ("state",)
     return Problem(fn, pos, kw, tensors, consts, leaves, reference, outputs, sequence_of, pools)
@@ -592,7 +624,7 @@ def _grad_floor(grads64: List[torch.Tensor]) -> float:
 
 
 def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings.triton_interpreter()
 
 
 class Checker:
@@ -767,13 +799,10 @@ def known_defect(checker: Checker, backend: str) -> Optional[str]:
         return STEP_STRIDED_POOL
     return None
 SDPA_CPU_LAST_STRIDE = ("sdpa on CPU: PyTorch's CPU flash kernel ignores a non-unit last-dim stride of q / k / v (wrong "
-                        "values or NaN); ops/sdpa.py must hand it stride(-1) == 1 (issue #15)")
+                        "values or NaN); ops/flash/sdpa.py must hand it stride(-1) == 1 (issue #15)")
 SDPA_CPU_ONE_KEY_GRAD = ("sdpa on CPU: gradients above the rule (up to 2x the floor) with |scale| 25-40 where every row "
                          "sees one key: the reference is exact there (p = 1), the float32 kernel rounds exp at |s| in the "
                          "hundreds; kernel accuracy or a rule too strict at such scores, for the lead to decide (issue #15)")
-DIAG_NAN = ("gated diagonal Triton: a NaN gate leaks into the next sequences of a varlen batch (0 * NaN at sequence "
-            "starts) and is dropped at a first token without initial state; the fix is on wip/diag-nan-isolation, "
-            "reverted on main (issue #15)")
 INTERPRETER_BF16_ROUNDING = ("Triton interpreter: float32 -> bfloat16 casts truncate (round toward zero), so bf16 outputs of "
                              "the kernels without tl.dot (diagonal scans, kda_step) are off by up to 1 ulp and exceed the "
                              "rule; backends.py declares bf16 on the interpreter unsupported only for tl.dot ops (issue #15)")
@@ -783,13 +812,13 @@ def edge(op: str, *, domain: str = "cpu", dtype: str, grad: bool = False, stride
     """A hand-set configuration: the first draw of ``op`` with ``p`` overriding its parameters (``kda`` takes
     KDACase fields as ``kda={...}``)."""
     base = draw(op, 0, domain)
-    params = dict(base.p)
+    params = {k: v for k, v in base.p.items() if k != "spec"}       # (B, T) slots only when given
     if "kda" in p:
         params["kda"] = replace(params["kda"], dtype=dtype, grad=grad, **p.pop("kda"))
     params.update(p)
     return Case(op, 0, domain, dtype, grad, params, dict(strided or {}), nan)
 
 
-FLASH_BWD_SHORT_KEY_TILE = ("flash Triton backward: NaN dq when a key tile holds keys past the end of the sequence and "
-                            "the visible scores are very negative (p = exp(0 - lse) overflows; fix on "
-                            "wip/flash-bwd-masked-keys, not on main) (issue #15)")
+FLASH_ONE_KEY_GRAD = ("flash Triton backward (the masked-keys fix of c71711c removed its NaN dq): dq / dk exceed the "
+                      "rule's floor by 1.3x with 17 queries x 1 key and very negative scores, the one-key rounding sdpa "
+                      "shows too: " + SDPA_CPU_ONE_KEY_GRAD)

@@ -238,7 +238,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
     """KDAFunction (kda_train / kda_train_bwd custom ops) traces with fullgraph=True and gives eager's
     outputs and gradients bit for bit; the inference op too."""
     c = _case(5, B=1, T=19, H=1, HV=2, K=16, V=16, dtype="fp32", gate="softplus", h0=True, cu=(0, 7, 19))
-    xs, kw = kda_props.inputs(c, "cpu")
+    xs, kw = properties.kda_inputs(c, "cpu")
     leaves = [x.detach().requires_grad_() for x in xs]
 
     def f(*xs):
