@@ -77,12 +77,21 @@ def _diag_step():
     return _as_step(_diag(), (3, 3, 8), torch.tensor([2, 0], dtype=I64))
 
 
+def _speculative(kw, pool_shape):
+    """A decode call with speculative (B, T) slots (T = 5, a pool of 10) and accepted-token counts."""
+    kw.update(state=torch.zeros(pool_shape), state_indices=torch.arange(10, dtype=I32).view(2, 5).flip(1),
+              num_accepted_tokens=torch.tensor([3, 5], dtype=I32))
+    return kw
+
+
 VALID = {"flash": _flash, "flash_varlen": _varlen, "kda": _kda, "kda_varlen": lambda: _kda(True),
-         "kda_step": _kda_step, "diag": _diag, "diag_varlen": lambda: _diag(True), "diag_step": _diag_step}
+         "kda_step": _kda_step, "diag": _diag, "diag_varlen": lambda: _diag(True), "diag_step": _diag_step,
+         "kda_step_spec": lambda: _speculative(_kda_step(), (10, 4, 8, 6)),
+         "diag_step_spec": lambda: _speculative(_diag_step(), (10, 3, 8))}
 FN = {"flash": da.flash_attn_func, "flash_varlen": da.flash_attn_varlen_func, "kda": da.kda, "kda_varlen": da.kda,
       "kda_step": da.kda_step, "diag": da.gated_diag_attn, "diag_varlen": da.gated_diag_attn,
-      "diag_step": da.gated_diag_step}
-INDEX_ARGS = {"cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "state_indices"}
+      "diag_step": da.gated_diag_step, "kda_step_spec": da.kda_step, "diag_step_spec": da.gated_diag_step}
+INDEX_ARGS = {"cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "state_indices", "num_accepted_tokens"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +196,16 @@ def _value_cases():
             ("diag_step", "state", "float16", torch.zeros(3, 3, 8, dtype=torch.float16), TypeError),
             ("diag_step", "state_indices", "out of the pool", torch.tensor([3, 0]), ValueError),
             ("diag_step", "state_indices", "a repeated slot", torch.tensor([2, 2]), ValueError),
-            ("diag_step", "state_indices", "None with a larger pool", None, ValueError)]
+            ("diag_step", "state_indices", "None with a larger pool", None, ValueError),
+            ("kda_step", "num_accepted_tokens", "with (B,) state_indices", torch.tensor([1, 1], dtype=I32), ValueError),
+            ("diag_step", "num_accepted_tokens", "with (B,) state_indices", torch.tensor([1, 1]), ValueError)]
+    for call in ("kda_step_spec", "diag_step_spec"):
+        out += [(call, "num_accepted_tokens", "0 (the first token is always kept)", torch.tensor([0, 2], dtype=I32),
+                 ValueError),
+                (call, "num_accepted_tokens", "above T", torch.tensor([6, 1], dtype=I32), ValueError),
+                (call, "state_indices", "a slot repeated across tokens", torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 0]],
+                                                                                      dtype=I32), ValueError),
+                (call, "state_indices", "out of the pool", torch.arange(1, 11, dtype=I32).view(2, 5), ValueError)]
     return out
 
 
