@@ -13,7 +13,28 @@ import pytest  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--prop-seeds", default=None, metavar="START:STOP",
+                     help="property suites (test_properties*.py): run only the seeds in [START, STOP)")
+
+
+def _prop_seed_filter(config, items):
+    spec = config.getoption("--prop-seeds")
+    if not spec:
+        return
+    lo, hi = (int(x) for x in spec.split(":"))
+    keep, drop = [], []
+    for item in items:
+        seed = getattr(getattr(item, "callspec", None), "params", {}).get("seed")
+        out = item.path.name.startswith("test_properties") and seed is not None and not lo <= seed < hi
+        (drop if out else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _prop_seed_filter(config, items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: none is visible (run `pytest -m gpu` on a GPU machine)")
     for item in items:
         if "tests/gpu/" in str(item.path).replace(os.sep, "/"):

@@ -11,7 +11,7 @@ it cannot, ``auto`` must pass it over with the same reasons and an explicit requ
 
 Also here: ``auto`` on CPU tensors runs PyTorch SDPA's CPU kernel (and is faster than the reference),
 the Triton interpreter's bf16 ``tl.dot`` (wrong on the installed Triton) is declared, and the wrapper of
-the CUDA FlashAttention-2 path (``ops/sdpa.py``) is exercised on CPU against a stand-in kernel that has
+the CUDA FlashAttention-2 path (``ops/flash/sdpa.py``) is exercised on CPU against a stand-in kernel that has
 FA2's arithmetic. ``tests/gpu/test_sdpa_gpu.py`` runs the same configurations on a GPU.
 """
 from __future__ import annotations
@@ -319,7 +319,7 @@ def test_triton_interpreter_bf16_dot_is_still_wrong():
 
 
 # ---------------------------------------------------------------------------------------------
-# the CUDA FlashAttention-2 wrapper of ops/sdpa.py, on CPU against a stand-in kernel
+# the CUDA FlashAttention-2 wrapper of ops/flash/sdpa.py, on CPU against a stand-in kernel
 # ---------------------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
@@ -391,7 +391,7 @@ def _fa2_standin_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dro
 
 def _fa2(args):
     """The sdpa backend's CUDA FA2 path: the contract preparation, then the kernel wrapper."""
-    from delta_attn.ops import sdpa
+    from delta_attn.ops.flash import sdpa
     from delta_attn.ops.flash.contract import prepare
     args, done = prepare(args)
     return done if done is not None else sdpa._flash(args)

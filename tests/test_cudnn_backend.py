@@ -7,7 +7,7 @@ import delta_attn as da
 from delta_attn import backends as B
 from delta_attn import reference
 from delta_attn.backends import Call, UnsupportedError, auto_order, explain_call
-from delta_attn.ops import cudnn as C
+from delta_attn.ops.flash import cudnn as C
 
 CUDA = torch.device("cuda", 0)
 

@@ -303,7 +303,7 @@ def test_lookback_stops_at_resets_only(reverse, walk):
 # ---- the log-depth scan reference (the GPU tests' ground truth) --------------------------------------
 
 def test_scan_reference_nan_matches_spec():
-    from delta_attn.ops.diag.scan_ref import gated_diag_scan
+    from delta_attn.reference import gated_diag_scan
     for c in CASES.values():
         c = dict(c)
         lens, nan_at = c.pop("lens"), c.pop("nan_at")

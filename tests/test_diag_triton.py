@@ -12,6 +12,7 @@ import triton.language as tl
 import delta_attn as da
 from delta_attn import reference
 from delta_attn.testing import assert_close
+from delta_attn.ops import _launch  # noqa: F401  (applies the interpreter fixes: a probe kernel below is launched directly)
 from delta_attn.ops.diag import kernels as K
 
 pytestmark = pytest.mark.skipif(not da.backends.triton_interpreter_on() and not torch.cuda.is_available(),
@@ -213,7 +214,7 @@ def test_custom_op_fakes():
 
 def test_scan_reference_matches_spec():
     # the log-depth scan reference (used on the GPU for 1M tokens) == autograd through the spec
-    from delta_attn.ops.diag.scan_ref import gated_diag_scan
+    from delta_attn.reference import gated_diag_scan
     cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
     q, k, v, g = (x.double() for x in _inputs(1, 40, 2, 3, torch.float32))
     g[0, 7] = -1e4
@@ -233,7 +234,7 @@ def test_kernel_variants(poisoned, t):
     # every compiled variant the benchmark may pick: loads before or after the look-back, the
     # mask-free EVEN path (T, D multiples of the tiles) and the masked one
     from delta_attn.ops.diag import triton_impl as ti
-    from delta_attn.ops.diag.scan_ref import gated_diag_scan
+    from delta_attn.reference import gated_diag_scan
     q, k, v, g = _inputs(2, t, 1, 16, torch.float32)
     h0 = torch.randn(2, 1, 16, device=DEV)
     do, dht = torch.randn_like(q), torch.randn(2, 1, 16, device=DEV)

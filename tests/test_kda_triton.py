@@ -2,7 +2,7 @@
 
 Every result is compared with the float64 reference under the DESIGN error rule (the same computation in
 the input dtype is the baseline), with outputs poisoned first: 300 seeded random configurations
-(``kda_props``), both inference chunk lengths and both intra-chunk factorisations forced, the structural
+(``properties.draw_kda``), both inference chunk lengths and both intra-chunk factorisations forced, the structural
 identities (chunked == recurrent, two halves == one pass, prefill + decode == whole), the custom ops'
 fake implementations and autograd (``torch.library.opcheck``), and the named errors.
 """
@@ -17,7 +17,7 @@ from delta_attn.ops import _launch
 from delta_attn.ops.kda import pipeline
 from delta_attn.ops.kda.intra import _kda_tri_inverse_dots
 
-import kda_props
+import properties
 
 CPU_CASES = 300
 
@@ -32,14 +32,14 @@ KNOWN_FP32_SMALL_K = {148: "fp32, K=32, decays -50, 64-token training chunk", 19
 def test_random_configuration(seed, request):
     if seed in KNOWN_FP32_SMALL_K:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_FP32_SMALL_K[seed]))
-    case = kda_props.draw(seed, "cpu")
-    bad = kda_props.check(case)
+    case = properties.draw_kda(seed, "cpu")
+    bad = properties.kda_check(case)
     assert not bad, f"{case}: " + "; ".join(bad)
 
 
 def _case(seed, **over):
-    c = kda_props.draw(seed, "cpu")
-    return kda_props.Case(**{**c.__dict__, **over})
+    c = properties.draw_kda(seed, "cpu")
+    return properties.KDACase(**{**c.__dict__, **over})
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
@@ -49,7 +49,7 @@ def test_inference_chunk_lengths(monkeypatch, chunk, decay):
     monkeypatch.setattr(pipeline, "infer_chunk", lambda *a: chunk)
     c = _case(7, T=77, cu=None, B=2, K=48, V=32, decay=decay, gate=None, grad=False, h0=True, final=True,
               dtype="fp16")
-    assert not kda_props.check(c)
+    assert not properties.kda_check(c)
 
 
 @pytest.mark.parametrize("factor_max", [-1.0, 1e9])
@@ -61,7 +61,7 @@ def test_exact_and_factored_products(monkeypatch, factor_max, grad):
     monkeypatch.setattr(pipeline, "FACTOR_MAX", factor_max)
     c = _case(11, B=2, T=130, cu=None, H=1, HV=2, K=32, V=16, dtype="fp32", gate="softplus", l2=True, h0=True,
               final=True, grad=grad)
-    assert not kda_props.check(c)
+    assert not properties.kda_check(c)
 
 
 def test_tri_inverse_dots_matches_inverse():
@@ -88,7 +88,7 @@ def test_pipeline_per_use(monkeypatch):
     for name in ("infer_forward", "train_forward"):
         real = getattr(autograd, name)
         monkeypatch.setattr(autograd, name, lambda *a, _r=real, _n=name: seen.append(_n) or _r(*a))
-    xs, kw = kda_props.inputs(_case(3, B=1, T=40, cu=None, dtype="fp32", h0=True), "cpu")
+    xs, kw = properties.kda_inputs(_case(3, B=1, T=40, cu=None, dtype="fp32", h0=True), "cpu")
     leaves = [x.detach().requires_grad_() for x in xs]
     with torch.no_grad():
         o1, s1 = da.kda(*leaves, use_qk_l2norm=True, output_final_state=True, backend="triton", **kw)
@@ -109,7 +109,7 @@ def _step_all(xs, state, idx=None, chunk=1, **opts):
 
 def test_chunked_equals_recurrent_and_halves():
     c = _case(5, B=2, T=45, cu=None, H=2, HV=4, K=16, V=32, dtype="fp32", gate="softplus", l2=True)
-    xs, kw = kda_props.inputs(c, "cpu")
+    xs, kw = properties.kda_inputs(c, "cpu")
     opts = dict(use_qk_l2norm=True, A_log=kw["A_log"], dt_bias=kw["dt_bias"])
     o, s = da.kda(*xs, output_final_state=True, backend="triton", **opts)
     state = torch.zeros(2, 4, 16, 32)
@@ -125,7 +125,7 @@ def test_chunked_equals_recurrent_and_halves():
 def test_prefill_then_decode_with_strided_state_indices():
     """Prefill, then decode from a pool through a strided ``state_indices`` view: other slots untouched."""
     c = _case(9, B=3, T=29, cu=None, H=1, HV=2, K=16, V=16, dtype="fp32", gate=None, decay=-1e4, l2=True)
-    xs, _ = kda_props.inputs(c, "cpu")
+    xs, _ = properties.kda_inputs(c, "cpu")
     o_all, _ = da.kda(*xs, use_qk_l2norm=True, backend="triton")
     _, s = da.kda(*[x[:, :20] for x in xs], output_final_state=True, use_qk_l2norm=True, backend="triton")
     pool = torch.full((7, 2, 16, 16), 123.0)
@@ -138,7 +138,7 @@ def test_prefill_then_decode_with_strided_state_indices():
 
 def test_decode_several_tokens_matches_reference_with_strided_gate_parameters():
     c = _case(13, B=3, T=5, cu=None, H=1, HV=2, K=16, V=16, dtype="fp16", gate="softplus", l2=True)
-    xs, kw = kda_props.inputs(c, "cpu")
+    xs, kw = properties.kda_inputs(c, "cpu")
     a_log = torch.stack([kw["A_log"], torch.zeros(2)], 1)[:, 0]             # strided views
     dt_bias = torch.stack([kw["dt_bias"], torch.zeros(32)], 1)[:, 0]
     assert a_log.stride() != (1,) and dt_bias.stride() != (1,)
@@ -157,14 +157,14 @@ def test_decode_several_tokens_matches_reference_with_strided_gate_parameters():
 
 @pytest.mark.parametrize("K,V", [(40, 16), (16, 272)])
 def test_unsupported_head_dim_is_a_named_error(K, V):
-    xs, _ = kda_props.inputs(_case(1, B=1, T=3, cu=None, K=K, V=V, dtype="fp32"), "cpu")
+    xs, _ = properties.kda_inputs(_case(1, B=1, T=3, cu=None, K=K, V=V, dtype="fp32"), "cpu")
     with pytest.raises(UnsupportedError, match="head dim"):
         da.kda(*xs, backend="triton")
 
 
 @pytest.mark.parametrize("bad", [dict(scale=float("inf")), dict(scale=float("nan")), dict(allow_tf32=1)])
 def test_bad_options_are_named_errors(bad):
-    xs, _ = kda_props.inputs(_case(1, B=1, T=3, cu=None, K=16, V=16, dtype="fp32"), "cpu")
+    xs, _ = properties.kda_inputs(_case(1, B=1, T=3, cu=None, K=16, V=16, dtype="fp32"), "cpu")
     name = next(iter(bad))
     with pytest.raises((ValueError, TypeError), match=name):
         da.kda(*xs, backend="triton", **bad)
@@ -173,7 +173,7 @@ def test_bad_options_are_named_errors(bad):
 def _op_args(varlen: bool):
     c = _case(17, B=1, T=21, H=1, HV=2, K=16, V=16, dtype="fp32", gate="lower_bound", h0=True,
               cu=(0, 5, 5, 21) if varlen else None)
-    xs, kw = kda_props.inputs(c, "cpu")
+    xs, kw = properties.kda_inputs(c, "cpu")
     return (*xs, kw["initial_state"], kw.get("cu_seqlens"), kw["A_log"], kw["dt_bias"], 0.25, -5.0, True, True,
             False)
 
@@ -181,7 +181,8 @@ def _op_args(varlen: bool):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_custom_ops_fake_and_autograd(varlen):
     """torch.library.opcheck: schema, fake implementation (shapes from shapes only: the saved per-chunk
-    tensors are sized by an upper bound of the chunk count), autograd registration."""
+    tensors are sized by an upper bound of the chunk count). Autograd is KDAFunction's (the pattern of every
+    op), checked by the gradient tests and by the torch.compile test below."""
     from delta_attn.ops.kda import autograd  # noqa: F401  (registers the ops)
     args = _op_args(varlen)
     torch.library.opcheck(torch.ops.delta_attn.kda_infer.default, args,
@@ -189,7 +190,7 @@ def test_custom_ops_fake_and_autograd(varlen):
     train_args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
                        for a in args)
     torch.library.opcheck(torch.ops.delta_attn.kda_train.default, train_args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fit_takes_the_first_tiles_that_fit_shared_memory():
@@ -219,9 +220,39 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
 
 
 def test_precision_rules():
-    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots."""
+    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots. tf32 on
+    fp32 tiles only for K <= 128 (IEEE beyond)."""
     p = pipeline.precision
-    assert (p(torch.float32, False).dot, p(torch.float32, False).scan) == ("ieee", "ieee")
-    assert (p(torch.float32, True).dot, p(torch.float32, True).scan) == ("tf32", "tf32")
-    assert p(torch.bfloat16, False).work == torch.bfloat16 and p(torch.bfloat16, False).dot == "tf32"
-    assert p(torch.float16, False).dot == "ieee" and p(torch.float16, False).work == torch.float32
+    assert (p(torch.float32, False, 64).dot, p(torch.float32, False, 64).scan) == ("ieee", "ieee")
+    assert (p(torch.float32, True, 128).dot, p(torch.float32, True, 128).scan) == ("tf32", "tf32")
+    assert p(torch.bfloat16, False, 64).work == torch.bfloat16 and p(torch.bfloat16, False, 64).dot == "tf32"
+    assert p(torch.float16, False, 64).dot == "ieee" and p(torch.float16, False, 64).work == torch.float32
+    assert p(torch.float16, False, 64).scan == "tf32"
+    # K > 128: fp16 scans and allow_tf32 fp32 run IEEE; bf16 keeps tf32 on bf16 tiles
+    assert p(torch.float16, False, 144).scan == "ieee"
+    assert (p(torch.float32, True, 192).dot, p(torch.float32, True, 192).scan) == ("ieee", "ieee")
+    assert p(torch.bfloat16, False, 256).dot == "tf32"
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    """KDAFunction (kda_train / kda_train_bwd custom ops) traces with fullgraph=True and gives eager's
+    outputs and gradients bit for bit; the inference op too."""
+    c = _case(5, B=1, T=19, H=1, HV=2, K=16, V=16, dtype="fp32", gate="softplus", h0=True, cu=(0, 7, 19))
+    xs, kw = properties.kda_inputs(c, "cpu")
+    leaves = [x.detach().requires_grad_() for x in xs]
+
+    def f(*xs):
+        o, s = da.kda(*xs, output_final_state=True, use_qk_l2norm=True, backend="triton", **kw)
+        return o.square().sum() + s.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    loss_e = f(*leaves)
+    grads_e = torch.autograd.grad(loss_e, leaves)
+    assert torch.equal(loss, loss_e)
+    for a, b in zip(grads, grads_e):
+        assert torch.equal(a, b)
+    with torch.no_grad():             # the inference op (another pipeline: compared with its own eager run)
+        assert torch.equal(compiled(*leaves), f(*leaves))

@@ -14,7 +14,6 @@ from .ops.diag.api import gated_diag_attn, gated_diag_step
 from .ops.flash.api import flash_attn_func, flash_attn_varlen_func
 from .ops.flash.kvcache import flash_attn_with_kvcache
 from .ops.kda.api import kda, kda_step
-from .ops import cudnn as _cudnn_and_sdpa  # noqa: F401  (registers the cudnn and sdpa backends)
 
 __version__ = "0.1.0"
 

@@ -9,10 +9,12 @@ device checks always run.
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import settings
+from .ops._prepare import index
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -51,6 +53,9 @@ def same_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
 
 def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
     named = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     first_name, first = named[0]
     for n, t in named[1:]:
         if t.device != first.device:
@@ -121,7 +126,7 @@ def value_checks_enabled() -> bool:
     the indices it captures), or when the user sets DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches
     asynchronous."""
     return (not _tracing() and not _capturing()
-            and os.environ.get("DELTA_ATTN_SKIP_VALUE_CHECKS", "0") in ("", "0"))
+            and not settings.skip_value_checks())
 
 
 INT32_MAX = 2 ** 31 - 1
@@ -161,10 +166,9 @@ def cu_seqlens_values(name: str, values: List[int], total: int, max_seqlen: Opti
                          f"got {max_seqlen}")
 
 
-def as_int32(cu: torch.Tensor) -> torch.Tensor:
-    """The form every backend receives: a contiguous int32 tensor (``cu`` itself when it already is one;
-    call after the values are checked, an int64 value beyond int32 would wrap)."""
-    return cu.to(torch.int32).contiguous()
+# The form every backend receives: a contiguous int32 tensor (``cu`` itself when it already is one; call after
+# the values are checked, an int64 value beyond int32 would wrap). The launch layer's preparation of index tensors.
+as_int32 = index
 
 
 def max_seqlen(name: str, value) -> None:

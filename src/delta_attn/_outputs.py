@@ -6,15 +6,15 @@ kernel forgot to write fails every comparison instead of passing by luck.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import settings
 
 _poison_depth = 0
 
 
 def poisoning() -> bool:
-    return _poison_depth > 0 or os.environ.get("DELTA_ATTN_POISON_OUTPUTS", "0") not in ("", "0")
+    return _poison_depth > 0 or settings.poison_outputs()
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:

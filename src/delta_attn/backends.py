@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from functools import lru_cache
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import settings
 
 BACKEND_NAMES = ("auto", "triton", "cudnn", "sdpa", "torch")
 
@@ -100,16 +101,8 @@ def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
     return torch.cuda.get_device_capability(device)
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 for the CPU / interpreter, where grids run in order)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def triton_interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton's CPU interpreter is on (TRITON_INTERPRET, read in settings.py)
+triton_interpreter_on = settings.triton_interpreter
 
 
 @lru_cache(maxsize=None)
@@ -251,35 +244,12 @@ def register(backend: str, op: str, capability: Capability, device_type: Optiona
 
 
 # ---------------------------------------------------------------------------------------------
-# sdpa on CPU: PyTorch's CPU flash kernel (ops/sdpa.py). Its CUDA capabilities (FlashAttention-2, the
-# memory-efficient kernel) are declared with cuDNN's in ops/cudnn.py. The CPU kernel takes any head dim
-# (q/k and v equal), GQA, every float dtype, an additive mask and returns the LSE; ops/sdpa.py builds
-# the mask for causal / windows aligned bottom-right (DESIGN.md) and writes the rows that see no key.
-# The varlen path loops over the sequences on the host (cu_seqlens read once), which torch.compile
-# cannot trace.
-# ---------------------------------------------------------------------------------------------
-
-
-def _sdpa_cpu_check(call: Call) -> List[str]:
-    from .ops import sdpa       # imported on first use (ops import this module)
-    return sdpa.cpu_reasons(call)
-
-
-_SDPA_CPU = dict(impl="delta_attn.ops.sdpa:attention", device_types=("cpu",),
-                 dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), check=_sdpa_cpu_check)
-register("sdpa", "flash", Capability(features=frozenset({"causal", "window", "gqa", "sq_ne_sk"}), **_SDPA_CPU),
-         device_type="cpu")
-register("sdpa", "flash_varlen", Capability(features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}),
-                                            traceable=False, **_SDPA_CPU), device_type="cpu")
-
-
-# ---------------------------------------------------------------------------------------------
 # auto policy
 # ---------------------------------------------------------------------------------------------
 
 # Default preference per operator, fastest first. The measurements behind each order are in
 # docs/DISPATCH.md; an operator may install a finer policy with set_auto_policy. The attention policy
-# (ops/cudnn.py) orders CUDA calls by its measurements and takes this order for the others (CPU tensors):
+# (ops/flash/cudnn.py) orders CUDA calls by its measurements and takes this order for the others (CPU tensors):
 # PyTorch SDPA's CPU kernel first (forward 4-18x faster than the reference at S = 256-2048, DISPATCH.md),
 # the Triton kernels next (CPU tensors only under TRITON_INTERPRET=1, the test mode), the reference last.
 _DEFAULT_ORDER: Dict[str, Tuple[str, ...]] = {

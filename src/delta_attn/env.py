@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import __version__
+from . import __version__, settings
 from .backends import BACKENDS, Call, package_available
 
 # optional packages: (import name, distribution name, extra that installs it)
@@ -98,7 +98,7 @@ def collect() -> Dict:
         "gpu": _gpu(),
         "optional_packages": {dist: _dist_version(dist) if package_available(mod) else None
                               for dist, (mod, _, _) in OPTIONAL.items()},
-        "triton_interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        "triton_interpreter": settings.triton_interpreter(),
         "backends": backend_status(),
     }
 

@@ -27,6 +27,9 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+# the log-depth scan of gated_diag with closed-form gradients, for long sequences (tests; not in __all__)
+from ._reference_diag import gated_diag_scan  # noqa: F401
+
 __all__ = [
     "attention",
     "attention_varlen",

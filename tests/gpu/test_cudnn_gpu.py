@@ -123,7 +123,7 @@ def test_cudnn_varlen_window(window):
 
 @needs_frontend
 def test_cudnn_graph_cache_reused_when_cu_seqlens_change():
-    from delta_attn.ops import cudnn as C
+    from delta_attn.ops.flash import cudnn as C
     _varlen("cudnn", [100, 37, 250], [100, 37, 250], 4, 4, 64, True, same_cu=True)
     before = C.graph_cache_stats()
     _varlen("cudnn", [120, 30, 201], [120, 30, 201], 4, 4, 64, True, same_cu=True)   # same buckets
@@ -165,7 +165,7 @@ def test_auto_on_gpu_explains_choice():
 
 @needs_frontend
 def test_cudnn_varlen_htd_through_transposed_copy(monkeypatch):
-    from delta_attn.ops import cudnn as C
+    from delta_attn.ops.flash import cudnn as C
     monkeypatch.setattr(C, "HTD_MAX_TOTALS", 0)        # every new "htd" total goes through the thd graphs
     _varlen("cudnn", LQ, LK, 4, 2, 64, True, layout="htd")
 

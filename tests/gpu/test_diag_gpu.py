@@ -1,7 +1,7 @@
 """Gated diagonal attention, Triton backend, on a CUDA GPU: many tiles in flight, so the decoupled
 look-back really composes published aggregates (the interpreter runs programs one by one).
 
-Large cases use the log-depth scan reference (``ops/diag/scan_ref.py``) in float64 as the ground
+Large cases use the log-depth scan reference (``delta_attn.reference.gated_diag_scan``) in float64 as the ground
 truth and the same scan in float32 (the kernel's state precision), rounded to the input dtype, as
 the baseline of the error rule.
 """
@@ -10,7 +10,7 @@ import torch
 
 import delta_attn as da
 from delta_attn import reference
-from delta_attn.ops.diag.scan_ref import gated_diag_scan
+from delta_attn.reference import gated_diag_scan
 from delta_attn.testing import assert_close, poison_outputs
 
 DEV = "cuda"

@@ -139,19 +139,18 @@ def _fwd_ids(cfg):
 
 
 @pytest.mark.parametrize("cfg", triton_impl._FWD_CONFIGS[128], ids=_fwd_ids)
-def test_every_d128_forward_config_varlen_window(cfg, monkeypatch, poisoned):
+def test_every_d128_forward_config_varlen_window(cfg, poisoned):
     # each forward configuration the D=128 autotuner may pick (pipelined loop, TMA descriptors per
     # sequence) on a packed batch with empty / length-1 / long sequences, GQA, a sliding window
-    monkeypatch.setitem(triton_impl.FORCED_CONFIGS, "fwd", cfg)
     lq, lk = [0, 1, 1500, 777, 3000], [4, 0, 1500, 1200, 2999]
     hq, hk, d = 4, 2, 128
     cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     q, k, v = _inputs([(sum(lq), hq, d), (sum(lk), hk, d), (sum(lk), hk, d)], torch.bfloat16)
     kw = dict(window_size=(700, 300))
-    with torch.no_grad():
-        out, lse, _ = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True,
-                                                backend="triton", **kw)
+    with torch.no_grad():     # the launcher with this configuration, untuned
+        out, lse = triton_impl.flash_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), "thd", d ** -0.5, 700, 300,
+                                         config=cfg)
         for name, dt, up in (("64", torch.float64, True), ("low", torch.bfloat16, False)):
             ys = [t.detach().to(dt) for t in (q, k, v)]
             o, l = reference.attention_varlen(*ys, cu_q, cu_k, upcast=up, **kw)
@@ -239,13 +238,14 @@ def test_varlen_zero_and_one_length_sequences_very_negative_scores(dtype, causal
 
 @pytest.mark.parametrize("cfgs", list(zip(triton_impl._DKDV_CONFIGS[128], triton_impl._DQ_CONFIGS[128])),
                          ids=lambda c: "dkdv" + "-".join(map(str, c[0])) + "_dq" + "-".join(map(str, c[1])))
-def test_every_d128_backward_config_short_key_tile(cfgs, monkeypatch, poisoned):
-    # each backward configuration the D=128 autotuner may pick, with one key past a 64- or 128-key tile
-    monkeypatch.setitem(triton_impl.FORCED_CONFIGS, "dkdv", cfgs[0])
-    monkeypatch.setitem(triton_impl.FORCED_CONFIGS, "dq", cfgs[1])
+def test_every_d128_backward_config_short_key_tile(cfgs, poisoned):
+    # each backward configuration the D=128 autotuner may pick, with one key past a 64- or 128-key tile:
+    # the launchers with this configuration, untuned
     for sk in (65, 129):
         q, k, v = _aligned([(1, 200, 4, 128), (1, sk, 1, 128), (1, sk, 1, 128)], torch.float16)
-        out, lse, _ = da.flash_attn_func(q, k, v, return_attn_probs=True, backend="triton")
-        do = torch.randn_like(out)
-        grads = _grads(out, (q, k, v), do)
+        scale = 128 ** -0.5
+        with torch.no_grad():
+            out, lse = triton_impl.flash_fwd(q, k, v, scale=scale)
+            do = torch.randn_like(out)
+            grads = triton_impl.flash_bwd(do, q, k, v, out, lse, scale=scale, dkdv_config=cfgs[0], dq_config=cfgs[1])
         _check((out, lse, *grads), _ref(reference.attention, (q, k, v), do))

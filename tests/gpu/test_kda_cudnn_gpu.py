@@ -14,7 +14,7 @@ import delta_attn as da
 from delta_attn.backends import BACKENDS, Call, UnsupportedError
 from delta_attn.ops.kda import cudnn as CK
 
-import kda_props
+import properties
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -62,8 +62,8 @@ def make(B, T, H, HV, h0=False, cu=None, gate=None, normed=False, strong=False, 
 
 
 def check(xs, kw, grad=False, **opts):
-    """DESIGN.md's rule against float64 (tests/kda_props.compare), plus the dtypes and layout cuDNN must return."""
-    bad, out = kda_props.compare(xs, kw, grad, 3, backend="cudnn", **opts)
+    """DESIGN.md's rule against float64 (tests/properties.kda_compare), plus the dtypes and layout cuDNN must return."""
+    bad, out = properties.kda_compare(xs, kw, grad, 3, backend="cudnn", **opts)
     assert not bad, "; ".join(bad)
     assert out[0].dtype == DT
     if out[1] is not None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import delta_attn as da
-import kda_props
+import properties
 
 DEV = "cuda"
 GPU_CASES = 1000
@@ -16,9 +16,9 @@ GPU_CASES = 1000
 
 @pytest.mark.parametrize("seed", range(GPU_CASES))
 def test_random_configuration(seed):
-    case = kda_props.draw(10_000 + seed, "gpu")
+    case = properties.draw_kda(10_000 + seed, "gpu")
     try:
-        bad = kda_props.check(case, DEV)
+        bad = properties.kda_check(case, DEV)
     except Exception as e:      # noqa: BLE001
         if "illegal memory access" in str(e):      # the CUDA context is lost: end this worker (xdist replaces it)
             print(f"ILLEGAL ADDRESS {case}", flush=True)
@@ -29,9 +29,9 @@ def test_random_configuration(seed):
 
 @pytest.mark.parametrize("T,grad", [(32768, False), (8192, True)])
 def test_long_sequence_bf16(T, grad):
-    c = kda_props.Case(seed=1, B=1, T=T, cu=None, H=1, HV=2, K=128, V=128, dtype="bf16", gate=None, l2=True,
+    c = properties.KDACase(seed=1, B=1, T=T, cu=None, H=1, HV=2, K=128, V=128, dtype="bf16", gate=None, l2=True,
                        h0=True, final=True, decay=None, scale=None, fp32_gb=False, grad=grad)
-    bad = kda_props.check(c, DEV)
+    bad = properties.kda_check(c, DEV)
     assert not bad, "; ".join(bad)
 
 
@@ -39,9 +39,9 @@ def test_long_sequence_bf16(T, grad):
 def test_inference_chunk_lengths_bf16(monkeypatch, chunk):
     from delta_attn.ops.kda import pipeline
     monkeypatch.setattr(pipeline, "infer_chunk", lambda *a: chunk)
-    c = kda_props.Case(seed=2, B=2, T=777, cu=None, H=2, HV=4, K=128, V=128, dtype="bf16", gate="softplus",
+    c = properties.KDACase(seed=2, B=2, T=777, cu=None, H=2, HV=4, K=128, V=128, dtype="bf16", gate="softplus",
                        l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=False, grad=False)
-    assert not kda_props.check(c, DEV)
+    assert not properties.kda_check(c, DEV)
 
 
 def test_decode_under_cuda_graph_capture():
@@ -76,10 +76,10 @@ def test_decode_under_cuda_graph_capture():
 
 def test_torch_compile_runs_the_same_kernels():
     """fullgraph torch.compile of forward + backward gives the eager results bit for bit (same custom ops)."""
-    c = kda_props.Case(seed=4, B=1, T=300, cu=(0, 100, 100, 300), H=1, HV=2, K=64, V=64, dtype="bf16",
+    c = properties.KDACase(seed=4, B=1, T=300, cu=(0, 100, 100, 300), H=1, HV=2, K=64, V=64, dtype="bf16",
                        gate="lower_bound", l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=False,
                        grad=True)
-    xs, kw = kda_props.inputs(c, DEV)
+    xs, kw = properties.kda_inputs(c, DEV)
 
     def f(q, k, v, g, beta, h0):
         o, s = da.kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=kw["cu_seqlens"], A_log=kw["A_log"],

@@ -356,7 +356,7 @@ def _cudnn_paged_why_not(case, device, dtype, grad):
         return "needs a CUDA GPU"
     if dtype not in (torch.float16, torch.bfloat16):
         return "cuDNN paged attention supports float16/bfloat16 only"
-    from ..ops import cudnn as cudnn_ops
+    from ..ops.flash import cudnn as cudnn_ops
     err = cudnn_ops.frontend_error()
     if err:
         return err
@@ -369,7 +369,7 @@ def _cudnn_paged_bind(case, t):
     """cudnn-frontend's SDPA over the paged cache (``paged_attention_k_table`` / ``_v_table``, the API of the
     frontend's sample 52): q (B, Hq, 1, D), the containers (blocks, Hk, page, D) as strided views of ours,
     the block table as (B, 1, pages, 1), every sequence ``ctx`` keys long (padding mask). Built once per row."""
-    from ..ops import cudnn as cudnn_ops
+    from ..ops.flash import cudnn as cudnn_ops
     cudnn = cudnn_ops._cudnn()
     q, kc, vc, table = t["q"], t["k_cache"], t["v_cache"], t["block_table"]
     b, _, hq, d = q.shape

@@ -35,6 +35,8 @@ import os
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from .. import settings
+
 # ------------------------------------------------------------------------------------------ device limits
 
 # Per compute capability: CUDA C Programming Guide, "Technical Specifications per Compute Capability",
@@ -288,10 +290,6 @@ INTERPRETER_REASON = ("the Triton kernels ran through the interpreter (TRITON_IN
                       "nothing: there are no registers, spills or shared memory to read")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "no", "off")
-
-
 def _triton_api():
     """(hook registry, CompiledKernel class, Autotuner class or None, Triton version), or a string
     saying why this Triton has no usable launch hook."""
@@ -401,9 +399,9 @@ class TritonLaunchCapture:
         dev_type = getattr(dev, "type", dev)
         if self._api is None:      # a stand-in API (tests) skips the device checks
             if dev_type is not None and dev_type != "cuda":
-                self.reason = ("CPU run: " + INTERPRETER_REASON) if _interpreting() else "CPU run: no compiled kernels"
+                self.reason = ("CPU run: " + INTERPRETER_REASON) if settings.triton_interpreter() else "CPU run: no compiled kernels"
                 return self
-            if _interpreting():
+            if settings.triton_interpreter():
                 self.reason = INTERPRETER_REASON
                 return self
         api = self._api if self._api is not None else _triton_api()

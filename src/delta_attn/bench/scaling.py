@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from .runner import DTYPES, DTYPE_NAMES, Settings
 from .timer import estimate_ms, measure
 
@@ -41,7 +42,7 @@ def ensure_process_group(device: str) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device == "cuda" else "gloo"
-    if "WORLD_SIZE" in os.environ:                       # launched by torchrun: its rendezvous variables
+    if settings.launched_by_torchrun():                  # its rendezvous variables (env://)
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -6,6 +6,13 @@ kernel fits the device's shared memory is launched, so an accepted call never fa
 ``OutOfResources``; the choice is cached per specialisation (kernel, constexprs, dtypes, device), so
 a call pays one dictionary look-up after the first. Under the CPU interpreter there is no limit:
 the first candidate runs.
+
+Every launcher prepares what its kernels receive with the helpers of :mod:`._prepare`, re-exported
+here: :func:`index` (contiguous int32 index tensors), :func:`param` (contiguous operands and
+parameters), :func:`unit_last`, :func:`optional` (a cached placeholder pointer for an absent input),
+and the device's limits (:func:`sm_count`, :func:`shared_memory`). Importing this module applies the
+Triton interpreter's fixes (:mod:`._triton_interpreter`, only while ``TRITON_INTERPRET`` is on): every
+launcher imports it before its first launch.
 """
 from __future__ import annotations
 
@@ -13,6 +20,21 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Sequence, Tuple
 
 import torch
+
+from . import _triton_interpreter
+from ._prepare import index, optional, param, shared_memory, sm_count, unit_last
+
+_triton_interpreter.patch()
+
+__all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
+           "shared_memory", "eager_or_op"]
+
+
+def eager_or_op(fn: Callable, op: Callable) -> Callable:
+    """The one eager fast path of every op: ``fn`` (a custom op's own body) in eager mode, the custom op ``op``
+    while torch.compile traces. A custom op's dispatch costs ~10-20 us of host time per call, more than a
+    decode step's kernel takes on the GPU; both run the same launcher."""
+    return op if torch.compiler.is_compiling() else fn
 
 
 @dataclass(frozen=True)
@@ -61,11 +83,6 @@ def halving(first: Tiles, names: Sequence[str], floor: int = 16) -> Tuple[Tiles,
 _FITTED: Dict[tuple, Tiles] = {}
 
 
-def _shared_limit(device: torch.device) -> int:
-    from triton.runtime import driver
-    return int(driver.active.utils.get_device_properties(device.index)["max_shared_mem"])
-
-
 def _key(kernel, args, fixed: dict) -> tuple:
     dtypes = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
     return (getattr(kernel, "__name__", None) or kernel.fn.__name__, dtypes, tuple(sorted(fixed.items())))
@@ -97,7 +114,7 @@ def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, can
         key = _key(kernel, args, fixed) + (device.index, tuple(candidates))
         chosen = _FITTED.get(key)
         if chosen is None:
-            chosen = _FITTED[key] = fit(kernel, grid, args, fixed, candidates, _shared_limit(device))
+            chosen = _FITTED[key] = fit(kernel, grid, args, fixed, candidates, shared_memory(device))
     kernel[grid(chosen)](*args, **fixed, **dict(chosen.meta), num_warps=chosen.num_warps,
                          num_stages=chosen.num_stages)
     return chosen

@@ -10,7 +10,7 @@ interpreter has another shape is left alone. Compiled GPU kernels are never affe
 """
 from __future__ import annotations
 
-import os
+from .. import settings
 
 _done = False
 
@@ -21,7 +21,7 @@ def _as_bool(mask):
 
 def patch() -> None:
     global _done
-    if _done or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if _done or not settings.triton_interpreter():
         return
     _done = True
     try:

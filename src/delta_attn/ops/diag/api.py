@@ -26,10 +26,13 @@ class DiagArgs:
 
     def call(self, op: str) -> Call:
         feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.g, self.initial_state))
         return Call(op=op, device=self.q.device, dtype=self.q.dtype, head_dims=(self.q.shape[-1],),
-                    features=frozenset(feats), needs_grad=needs_grad)
+                    features=frozenset(feats), needs_grad=self.needs_grad())
+
+    def needs_grad(self) -> bool:
+        """Grad mode on and a differentiable input (q, k, v, g, initial_state) requires grad."""
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.g, self.initial_state))
 
 
 def _validate_qkvg(q, k, v, g):

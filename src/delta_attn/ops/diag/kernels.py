@@ -48,7 +48,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import _triton_interpreter
 from .._slots import _start_slot, _token_slot
 
 # a published word with the valid bit set, A bits 0 (stop) and B = 0: "state 0, nothing before matters"
@@ -58,9 +57,6 @@ _INCL_ZERO: tl.constexpr = tl.constexpr(INCL_ZERO)
 # or NaN, so a negative A is free to mean it; a reset is applied by a select, never by a multiply by 0
 RESET = -1.0
 _RESET: tl.constexpr = tl.constexpr(RESET)
-
-
-_triton_interpreter.patch()
 
 
 @triton.jit

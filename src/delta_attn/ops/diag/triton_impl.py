@@ -3,9 +3,10 @@
 ``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (by
 default the "rows" kernels, the forward with split tiles: measured fastest; the tile kernels opt-in);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
-ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them), and
-:class:`GatedDiagFunction` ties forward and backward together. The forward returns, besides ``o`` and
-the final states, its workspace: the state at the end of every time tile (of every segment for a
+ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them),
+:class:`GatedDiagFunction` ties forward and backward together, and the backend entries take the
+Function when a gradient is needed, else the op's body in eager mode (the op while traced). The
+forward returns, besides ``o`` and the final states, its workspace: the state at the end of every time tile (of every segment for a
 training forward with split tiles), which the backward uses as carries (int64 words, 8 bytes per
 channel every ``BT`` or ``BT / split`` tokens).
 """
@@ -18,9 +19,9 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from ... import settings
 from ..._outputs import empty
-from ...backends import triton_interpreter_on
-from .._launch import Tiles, launch, tiles
+from .._launch import Tiles, eager_or_op, index, launch, optional, param, sm_count, tiles
 from .api import DiagArgs
 from .kernels import (_diag_bwd_kernel, _diag_bwd_rows_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel,
                       _diag_step_kernel)
@@ -72,21 +73,15 @@ INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, kind="rows")
 
 def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
     """(forward without gradient, training forward, backward)."""
-    if triton_interpreter_on():
+    if settings.triton_interpreter():
         return INTERP_FWD_CONFIG, INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
     return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block_d(cfg: DiagConfig, n_tiles: int, H: int, D: int, device: torch.device) -> int:
     """Channels per program: shrink the block while the grid would not fill the GPU twice."""
     bd = min(cfg.bd, triton.next_power_of_2(D))
-    target = 2 * _sm_count(device)
+    target = 2 * sm_count(device)
     while bd > 16 and n_tiles * H * triton.cdiv(D, bd) < target:
         bd //= 2
     return bd
@@ -96,7 +91,7 @@ def _block_hd(cfg: DiagConfig, n_tiles: int, hd: int, device: torch.device) -> i
     """Rows variants: channel blocks over the flattened H * D axis, shrunk while the grid would not
     fill the GPU twice."""
     bd = min(cfg.bd, triton.next_power_of_2(hd))
-    while bd > 16 and n_tiles * triton.cdiv(hd, bd) < 2 * _sm_count(device):
+    while bd > 16 and n_tiles * triton.cdiv(hd, bd) < 2 * sm_count(device):
         bd //= 2
     return bd
 
@@ -123,7 +118,7 @@ def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int,
     if cfg.kind == "rows":
         bd = _block_hd(cfg, n_tiles, h * d, device)
         kernel, programs, width = rows_kernel, n_tiles * triton.cdiv(h * d, bd), h * d
-        extra = dict(rows_meta or {}, FAST_EXP=not triton_interpreter_on())
+        extra = dict(rows_meta or {}, FAST_EXP=not settings.triton_interpreter())
     else:
         bd = _block_d(cfg, n_tiles, h, d, device)
         kernel, programs, width = default_kernel, n_tiles * h * triton.cdiv(d, bd), d
@@ -145,10 +140,12 @@ def _carry_words(cfg: DiagConfig, total: int, training: bool) -> int:
 
 def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
              config: Optional[DiagConfig] = None, training: bool = False):
-    """Forward scan. q, k, v, g contiguous (B, T, H, D). Returns ``(o, final_state, workspace)``;
+    """Forward scan. q, k, v, g (B, T, H, D). Returns ``(o, final_state, workspace)``;
     ``final_state`` is (N, H, D) float32 or an empty tensor when not requested. ``training`` picks the
     training forward's config, and the workspace then holds the state every ``cfg.segment_rows`` rows
     (what the default backward expects); otherwise every ``cfg.bt`` rows."""
+    q, k, v, g, initial_state = map(param, (q, k, v, g, initial_state))
+    cu_seqlens = index(cu_seqlens)
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
     cfg = config or _configs()[1 if training else 0]
     n_tiles = triton.cdiv(total, cfg.bt)
@@ -162,13 +159,10 @@ def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state
         if output_final_state:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final, carries
-    dummy = ws
     _launch_scan(_diag_fwd_kernel, _diag_fwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
                  cu_seqlens,
-                 (q, k, v, g, o,
-                  initial_state if initial_state is not None else dummy,
-                  final if output_final_state else dummy,
-                  ws, cu_seqlens if cu_seqlens is not None else dummy,
+                 (q, k, v, g, o, optional(initial_state, ws), optional(final if output_final_state else None, ws),
+                  ws, optional(cu_seqlens, ws),
                   max(t_seq, 1), total, n, n_tiles),
                  dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, Q_EARLY=cfg.early),
                  rows_meta=dict(HOLD=cfg.hold, SPLIT=cfg.split, carries=carries, STORE_CARRIES=carries is not ws))
@@ -180,6 +174,8 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
     """Backward scan on the forward's workspace ``ws``, which holds the state every ``fwd_bt`` rows
     (default: the training forward's ``segment_rows``). Returns ``(dq, dk, dv, dg, d_initial_state or
     an empty tensor)``."""
+    q, k, v, g, do, initial_state, dfinal = map(param, (q, k, v, g, do, initial_state, dfinal))
+    cu_seqlens = index(cu_seqlens)
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
     cfg = config or _configs()[2]
     fbt = fwd_bt or _configs()[1].segment_rows
@@ -197,14 +193,10 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
         return dq, dk, dv, dg, dh0
     n_tiles = triton.cdiv(total, cfg.bt)
     ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
-    dummy = ws
     _launch_scan(_diag_bwd_kernel, _diag_bwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
                  cu_seqlens,
-                 (q, k, v, g, do, dq, dk, dv, dg,
-                  initial_state if initial_state is not None else dummy,
-                  dfinal if dfinal is not None else dummy,
-                  dh0 if initial_state is not None else dummy,
-                  ws, ws_b, cu_seqlens if cu_seqlens is not None else dummy,
+                 (q, k, v, g, do, dq, dk, dv, dg, optional(initial_state, ws), optional(dfinal, ws),
+                  optional(dh0 if initial_state is not None else None, ws), ws, ws_b, optional(cu_seqlens, ws),
                   max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt),
                  dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None),
                  default_meta=dict(KV_EARLY=cfg.early))
@@ -222,20 +214,21 @@ def step_tiles(hd: int) -> Tiles:
 def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, config: Optional[Tiles] = None):
     """Decode: the recurrence over q.shape[1] new tokens per sequence; ``state`` (P, H, D) updated in place.
     ``state_indices`` None, (B,) or (B, T) (speculative, with ``num_accepted_tokens``): see ``ops/_slots.py``;
-    index tensors may be strided views (the kernel reads ``idx + b``: they get unit-stride copies).
+    index tensors may be strided views (the launch layer gives the kernel contiguous int32 copies).
     ``config``: the launch config (``BD``, warps; default :func:`step_tiles`). No host synchronisation."""
-    if state_indices is not None:
-        state_indices = state_indices.contiguous()
-    if num_accepted_tokens is not None:
-        num_accepted_tokens = num_accepted_tokens.contiguous()
+    if not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous (P, H, D) pool (it is updated in place), got strides "
+                         f"{tuple(state.stride())}")
+    q, k, v, g = map(param, (q, k, v, g))
+    state_indices, num_accepted_tokens = index(state_indices), index(num_accepted_tokens)
     b, t, h, d = q.shape
     o = empty(q.shape, q.dtype, q.device)
     if b == 0 or t == 0:
         return o
     config = config or step_tiles(h * d)
     launch(_diag_step_kernel, lambda c: (b, triton.cdiv(h * d, c.get("BD"))),
-           (q, k, v, g, o, state, state_indices if state_indices is not None else state,
-            num_accepted_tokens if num_accepted_tokens is not None else state, t, h * d),
+           (q, k, v, g, o, state, optional(state_indices, state),
+            optional(num_accepted_tokens, state), t, h * d),
            dict(IDX=0 if state_indices is None else state_indices.dim(), HAS_NAT=num_accepted_tokens is not None,
                 EVEN=(h * d) % config.get("BD") == 0),
            (config,))
@@ -246,12 +239,14 @@ def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, c
 # torch.library custom ops (fake implementations give shapes for torch.compile)
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("delta_attn::diag_fwd", mutates_args=())
-def _diag_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                 output_final_state: bool, training: bool = False
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+         output_final_state: bool, training: bool = False
+         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=training)
+
+
+_diag_fwd_op = torch.library.custom_op("delta_attn::diag_fwd", _fwd, mutates_args=())
 
 
 @_diag_fwd_op.register_fake
@@ -262,12 +257,14 @@ def _(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=False)
     return q.new_empty(q.shape), final, q.new_empty((words, h, d), dtype=torch.int64)
 
 
-@torch.library.custom_op("delta_attn::diag_bwd", mutates_args=())
-def _diag_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
-                 ws: torch.Tensor, initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
-                 cu_seqlens: Optional[torch.Tensor]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
+         ws: torch.Tensor, initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
+         cu_seqlens: Optional[torch.Tensor]
+         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return diag_bwd(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
+
+
+_diag_bwd_op = torch.library.custom_op("delta_attn::diag_bwd", _bwd, mutates_args=())
 
 
 @_diag_bwd_op.register_fake
@@ -278,11 +275,12 @@ def _(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
 
 
-@torch.library.custom_op("delta_attn::diag_step", mutates_args=("state",))
-def _diag_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
-                  state_indices: Optional[torch.Tensor],
-                  num_accepted_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
+          state_indices: Optional[torch.Tensor], num_accepted_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     return diag_step(q, k, v, g, state, state_indices, num_accepted_tokens)
+
+
+_diag_step_op = torch.library.custom_op("delta_attn::diag_step", _step, mutates_args=("state",))
 
 
 @_diag_step_op.register_fake
@@ -305,31 +303,18 @@ class GatedDiagFunction(torch.autograd.Function):
         if dfinal is not None and dfinal.numel() == 0:
             dfinal = None
         dq, dk, dv, dg, dh0 = torch.ops.delta_attn.diag_bwd(
-            q, k, v, g, do.contiguous(), ws, initial_state,
-            dfinal.contiguous() if dfinal is not None else None, cu_seqlens)
+            q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
         return dq, dk, dv, dg, (dh0 if initial_state is not None else None), None, None
 
 
-def _eager_or_op(fn, op):
-    """The launcher itself in eager mode, the custom op while torch.compile traces: the op's
-    dispatch costs ~10-20 us of CPU per call, more than a decode step's kernel takes on the GPU."""
-    return op if torch.compiler.is_compiling() else fn
-
-
 def gated_diag(a: DiagArgs):
-    q, k, v, g = (x.contiguous() for x in (a.q, a.k, a.v, a.g))
-    h0 = a.initial_state.contiguous() if a.initial_state is not None else None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, h0)):
-        o, final = GatedDiagFunction.apply(q, k, v, g, h0, a.cu_seqlens, a.output_final_state)
+    args = (a.q, a.k, a.v, a.g, a.initial_state, a.cu_seqlens, a.output_final_state)
+    if a.needs_grad():
+        o, final = GatedDiagFunction.apply(*args)
     else:
-        o, final, _ = _eager_or_op(diag_fwd, torch.ops.delta_attn.diag_fwd)(q, k, v, g, h0, a.cu_seqlens,
-                                                                            a.output_final_state)
+        o, final, _ = eager_or_op(_fwd, _diag_fwd_op)(*args)
     return o, (final if a.output_final_state else None)
 
 
 def gated_diag_step(a: DiagArgs):
-    q, k, v, g = (x.contiguous() for x in (a.q, a.k, a.v, a.g))
-    if not a.state.is_contiguous():
-        raise ValueError("state must be contiguous (it is updated in place)")
-    return _eager_or_op(diag_step, torch.ops.delta_attn.diag_step)(q, k, v, g, a.state, a.state_indices,
-                                                                   a.num_accepted_tokens)
+    return eager_or_op(_step, _diag_step_op)(a.q, a.k, a.v, a.g, a.state, a.state_indices, a.num_accepted_tokens)

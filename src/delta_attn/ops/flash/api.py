@@ -74,10 +74,13 @@ class AttnArgs:
                 feats.add("layout_htd")
         elif self.q.shape[1] != self.k.shape[1]:
             feats.add("sq_ne_sk")
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
         return Call(op="flash_varlen" if self.varlen is not None else "flash", device=self.q.device,
                     dtype=self.q.dtype, head_dims=(self.q.shape[-1], self.v.shape[-1]),
-                    features=frozenset(feats), needs_grad=needs_grad)
+                    features=frozenset(feats), needs_grad=self.needs_grad())
+
+    def needs_grad(self) -> bool:
+        """Grad mode on and q, k or v requires grad (the backward follows)."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
 
 
 def _common(q, k, v, hq, hk, batch, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -136,7 +139,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     tdim, hdim = (0, 1) if layout == "thd" else (1, 0)
     C.dim_equal("token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
-    device = q.device
+    device = C.same_device(q=q, k=k, v=v)            # before cu_seqlens, which must be on this device
     cu_seqlens_q, cu_seqlens_k, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[tdim], k.shape[tdim],
                                                       max_seqlen_q, max_seqlen_k, device)   # int32, contiguous
     common = _common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
@@ -232,3 +235,7 @@ _TRITON = dict(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), h
                features=ALL_FEATURES - {"head_dim_v"}, requires=("triton",), install_hint="pip install triton")
 register("triton", "flash", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
 register("triton", "flash_varlen", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
+
+# backend="cudnn" (and the attention auto policy) and backend="sdpa": each module registers itself; neither
+# imports its optional package (cudnn-frontend) before a call runs
+from . import cudnn as _cudnn, sdpa as _sdpa  # noqa: E402,F401

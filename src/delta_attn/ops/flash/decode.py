@@ -14,13 +14,9 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ... import _outputs
-from .. import _triton_interpreter
-from .._launch import Tiles, halving, launch, tiles
-from ...backends import sm_count, triton_interpreter_on
+from ... import _outputs, settings
+from .._launch import Tiles, eager_or_op, halving, index, launch, optional, param, sm_count, tiles
 from .kernels_decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_merge_kernel
-
-_triton_interpreter.patch()
 
 Tensor = torch.Tensor
 
@@ -57,7 +53,7 @@ def _attn_tiles(d: int, paged: bool):
     keeps 64-key tiles in 3 stages, every tile masked (507 µs, 1.031x cuDNN paged; 691 µs with edge-only
     masks). Halved when shared memory is short. One small tile under the interpreter (CPU tests cover
     several tiles and splits)."""
-    if triton_interpreter_on():
+    if settings.triton_interpreter():
         return (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16, HOIST=0),)
     if paged:
         first = tiles("paged: 64-key tiles, 3 stages, every tile masked", num_warps=4, num_stages=3,
@@ -103,11 +99,13 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 rotary_interleaved: bool, rotary_per_query: bool, num_splits: int,
                 config: Optional[Tiles] = None) -> Tuple[Tensor, Tensor]:
     """Append ``k`` / ``v`` to the caches (in place), then attend. Returns ``(out (B, Sq, Hq, D),
-    lse (B, Hq, Sq) float32)``. Index tensors arrive as contiguous int32 (the validation's form).
+    lse (B, Hq, Sq) float32)``. Index tensors reach the kernels as contiguous int32 (the launch layer).
     ``config``: the attention kernel's tiles (:func:`check_attn_config`), launched as given (no smaller
     fallback); None: the default, fitted to the device."""
     if config is not None:
         check_attn_config(config)
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = map(
+        index, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     b, sq, hq, d = q.shape
     hk = k_cache.shape[2]
     group = hq // hk
@@ -116,15 +114,14 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     capacity = block_table.shape[1] * page if paged else k_cache.shape[1]
     rotary = rotary_cos is not None
     if rotary and rotary_sin.stride() != rotary_cos.stride():
-        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
-    dummy = cache_seqlens
-    cos, sin = (rotary_cos, rotary_sin) if rotary else (q, q)
+        rotary_cos, rotary_sin = param(rotary_cos), param(rotary_sin)
+    cos, sin = optional(rotary_cos, q), optional(rotary_sin, q)
     s_ro = tuple(rotary_cos.stride()) if rotary else (0, 0)
     seqlen_ro = rotary_cos.shape[0] if rotary else 1
     half = rotary_cos.shape[1] if rotary else 0
-    bt = block_table if paged else dummy
+    bt = optional(block_table, cache_seqlens)
     s_bt = tuple(block_table.stride()) if paged else (0, 0)
-    idx = cache_batch_idx if cache_batch_idx is not None else dummy
+    idx = optional(cache_batch_idx, cache_seqlens)
     block_d = max(16, triton.next_power_of_2(d))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGED=paged, HAS_IDX=cache_batch_idx is not None, ROTARY=rotary,
                   INTERLEAVED=bool(rotary_interleaved))
@@ -148,11 +145,11 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     split = splits > 1
     o_part = _outputs.empty((b * hq * sq * splits * d,) if split else (1,), torch.float32, q.device)
     l_part = _outputs.empty((b * hq * sq * splits,) if split else (1,), torch.float32, q.device)
-    alibi = alibi_slopes if alibi_slopes is not None else q
+    alibi = optional(alibi_slopes, q)
     s_ab = (0, 0) if alibi_slopes is None else (
         (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else tuple(alibi_slopes.stride()))
     args = (q, k_cache, v_cache, out, lse, o_part, l_part, cache_seqlens,
-            cache_leftpad if cache_leftpad is not None else dummy, idx, bt, alibi, cos, sin,
+            optional(cache_leftpad, cache_seqlens), idx, bt, alibi, cos, sin,
             *_s4(q), *_s4(k_cache), *_s4(v_cache), *_s4(out), *lse.stride(), *s_bt, *s_ab, *s_ro,
             sq, snew, hk, group, page, seqlen_ro, half, float(softmax_scale), float(softcap), int(window_left),
             int(window_right), splits, row_blocks)
@@ -171,14 +168,16 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
 _Opt = Optional[Tensor]
 
 
-@torch.library.custom_op("delta_attn::flash_kvcache", mutates_args=("k_cache", "v_cache"))
-def _kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: _Opt, v: _Opt, rotary_cos: _Opt, rotary_sin: _Opt,
+def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: _Opt, v: _Opt, rotary_cos: _Opt, rotary_sin: _Opt,
                 cache_seqlens: Tensor, cache_batch_idx: _Opt, cache_leftpad: _Opt, block_table: _Opt,
                 alibi_slopes: _Opt, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                 rotary_interleaved: bool, rotary_per_query: bool, num_splits: int) -> Tuple[Tensor, Tensor]:
     return kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        cache_leftpad, block_table, alibi_slopes, softmax_scale, window_left, window_right, softcap,
                        rotary_interleaved, rotary_per_query, num_splits)
+
+
+_kvcache_op = torch.library.custom_op("delta_attn::flash_kvcache", _kvcache, mutates_args=("k_cache", "v_cache"))
 
 
 @_kvcache_op.register_fake
@@ -191,16 +190,18 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_ba
 
 def kvcache(a, config: Optional[Tiles] = None):
     """Backend entry point (a validated :class:`~delta_attn.ops.flash.kvcache.KVCacheArgs`): ``(out, lse)``.
-    Eager calls launch directly (a decode step is launch-bound; the dispatcher would cost more than the
-    kernels), traced calls go through the custom op. ``config``: explicit attention-kernel tiles (eager
-    calls only; tuning experiments), see :func:`kvcache_fwd`."""
+    Through the one eager fast path (:func:`~delta_attn.ops._launch.eager_or_op`): eager calls launch directly
+    (a decode step is launch-bound; the dispatcher would cost more than the kernels), traced calls go through
+    the custom op. ``config``: explicit attention-kernel tiles (eager calls only; tuning experiments), see
+    :func:`kvcache_fwd`."""
     wl, wr = a.window
     args = (a.q, a.k_cache, a.v_cache, a.k, a.v, a.rotary_cos, a.rotary_sin, a.cache_seqlens, a.cache_batch_idx,
             a.cache_leftpad, a.block_table, a.alibi_slopes, float(a.softmax_scale), int(wl), int(wr),
             float(a.softcap), bool(a.rotary_interleaved), bool(a.rotary_per_query), int(a.num_splits))
-    if torch.compiler.is_compiling():
-        if config is not None:
+    if config is not None:
+        if torch.compiler.is_compiling():
             raise ValueError("config is for eager calls only (the traced custom op uses the default tiles)")
-        return _kvcache_op(*args)
+        with torch.no_grad():
+            return kvcache_fwd(*args, config=config)
     with torch.no_grad():
-        return kvcache_fwd(*args, config=config)
+        return eager_or_op(_kvcache, _kvcache_op)(*args)

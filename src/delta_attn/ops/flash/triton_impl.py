@@ -1,13 +1,14 @@
 """``backend="triton"`` for attention: launchers, ``torch.library`` custom ops, autograd.
 
-Layers, bottom up:
+Layers, bottom up (the pattern of every op, docs/ARCHITECTURE.md):
 - :func:`flash_fwd` / :func:`flash_bwd` launch the kernels of ``kernels_fwd`` / ``kernels_bwd`` on a
   dense (B, S, H, D) batch or a packed one ("thd" (total, H, D) / "htd" (H, total, D), addressed
   through strides, never copied);
 - ``delta_attn::flash_attn_fwd`` / ``delta_attn::flash_attn_bwd`` are ``torch.library`` custom ops
   with fake implementations, so ``torch.compile(fullgraph=True)`` traces through them;
 - :class:`FlashAttnFunction` ties them together for autograd; :func:`attention` is the backend
-  entry point that receives the validated :class:`~delta_attn.ops.flash.api.AttnArgs`.
+  entry point that receives the validated :class:`~delta_attn.ops.flash.api.AttnArgs`: the Function
+  when a gradient is needed, else the forward op's body in eager mode (the op while traced).
 
 Determinism: the backward never uses atomics (dK/dV and dQ are separate passes and GQA groups are
 summed in registers), so gradients are bit-identical across runs whether or not
@@ -24,20 +25,16 @@ sequence lengths, never the raw lengths, so a varlen loop does not re-tune every
 from __future__ import annotations
 
 import functools
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 
-from ... import _outputs
-from .. import _triton_interpreter
-from ...backends import triton_interpreter_on
+from ... import _outputs, settings
+from .._launch import eager_or_op, index, optional, unit_last
 from .api import AttnArgs
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
-
-_triton_interpreter.patch()
 
 Tensor = torch.Tensor
 
@@ -53,7 +50,7 @@ def _cfg(bm, bn, warps, stages, extra=None):
 _TMA = {"USE_TMA": True}
 _PIPE_TMA = {"PIPE": True, "USE_TMA": True}
 # (BLOCK_M, BLOCK_N, warps, stages[, extra meta]) per head-dim class, from the H200 sweeps in
-# docs/PERFORMANCE.md; the first entry is what DELTA_ATTN_AUTOTUNE=0 runs.
+# docs/PERFORMANCE.md.
 # The forward tries K/V loads through TMA descriptors ("USE_TMA"), warp specialisation of the
 # unmasked loop ("WS") and the loop software-pipelined by one key block ("PIPE") as tuning choices.
 # Measured (sweep of 2026-11-21 03:14): PIPE with TMA is the fastest D=128 forward on all four issue
@@ -105,11 +102,7 @@ def _tuned(kind: str, dclass: int):
     return triton.autotune(configs, key=key)(kernel)
 
 
-# benchmarking hooks: force one (BLOCK_M, BLOCK_N, warps, stages) per kernel kind, or set
-# DELTA_ATTN_AUTOTUNE=0 to run the first configuration of each table without tuning (GPU tests)
-FORCED_CONFIGS: dict = {}
 _KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}
-_TABLES = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,26 +123,25 @@ def _tma_ok(*tensors) -> bool:
     return True
 
 
-def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict) -> None:
+def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict,
+            config: Optional[tuple] = None) -> None:
     """Launch kernel ``kind``: grid (cdiv(rows, block), grid_b); autotuned on GPU, fixed under the
-    interpreter. ``grid_m`` names the meta-parameter that tiles ``rows``."""
+    interpreter. ``grid_m`` names the meta-parameter that tiles ``rows``. ``config`` (one entry of the
+    kind's table: BLOCK_M, BLOCK_N, warps, stages[, forward meta]) runs that configuration untuned."""
     if rows == 0 or grid_b == 0:
         return
     kernel = _KERNELS[kind]
-    if triton_interpreter_on():
+    if settings.triton_interpreter():
         meta = _INTERP_FWD if kind == "fwd" else _INTERP_BWD
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta)
         return
     if kwargs.get("TMA_OK"):
         _set_allocator()
-    forced = FORCED_CONFIGS.get(kind)
-    if forced is None and os.environ.get("DELTA_ATTN_AUTOTUNE", "1") == "0":
-        forced = _TABLES[kind][_dclass(d)][0]
-    if forced is not None:
-        bm, bn, warps, stages = forced[:4]
+    if config is not None:
+        bm, bn, warps, stages = config[:4]
         meta = dict(BLOCK_M=bm, BLOCK_N=bn)
         if kind == "fwd":
-            meta.update(_FWD_META, **(forced[4] if len(forced) > 4 else {}))
+            meta.update(_FWD_META, **(config[4] if len(config) > 4 else {}))
         kernel[(triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs, **meta, num_warps=warps,
                                                           num_stages=stages)
         return
@@ -168,10 +160,6 @@ def _strides(x: Tensor, layout: str) -> Tuple[int, int, int]:
     if layout == "thd":
         return 0, x.stride(0), x.stride(1)
     return 0, x.stride(1), x.stride(0)     # "htd"
-
-
-def _unit_last(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _dims(q: Tensor, k: Tensor, layout: str):
@@ -210,12 +198,12 @@ class _Launch:
         self.sq = q.shape[1] if not self.varlen else max_sq
         self.sk = k.shape[1] if not self.varlen else max_sk
         self.d = q.shape[-1]
-        self.cu_q = cu_q if cu_q is not None else q
-        self.cu_k = cu_k if cu_k is not None else q
-        self.alibi = alibi if alibi is not None else q
+        self.cu_q = optional(index(cu_q), q)
+        self.cu_k = self.cu_q if cu_k is cu_q else optional(index(cu_k), q)
+        self.alibi = optional(alibi, q)           # read through its strides
         self.alibi_strides = (0, 0) if alibi is None else (
             (0, alibi.stride(0)) if alibi.dim() == 1 else (alibi.stride(0), alibi.stride(1)))
-        self.seed = seed if seed is not None else q
+        self.seed = optional(seed, q)
         self.scalars = dict(seqlen_q=self.sq, seqlen_k=self.sk, rng_stride=self.sk, n_heads=hq,
                             group=hq // hk, scale=float(scale), softcap=float(softcap), wl=int(wl), wr=int(wr),
                             dropout_p=float(dropout_p), SQ_BUCKET=_bucket(self.sq), SK_BUCKET=_bucket(self.sk))
@@ -234,10 +222,10 @@ class _Launch:
 
 
 def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", scale=1.0, wl=-1, wr=-1,
-              softcap=0.0, alibi=None, dropout_p=0.0, seed=None) -> Tuple[Tensor, Tensor]:
+              softcap=0.0, alibi=None, dropout_p=0.0, seed=None, config=None) -> Tuple[Tensor, Tensor]:
     """Forward pass. Returns ``(out in q's layout, lse float32)``; ``seed`` (1,) int64 on the device
-    when ``dropout_p > 0``."""
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    when ``dropout_p > 0``. ``config``: one entry of ``_FWD_CONFIGS`` run untuned (GPU; tests, sweeps)."""
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     out = _outputs.empty(q.shape, q.dtype, q.device)
     lse = _outputs.empty(_lse_shape(q, layout), torch.float32, q.device)
@@ -246,14 +234,16 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_lse_strides(lse, layout), *L.alibi_strides)
     _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
             dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
-                 TMA_OK=not triton_interpreter_on() and _tma_ok(k, v)))
+                 TMA_OK=not settings.triton_interpreter() and _tma_ok(k, v)), config)
     return out, lse
 
 
 def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", scale=1.0,
-              wl=-1, wr=-1, softcap=0.0, alibi=None, dropout_p=0.0, seed=None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward pass: ``(dq, dk, dv)`` in the layouts of q, k, v (dK/dV summed over GQA groups)."""
-    do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
+              wl=-1, wr=-1, softcap=0.0, alibi=None, dropout_p=0.0, seed=None, dkdv_config=None,
+              dq_config=None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward pass: ``(dq, dk, dv)`` in the layouts of q, k, v (dK/dV summed over GQA groups).
+    ``dkdv_config`` / ``dq_config``: entries of ``_DKDV_CONFIGS`` / ``_DQ_CONFIGS`` run untuned (GPU)."""
+    do, q, k, v, out = (unit_last(t) for t in (do, q, k, v, out))
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     dq = _outputs.empty(q.shape, q.dtype, q.device)
     dk = _outputs.empty(k.shape, k.dtype, k.device)
@@ -274,11 +264,11 @@ def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, l
     _launch("dkdv", L.d, "BLOCK_N", L.sk, L.batch * L.hk,
             (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk, layout), *_strides(dv, layout), *lse_s,
              *L.alibi_strides),
-            dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags))
+            dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags), dkdv_config)
     # 3. dQ: one program per query block and query head
     _launch("dq", L.d, "BLOCK_M", L.sq, L.batch * L.hq,
             (q, k, v, do, lse, delta, dq, *common, *_strides(dq, layout), *lse_s, *L.alibi_strides),
-            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m))
+            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m), dq_config)
     if L.sk == 0 or L.batch * L.hk == 0:
         dk.zero_()
         dv.zero_()
@@ -299,7 +289,7 @@ def dropout_keep_mask(seed: Tensor, batch: int, heads: int, seqlen_q: int, seqle
     b's mask is ``[b, :, :Sq_b, :Sk_b]``."""
     mask = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=seed.device)
     if mask.numel():
-        bm = bn = 16 if triton_interpreter_on() else 64
+        bm = bn = 16 if settings.triton_interpreter() else 64
         _flash_dropout_mask_kernel[(triton.cdiv(seqlen_q, bm), triton.cdiv(seqlen_k, bn), batch * heads)](
             seed, mask, seqlen_q, seqlen_k, seqlen_k if rng_stride is None else rng_stride, float(dropout_p),
             BLOCK_M=bm, BLOCK_N=bn)
@@ -311,15 +301,17 @@ def dropout_keep_mask(seed: Tensor, batch: int, heads: int, seqlen_q: int, seqle
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("delta_attn::flash_attn_fwd", mutates_args=())
-def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-            max_seqlen_q: int, max_seqlen_k: int, layout: str, softmax_scale: float, window_left: int,
-            window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float
-            ) -> Tuple[Tensor, Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+         max_seqlen_q: int, max_seqlen_k: int, layout: str, softmax_scale: float, window_left: int,
+         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float
+         ) -> Tuple[Tensor, Tensor, Tensor]:
     seed = draw_dropout_seed(q.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=q.device)
     out, lse = flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, softmax_scale,
                          window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
     return out, lse, seed
+
+
+_fwd_op = torch.library.custom_op("delta_attn::flash_attn_fwd", _fwd, mutates_args=())
 
 
 @_fwd_op.register_fake
@@ -330,13 +322,15 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, l
     return out, lse, q.new_empty((1,), dtype=torch.int64)
 
 
-@torch.library.custom_op("delta_attn::flash_attn_bwd", mutates_args=())
-def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
-            cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-            layout: str, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-            alibi_slopes: Optional[Tensor], dropout_p: float) -> Tuple[Tensor, Tensor, Tensor]:
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+         layout: str, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+         alibi_slopes: Optional[Tensor], dropout_p: float) -> Tuple[Tensor, Tensor, Tensor]:
     return flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout,
                      softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+
+
+_bwd_op = torch.library.custom_op("delta_attn::flash_attn_bwd", _bwd, mutates_args=())
 
 
 @_bwd_op.register_fake
@@ -375,9 +369,12 @@ def attention(a: AttnArgs):
     else:
         vl = a.varlen
         cu_q, cu_k, max_sq, max_sk, layout = vl.cu_seqlens_q, vl.cu_seqlens_k, vl.max_seqlen_q, vl.max_seqlen_k, vl.layout
-    return FlashAttnFunction.apply(a.q, a.k, a.v, cu_q, cu_k, int(max_sq), int(max_sk), layout,
-                                   float(a.softmax_scale), int(wl), int(wr), float(a.softcap), a.alibi_slopes,
-                                   float(a.dropout_p))
+    args = (a.q, a.k, a.v, cu_q, cu_k, int(max_sq), int(max_sk), layout, float(a.softmax_scale), int(wl), int(wr),
+            float(a.softcap), a.alibi_slopes, float(a.dropout_p))
+    if a.needs_grad():
+        return FlashAttnFunction.apply(*args)
+    out, lse, _ = eager_or_op(_fwd, _fwd_op)(*args)
+    return out, lse
 
 
 __all__: List[str] = ["flash_fwd", "flash_bwd", "FlashAttnFunction", "attention", "dropout_keep_mask",

@@ -1,11 +1,11 @@
 """``backend="triton"`` for KDA: the ``torch.library`` custom ops (with fake implementations), their
-autograd, and the backend entry points.
+autograd, and the backend entry points (the pattern of every op, docs/ARCHITECTURE.md).
 
-Eager calls and ``torch.compile`` run the same ops and so the same kernels: ``delta_attn::kda_infer``
-(inference prefill) when no gradient is needed, ``delta_attn::kda_train`` (the training forward, which
-returns what its backward needs) otherwise; its backward is ``delta_attn::kda_train_bwd``. The decode step
-``delta_attn::kda_step`` is called directly in eager mode (its kernel is launch-bound, and the dispatcher
-would cost more than the kernel) and through the custom op when traced.
+* custom ops: ``delta_attn::kda_infer`` (inference prefill), ``delta_attn::kda_train`` (the training forward,
+  which returns what its backward needs), ``delta_attn::kda_train_bwd`` and ``delta_attn::kda_step`` (decode);
+* :class:`KDAFunction`: autograd, ``kda_train`` forward and ``kda_train_bwd`` backward;
+* the backend entries: :func:`kda` takes the Function when a gradient is needed, else the inference op's body
+  in eager mode (the op while torch.compile traces); :func:`kda_step` the decode op's body the same way.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .._launch import eager_or_op
 from .api import KDAArgs
 from .pipeline import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
                        train_forward)
@@ -24,14 +25,16 @@ def _empty(q):
     return q.new_empty(0, dtype=torch.float32)
 
 
-@torch.library.custom_op("delta_attn::kda_infer", mutates_args=())
-def _kda_infer_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
-                  lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
-                  allow_tf32: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
+           lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
+           allow_tf32: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     o, final = infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                              use_qk_l2norm, output_final_state, allow_tf32)
     return o, (final if final is not None else _empty(q))
+
+
+_kda_infer_op = torch.library.custom_op("delta_attn::kda_infer", _infer, mutates_args=())
 
 
 def _fake_outputs(q, v, cu_seqlens, output_final_state):
@@ -48,14 +51,16 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_
     return _fake_outputs(q, v, cu_seqlens, output_final_state)
 
 
-@torch.library.custom_op("delta_attn::kda_train", mutates_args=())
-def _kda_train_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
-                  lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
-                  allow_tf32: bool) -> List[torch.Tensor]:
+def _train(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
+           lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
+           allow_tf32: bool) -> List[torch.Tensor]:
     o, final, saved = train_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
                                     lower_bound, use_qk_l2norm, output_final_state, allow_tf32)
     return [o, final if final is not None else _empty(q), *saved]
+
+
+_kda_train_op = torch.library.custom_op("delta_attn::kda_train", _train, mutates_args=())
 
 
 @_kda_train_op.register_fake
@@ -74,14 +79,16 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_
     return [*_fake_outputs(q, v, cu_seqlens, output_final_state), *saved]
 
 
-@torch.library.custom_op("delta_attn::kda_train_bwd", mutates_args=())
-def _kda_train_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, saved: List[torch.Tensor],
-                      do: torch.Tensor, dht: _Opt, scale: float, lower_bound: Optional[float], use_qk_l2norm: bool,
-                      allow_tf32: bool) -> List[torch.Tensor]:
+def _train_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, saved: List[torch.Tensor],
+               do: torch.Tensor, dht: _Opt, scale: float, lower_bound: Optional[float], use_qk_l2norm: bool,
+               allow_tf32: bool) -> List[torch.Tensor]:
     grads = train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, Saved(*saved), do, dht,
                            scale, lower_bound, use_qk_l2norm, allow_tf32)
     return [t if t is not None else _empty(q) for t in grads]
+
+
+_kda_train_bwd_op = torch.library.custom_op("delta_attn::kda_train_bwd", _train_bwd, mutates_args=())
 
 
 @_kda_train_bwd_op.register_fake
@@ -96,47 +103,50 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved, do, dh
             dt_bias.new_empty(dt_bias.shape, dtype=torch.float32) if dt_bias is not None else e]
 
 
-def _setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-     output_final_state, allow_tf32) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *output[2:])
-    ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32)
-
-
-def _backward(ctx, *grads):
-    if len(grads) == 1 and isinstance(grads[0], (list, tuple)):      # a list output's gradients come as one list
-        grads = grads[0]
-    do, dht = grads[0], grads[1]
-    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *saved = ctx.saved_tensors
-    scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32 = ctx.opts
-    if not output_final_state or dht is None or dht.numel() == 0:
-        dht = None
-    if do is None:
-        do = torch.zeros_like(v)
-    dq, dk, dv, dg, db, dh0, dal, ddt = _kda_train_bwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
-                                                          dt_bias, saved, do, dht, scale, lower_bound,
-                                                          use_qk_l2norm, allow_tf32)
-    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
-    dal = dal.to(A_log.dtype) if A_log is not None else None
-    ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
-    return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None, None
-
-
-torch.library.register_autograd("delta_attn::kda_train", _backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("delta_attn::kda_step", mutates_args=("state",))
-def _kda_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, state_indices: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
-                 lower_bound: Optional[float], use_qk_l2norm: bool, num_accepted_tokens: _Opt = None) -> torch.Tensor:
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          state: torch.Tensor, state_indices: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
+          lower_bound: Optional[float], use_qk_l2norm: bool, num_accepted_tokens: _Opt = None) -> torch.Tensor:
     return decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                        num_accepted_tokens)
+
+
+_kda_step_op = torch.library.custom_op("delta_attn::kda_step", _step, mutates_args=("state",))
 
 
 @_kda_step_op.register_fake
 def _(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
       num_accepted_tokens=None):
     return v.new_empty(v.shape)
+
+
+class KDAFunction(torch.autograd.Function):
+    """Autograd of the Triton KDA: the training forward and its backward custom ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                output_final_state, allow_tf32):
+        o, final, *saved = torch.ops.delta_attn.kda_train(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
+                                                          dt_bias, scale, lower_bound, use_qk_l2norm,
+                                                          output_final_state, allow_tf32)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *saved)
+        ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *saved = ctx.saved_tensors
+        scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32 = ctx.opts
+        if not output_final_state or dht is None or dht.numel() == 0:
+            dht = None
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, db, dh0, dal, ddt = torch.ops.delta_attn.kda_train_bwd(
+            q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved, do, dht, scale, lower_bound,
+            use_qk_l2norm, allow_tf32)
+        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        dal = dal.to(A_log.dtype) if A_log is not None else None
+        ddt = ddt.to(dt_bias.dtype) if dt_bias is not None else None
+        return dq, dk, dv, dg, db, dh0, None, dal, ddt, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,15 +157,13 @@ def kda(a: KDAArgs):
     args = (a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.A_log, a.dt_bias, float(a.scale),
             a.lower_bound, bool(a.use_qk_l2norm), bool(a.output_final_state), bool(a.allow_tf32))
     if a.needs_grad():
-        o, final = _kda_train_op(*args)[:2]
+        o, final = KDAFunction.apply(*args)
     else:
-        o, final = _kda_infer_op(*args)
+        o, final = eager_or_op(_infer, _kda_infer_op)(*args)
     return o, (final if a.output_final_state else None)
 
 
 def kda_step(a: KDAArgs):
-    args = (a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log, a.dt_bias, float(a.scale),
-            a.lower_bound, bool(a.use_qk_l2norm), a.num_accepted_tokens)
-    if torch.compiler.is_compiling():
-        return _kda_step_op(*args)
-    return decode_step(*args)                          # eager decode: the same kernel, no dispatcher
+    return eager_or_op(_step, _kda_step_op)(a.q, a.k, a.v, a.g, a.beta, a.state, a.state_indices, a.A_log,
+                                            a.dt_bias, float(a.scale), a.lower_bound, bool(a.use_qk_l2norm),
+                                            a.num_accepted_tokens)

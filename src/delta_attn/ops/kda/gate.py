@@ -14,11 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import _triton_interpreter
-
 DECAY_FLOOR = 30.0
-
-_triton_interpreter.patch()
 
 
 @triton.jit

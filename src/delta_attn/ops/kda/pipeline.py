@@ -21,8 +21,7 @@ import torch
 import triton
 
 from ..._outputs import empty
-from ...backends import sm_count
-from .._launch import Tiles, halving, launch, tiles
+from .._launch import Tiles, halving, index, launch, optional, param, sm_count, tiles
 from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .decode import _kda_step_kernel
 from .gate import DECAY_FLOOR
@@ -172,14 +171,9 @@ def step_tiles(K: int, V: int) -> Tiles:
                  BV=min(_pow2(V), 64 if _pow2(K) <= 128 else 32), STREAM=0)
 
 
-def _gate_args(A_log, dt_bias, lower_bound, dummy):
+def _gate_args(A_log, dt_bias, lower_bound, like):
     mode = 0 if A_log is None else (1 if lower_bound is None else 2)
-    return (A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy), \
-        dict(GATE=mode, HAS_DT_BIAS=dt_bias is not None)
-
-
-def _contig(*ts):
-    return [None if t is None else t.contiguous() for t in ts]
+    return (optional(A_log, like), optional(dt_bias, like)), dict(GATE=mode, HAS_DT_BIAS=dt_bias is not None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +207,7 @@ def _operands(q, v, nc_alloc: int, bt: int, work: torch.dtype, train: bool):
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
              output_final_state, allow_tf32, train: bool):
-    q, k, v, g, beta, initial_state, A_log, dt_bias = _contig(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -246,8 +240,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     if N > 0:
         cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
         launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
-               (W, U, QG, KD, AQK, GC, initial_state if initial_state is not None else q, ch.seq_t, o,
-                VNEW if train else q, HS if train else q, final if final is not None else q, HV, ch.ncmax),
+               (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, optional(VNEW, q), optional(HS, q),
+                optional(final, q), HV, ch.ncmax),
                dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
                     STORE_H=train, PREC=prec.scan), cand)
     saved = Saved(W, QG, KD, AQK, TM, GC, HS, VNEW) if train else None
@@ -276,7 +270,7 @@ def train_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, s
 def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved: Saved, do, dht, scale,
                    lower_bound, use_qk_l2norm, allow_tf32):
     """Gradients (dq, dk, dv, dg, dbeta, dh0 or None, dA_log or None, ddt_bias or None)."""
-    q, k, v, g, beta, do, dht, A_log, dt_bias = _contig(q, k, v, g, beta, do, dht, A_log, dt_bias)
+    q, k, v, g, beta, do, dht, A_log, dt_bias = map(param, (q, k, v, g, beta, do, dht, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R, dev, f32 = B * T, q.device, torch.float32
@@ -294,8 +288,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     # 1. reverse state scan: du and the chunk-end state gradients
     if N > 0:
         launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
-               (W, QG, KD, AQK, GC, do, dht if dht is not None else q, ch.seq_t, DU,
-                dh0 if dh0 is not None else q, DH, HV, ch.ncmax),
+               (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
                dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
                scan_tiles(K, V, N * HV, bt, 64, 8, 2))
     # 2. per-chunk gradients of the scan's operands
@@ -339,8 +332,8 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
     """Decode: updates ``state`` (P, HV, K, V) in place, returns o (B, T, HV, V). ``state_indices`` None, (B,)
     or (B, T) (speculative, with ``num_accepted_tokens`` (B,) or None): see ``decode.py``. ``config``: the
     launch config (``BV``, warps; default :func:`step_tiles`). No host synchronisation: capturable."""
-    q, k, v, g, beta, state_indices, num_accepted_tokens, A_log, dt_bias = _contig(
-        q, k, v, g, beta, state_indices, num_accepted_tokens, A_log, dt_bias)
+    q, k, v, g, beta, A_log, dt_bias = map(param, (q, k, v, g, beta, A_log, dt_bias))
+    state_indices, num_accepted_tokens = index(state_indices), index(num_accepted_tokens)
     if not state.is_contiguous():
         raise ValueError("state must be a contiguous (P, HV, K, V) pool for backend='triton', got strides "
                          f"{tuple(state.stride())}")
@@ -353,8 +346,8 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
         idx_mode = 0 if state_indices is None else state_indices.dim()
         launch(_kda_step_kernel, lambda t: (triton.cdiv(V, t.get("BV")), B, HV),
-               (q, k, v, g, beta) + gate_ptrs + (state, state_indices if state_indices is not None else q,
-                                                 num_accepted_tokens if num_accepted_tokens is not None else q, o,
+               (q, k, v, g, beta) + gate_ptrs + (state, optional(state_indices, q),
+                                                 optional(num_accepted_tokens, q), o,
                                                  float(scale), float(lower_bound or 0.0), T, H, HV),
                dict(K=K, V=V, KP=KP, L2NORM=use_qk_l2norm, IDX=idx_mode, HAS_NAT=num_accepted_tokens is not None,
                     EVEN=KP == K and V % config.get("BV") == 0, **gate_kw),

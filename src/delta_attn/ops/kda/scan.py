@@ -13,10 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import _triton_interpreter
-
-_triton_interpreter.patch()
-
 
 @triton.jit
 def _scan_program(seq_info, HV, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):

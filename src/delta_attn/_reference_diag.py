@@ -1,5 +1,6 @@
-"""A fast reference for long sequences: gated diagonal attention and its gradients by a log-depth
-(Hillis-Steele) scan in plain PyTorch, in any dtype (float64 for the ground truth).
+"""A fast reference for long sequences (``delta_attn.reference.gated_diag_scan``): gated diagonal
+attention and its gradients by a log-depth (Hillis-Steele) scan in plain PyTorch, in any dtype
+(float64 for the ground truth).
 
 ``reference.gated_diag`` is the specification but runs a Python loop over time; this one runs
 ``log2(T)`` vectorised steps, so 1M-token sequences can be checked on a GPU. Gradients are the

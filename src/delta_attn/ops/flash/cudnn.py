@@ -16,7 +16,8 @@ totals to a power of two; "htd" graphs need the exact token totals, which are th
 with their plans; the workspace is one growing buffer per device. A training loop whose
 ``cu_seqlens`` change every step therefore reuses a handful of graphs (:func:`graph_cache_stats`).
 
-``backend="sdpa"`` lives in :mod:`delta_attn.ops.sdpa`; both are registered here.
+``backend="sdpa"`` lives in :mod:`delta_attn.ops.flash.sdpa`, which registers itself; this module registers
+``cudnn`` and installs the attention ``auto`` policy. Both are imported by ``ops/flash/api.py``.
 
 Nothing here imports ``cudnn`` (the frontend) at ``import delta_attn`` time.
 """
@@ -31,9 +32,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _outputs
-from .. import backends as B
-from ..backends import Call, Capability, register, set_auto_policy
+from ... import _outputs
+from ... import backends as B
+from ...backends import Call, Capability, register, set_auto_policy
 
 CUDNN_FRONTEND_HINT = ("pip install 'delta-attn[cudnn]' (nvidia-cudnn-frontend; its classic graph API also works "
                        "installed with --no-deps, see docs/DISPATCH.md)")
@@ -135,50 +136,16 @@ def _check_cudnn_varlen(call: Call) -> List[str]:
     return reasons
 
 
-def _sdpa_head_dims(dims: Tuple[int, ...]) -> Optional[str]:
-    d, dv = dims
-    if d != dv:
-        return f"needs equal q/k and v head dims, got {d} and {dv}"
-    if d % 8 != 0 or d > 256:
-        return f"head dim must be a multiple of 8 and at most 256 (FlashAttention-2), got {d}"
-    return None
-
-
-def _check_sdpa(call: Call) -> List[str]:
-    from .sdpa import flash_op_available
-    reasons = []
-    if not flash_op_available():
-        reasons.append(f"this PyTorch ({torch.__version__}) lacks aten::_flash_attention_forward with window bounds")
-    if call.dtype == torch.float32:
-        if call.op == "flash_varlen":
-            reasons.append("float32 varlen has no PyTorch fused kernel (FlashAttention-2 is fp16/bf16 only)")
-        else:
-            bad = sorted(call.features & {"window", "gqa"})
-            if bad:
-                reasons.append(f"float32 runs on the memory-efficient kernel, which has no {', '.join(bad)}")
-            if "causal" in call.features and "sq_ne_sk" in call.features:
-                reasons.append("float32 runs on the memory-efficient kernel, whose causal mask is top-left "
-                               "aligned: causal with Sq != Sk would differ from the bottom-right semantics")
-    return reasons
-
-
 _FP = (torch.float16, torch.bfloat16)
 register("cudnn", "flash", Capability(
-    impl="delta_attn.ops.cudnn:attention", dtypes=_FP, min_compute_capability=(8, 0),
+    impl="delta_attn.ops.flash.cudnn:attention", dtypes=_FP, min_compute_capability=(8, 0),
     features=frozenset({"causal", "sq_ne_sk"}) | _NEEDS_GRAPH, head_dims=_cudnn_head_dims,
     check=_check_cudnn_dense, install_hint=CUDNN_FRONTEND_HINT))
 register("cudnn", "flash_varlen", Capability(
-    impl="delta_attn.ops.cudnn:attention", dtypes=_FP, min_compute_capability=(9, 0),
+    impl="delta_attn.ops.flash.cudnn:attention", dtypes=_FP, min_compute_capability=(9, 0),
     features=frozenset({"causal", "window", "gqa", "deterministic", "head_dim_v", "varlen", "layout_htd"}),
     requires=("cudnn",), install_hint=CUDNN_FRONTEND_HINT, head_dims=_cudnn_head_dims, check=_check_cudnn_varlen,
     traceable=False))    # cudnn-frontend graphs are executed from Python
-register("sdpa", "flash", Capability(
-    impl="delta_attn.ops.sdpa:attention", dtypes=_FP + (torch.float32,), min_compute_capability=(8, 0),
-    features=frozenset({"causal", "window", "gqa", "sq_ne_sk"}), head_dims=_sdpa_head_dims, check=_check_sdpa))
-register("sdpa", "flash_varlen", Capability(
-    impl="delta_attn.ops.sdpa:attention", dtypes=_FP, min_compute_capability=(8, 0),
-    features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}), head_dims=_sdpa_head_dims,
-    check=_check_sdpa))
 
 # ---------------------------------------------------------------------------------------------
 # auto policy (measurements: docs/DISPATCH.md)
@@ -707,5 +674,5 @@ def attention(a: "AttnArgs"):
     return _dense_sdpa_cudnn(a)
 
 
-from .flash.api import AttnArgs  # noqa: E402  (type used above; api does not import this module)
-from .flash.contract import prepare  # noqa: E402
+from .api import AttnArgs  # noqa: E402  (type used above; api imports this module at its end)
+from .contract import prepare  # noqa: E402
