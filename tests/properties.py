@@ -778,35 +778,13 @@ class Checker:
 
 
 # =============================================================================================
-# known defects (open kernel defects, issue #15): the suites mark them strict xfail, so a fix shows
+# known defects (open, issue #15): the suites mark them strict xfail, so a fix shows
 # =============================================================================================
 
-KDA_NAN_RESET = ("KDA Triton: a NaN gate gives finite outputs and states where the specification gives NaN: the chunked "
-                 "path clamps the decay with tl.maximum(d, -FLOOR) and the softplus gate takes tl.minimum(x, 20.0), and "
-                 "Triton's maximum / minimum drop NaN (a silent reset) (issue #15)")
-STEP_STRIDED_POOL = ("Triton decode steps raise ValueError for a non-contiguous state pool after da.explain said "
-                     "backend='triton' runs the call (undeclared; the torch backend accepts it) (issue #15)")
-
-
-def known_defect(checker: Checker, backend: str) -> Optional[str]:
-    """The open defect this configuration hits on ``backend`` (None: it must pass). Only for configurations the
-    backend runs (``checker.runs(backend)``)."""
-    case = checker.case
-    if backend == "triton" and case.nan is not None and (
-            case.op == "kda" or (case.op == "kda_step" and case.p["kda"].gate == "softplus")):
-        return KDA_NAN_RESET
-    if case.op.endswith("_step") and backend == "triton" and not checker.values("run")["state"].is_contiguous():
-        return STEP_STRIDED_POOL
-    return None
-SDPA_CPU_LAST_STRIDE = ("sdpa on CPU: PyTorch's CPU flash kernel ignores a non-unit last-dim stride of q / k / v (wrong "
-                        "values or NaN); ops/flash/sdpa.py must hand it stride(-1) == 1 (issue #15)")
-SDPA_CPU_ONE_KEY_GRAD = ("sdpa on CPU: gradients above the rule (up to 2x the floor) with |scale| 25-40 where every row "
-                         "sees one key: the reference is exact there (p = 1), the float32 kernel rounds exp at |s| in the "
-                         "hundreds; kernel accuracy or a rule too strict at such scores, for the lead to decide (issue #15)")
-INTERPRETER_BF16_ROUNDING = ("Triton interpreter: float32 -> bfloat16 casts truncate (round toward zero), so bf16 outputs of "
-                             "the kernels without tl.dot (diagonal scans, kda_step) are off by up to 1 ulp and exceed the "
-                             "rule; backends.py declares bf16 on the interpreter unsupported only for tl.dot ops (issue #15)")
-
+SDPA_CPU_ONE_KEY_GRAD = ("gradients above the rule (up to 2x its floor) with |scale| 25-40 where every row sees one key: "
+                         "the reference in the input precision is exact there (p = 1, dS = 0), so only the rule's 1e-5 "
+                         "floor is left, and float32 kernels (PyTorch's CPU flash kernel, ours) round exp at |s| in the "
+                         "hundreds; open: kernel accuracy or a floor too tight for such scores (issue #15)")
 
 def edge(op: str, *, domain: str = "cpu", dtype: str, grad: bool = False, strided=None, nan=None, **p) -> Case:
     """A hand-set configuration: the first draw of ``op`` with ``p`` overriding its parameters (``kda`` takes

@@ -27,14 +27,10 @@ COUNTS = {
 }
 MIN_RUNS = 8
 
-# Open kernel defects found by these seeds (besides the classes of properties.known_defect), strict: a fix
+# Open kernel defects found by these seeds , strict: a fix
 # turns them into failures here, and the entry goes.
 KNOWN = {
-    ("flash", "sdpa", 22): P.SDPA_CPU_LAST_STRIDE, ("flash", "auto", 22): P.SDPA_CPU_LAST_STRIDE,
-    ("flash", "sdpa", 34): P.SDPA_CPU_LAST_STRIDE, ("flash", "sdpa", 52): P.SDPA_CPU_LAST_STRIDE,
     ("flash", "sdpa", 30): P.SDPA_CPU_ONE_KEY_GRAD,
-    ("diag", "triton", 8): P.INTERPRETER_BF16_ROUNDING, ("diag_step", "triton", 8): P.INTERPRETER_BF16_ROUNDING,
-    ("diag_step", "triton", 13): P.INTERPRETER_BF16_ROUNDING,
 }
 
 
@@ -51,7 +47,7 @@ def _params():
 def test_property(op, backend, seed, request):
     case = P.draw(op, seed, "cpu")
     checker = P.Checker(case, "cpu")
-    reason = KNOWN.get((op, backend, seed)) or (P.known_defect(checker, backend) if checker.runs(backend) else None)
+    reason = KNOWN.get((op, backend, seed))
     if reason:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     checker.check(backend)
@@ -153,7 +149,6 @@ EDGES = {
 }
 EDGE_KNOWN = {
     ("flash 17x1 very negative scores", "triton"): P.FLASH_ONE_KEY_GRAD,
-    ("kda NaN isolation (varlen)", "triton"): P.KDA_NAN_RESET,
     ("flash 17x1 very negative scores", "sdpa"): P.SDPA_CPU_ONE_KEY_GRAD,
     ("flash 17x1 very negative scores", "auto"): P.SDPA_CPU_ONE_KEY_GRAD,
 }

@@ -211,21 +211,21 @@ class Backend:
         return fn
 
 
-# Operators whose Triton kernels multiply with tl.dot. The Triton interpreter (TRITON_INTERPRET=1) returns
-# garbage for tl.dot on bfloat16 operands (seen on Triton 3.6, measured on 3.9.0; the gated diagonal scans and
-# the KDA decode step, which have no tl.dot, are right in bf16), so those run bf16 on CUDA GPUs only.
-# tests/test_backend_capabilities.py checks that the installed Triton still has the bug.
-INTERPRETER_BF16_DOT_OPS = frozenset({"flash", "flash_varlen", "flash_kvcache", "kda"})
+# bfloat16 under the Triton interpreter (TRITON_INTERPRET=1) is wrong for every Triton operator: tl.dot on
+# bfloat16 operands returns garbage (seen on Triton 3.6, measured on 3.9.0) and float32 -> bfloat16 casts truncate
+# instead of rounding (1 ulp off: the diagonal scans and the decode steps, which have no tl.dot, fail the error
+# rule), so bfloat16 runs on CUDA GPUs only. tests/test_backend_capabilities.py checks that the installed Triton
+# still has the tl.dot bug.
 
 
 def _triton_device_rule(call: Call) -> List[str]:
     if call.device.type == "cuda":
         return []
     if call.device.type == "cpu" and triton_interpreter_on():
-        if call.dtype == torch.bfloat16 and call.op in INTERPRETER_BF16_DOT_OPS:
-            return [f"the Triton interpreter (TRITON_INTERPRET=1, Triton {_triton_version()}) computes tl.dot on "
-                    f"bfloat16 operands wrongly, so bfloat16 {call.op} runs on CUDA GPUs only (use float16 or "
-                    f"float32 on CPU)"]
+        if call.dtype == torch.bfloat16:
+            return [f"the Triton interpreter (TRITON_INTERPRET=1, Triton {_triton_version()}) computes bfloat16 "
+                    f"wrongly (tl.dot on bfloat16 operands, truncating float32 -> bfloat16 casts), so bfloat16 "
+                    f"{call.op} runs on CUDA GPUs only (use float16 or float32 on CPU)"]
         return []
     return [f"runs on cuda tensors (or cpu tensors with TRITON_INTERPRET=1), got {call.device.type}"]
 

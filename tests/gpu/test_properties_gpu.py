@@ -38,7 +38,7 @@ def test_property_gpu(op, backend, seed, request):
     case = P.draw(op, SEED0 + seed, "gpu")
     try:
         checker = P.Checker(case, DEV)
-        reason = KNOWN.get((op, backend, seed)) or (P.known_defect(checker, backend) if checker.runs(backend) else None)
+        reason = KNOWN.get((op, backend, seed))
         if reason:
             request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
         checker.check(backend)

@@ -217,8 +217,11 @@ def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, c
     index tensors may be strided views (the launch layer gives the kernel contiguous int32 copies).
     ``config``: the launch config (``BD``, warps; default :func:`step_tiles`). No host synchronisation."""
     if not state.is_contiguous():
-        raise ValueError(f"state must be a contiguous (P, H, D) pool (it is updated in place), got strides "
-                         f"{tuple(state.stride())}")
+        # the kernel addresses the pool as contiguous: step on a contiguous copy, then write it back in place
+        work = state.contiguous()
+        o = diag_step(q, k, v, g, work, state_indices, num_accepted_tokens, config)
+        state.copy_(work)
+        return o
     q, k, v, g = map(param, (q, k, v, g))
     state_indices, num_accepted_tokens = index(state_indices), index(num_accepted_tokens)
     b, t, h, d = q.shape

@@ -335,8 +335,12 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
     q, k, v, g, beta, A_log, dt_bias = map(param, (q, k, v, g, beta, A_log, dt_bias))
     state_indices, num_accepted_tokens = index(state_indices), index(num_accepted_tokens)
     if not state.is_contiguous():
-        raise ValueError("state must be a contiguous (P, HV, K, V) pool for backend='triton', got strides "
-                         f"{tuple(state.stride())}")
+        # the kernel addresses the pool as contiguous: step on a contiguous copy, then write it back in place
+        work = state.contiguous()
+        o = decode_step(q, k, v, g, beta, work, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                        num_accepted_tokens, config)
+        state.copy_(work)
+        return o
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = empty((B, T, HV, V), v.dtype, q.device)
