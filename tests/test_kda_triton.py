@@ -220,14 +220,14 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
 
 
 def test_precision_rules():
-    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots, 3xTF32 scans. tf32 on
+    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots. tf32 on
     fp32 tiles only for K <= 128 (IEEE beyond)."""
     p = pipeline.precision
     assert (p(torch.float32, False, 64).dot, p(torch.float32, False, 64).scan) == ("ieee", "ieee")
     assert (p(torch.float32, True, 128).dot, p(torch.float32, True, 128).scan) == ("tf32", "tf32")
     assert p(torch.bfloat16, False, 64).work == torch.bfloat16 and p(torch.bfloat16, False, 64).dot == "tf32"
     assert p(torch.float16, False, 64).dot == "ieee" and p(torch.float16, False, 64).work == torch.float32
-    assert p(torch.float16, False, 64).scan == "tf32x3"       # 3xTF32: one tf32 rounding doubled the fp16 error
+    assert p(torch.float16, False, 64).scan == "tf32"
     # K > 128: fp16 scans and allow_tf32 fp32 run IEEE; bf16 keeps tf32 on bf16 tiles
     assert p(torch.float16, False, 144).scan == "ieee"
     assert (p(torch.float32, True, 192).dot, p(torch.float32, True, 192).scan) == ("ieee", "ieee")

@@ -8,8 +8,10 @@ every call into one the kernel computes exactly, or answers it here:
 * ``softmax_scale < 0`` runs as ``(-q, |scale|)`` (``scale · q kᵀ = |scale| · (−q) kᵀ``, negation is
   exact, autograd carries the sign to dq); ``softmax_scale == 0`` as ``(0 · q, 1)``: uniform weights
   over the visible keys.
-* q, k and v whose last dimension is strided are copied to unit stride (PyTorch's CPU flash kernel reads
-  the head dimension as if it were contiguous: wrong values or NaN; FA2 and cuDNN need it too).
+* q, k and v are copied to a unit-stride head dimension with 16-byte aligned rows when they are not
+  (PyTorch's CPU flash kernel reads the head dimension as if it were contiguous: wrong values or NaN; FA2
+  and cuDNN load rows in 16-byte vectors: a padded view with an odd row stride gave "misaligned address"
+  on the H200).
 * No query rows, or no keys at all: out zeros and lse +inf (rows that see no key, DESIGN.md), built
   inside the autograd graph of q, k and v so their gradients are exact zeros.
 """
@@ -62,13 +64,22 @@ def trivial(a: AttnArgs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     return no_keys(a.q, a.k, a.v, shape, (hq, tq))
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """Unit-stride last dimension, every other stride and the start a multiple of 16 bytes (the start is not
+    known while torch.compile traces: strides only there)."""
+    vec = max(1, 16 // t.element_size())
+    if t.stride(-1) != 1 or any(s % vec for s in t.stride()[:-1]):
+        return False
+    return torch.compiler.is_compiling() or t.data_ptr() % 16 == 0
+
+
 def prepare(a: AttnArgs) -> Tuple[AttnArgs, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """(the call with a positive scale, the answer when no kernel needs to run)."""
     done = trivial(a)
     if done is not None:
         return a, done
     q, scale = positive_scale(a.q, a.softmax_scale)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, a.k, a.v))
+    q, k, v = (t if _aligned(t) else t.contiguous() for t in (q, a.k, a.v))
     if scale != a.softmax_scale or q is not a.q or k is not a.k or v is not a.v:
         a = dataclasses.replace(a, q=q, k=k, v=v, softmax_scale=scale)
     return a, None

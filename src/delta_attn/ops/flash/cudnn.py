@@ -470,12 +470,16 @@ def _prepare(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, wr: int, 
     return meta
 
 
-def _bounds(window: Tuple[int, int], max_sk: int) -> Tuple[Optional[int], Optional[int]]:
+def _bounds(window: Tuple[int, int], max_len: int) -> Tuple[Optional[int], Optional[int]]:
+    """cuDNN's (left, right) diagonal bands. cuDNN takes a left bound only with a right bound, so an open
+    right bound becomes ``max_len``: with bottom-right alignment row i sees keys up to i + Sk - Sq + right,
+    so "unbounded" needs right >= Sq - 1 as well as >= Sk - 1 (max_sk alone cut every key from the first
+    rows once Sq > Sk + 1: window (0, -1), Sq 300, Sk 17 gave NaN lse on the H200)."""
     wl, wr = window
     left = wl + LEFT_BOUND_OFFSET if wl >= 0 else None
     right = wr if wr >= 0 else None
     if left is not None and right is None:
-        right = max_sk   # cuDNN takes a left bound only with a right bound: max_sk is "unbounded"
+        right = max_len
     return left, right
 
 
@@ -497,7 +501,7 @@ class _Call:
     equal_lengths: bool = False      # Sq == Sk in every sequence
 
     def spec(self, dtype, device, nb, backward) -> _Spec:
-        left, right = _bounds(self.window, bucket_len(self.max_sk))
+        left, right = _bounds(self.window, bucket_len(max(self.max_sk, self.max_sq)))
         if self.layout == "htd":         # the token totals are the head strides: exact
             tq, tk = self.tq, self.tk
         elif backward:                   # they only size the backward's workspace: next power of two
