@@ -252,8 +252,8 @@ def test_under_capture_shape_and_dtype_checks_still_run(monkeypatch):
 # ---------------------------------------------------------------------------------------------- launch configs
 
 @pytest.mark.parametrize("which,dims,config", [
-    ("kda", (16, 32), dict(num_warps=1, BV=16, STREAM=1)),        # two V blocks, no masks
-    ("kda", (48, 32), dict(num_warps=2, BV=32, STREAM=0)),        # K padded to 64: masked
+    ("kda", (16, 32), dict(num_warps=1, BV=16)),        # two V blocks, no masks
+    ("kda", (48, 32), dict(num_warps=2, BV=32)),        # K padded to 64: masked
     ("diag", (24,), dict(num_warps=1, BD=16)),                    # three channel blocks of H * D = 48
     ("diag", (24,), dict(num_warps=2, BD=32)),                    # a partial last block
 ])

@@ -12,6 +12,8 @@ channel every ``BT`` or ``BT / split`` tokens).
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -203,6 +205,7 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
     return dq, dk, dv, dg, dh0
 
 
+@functools.lru_cache(maxsize=None)
 def step_tiles(hd: int) -> Tiles:
     """The decode step's launch config: BD channels of the flattened H * D axis per program (B x HD / BD
     programs) and warps."""

@@ -9,8 +9,7 @@ and kept in registers while the program walks the T tokens; per token:
      so the read-out needs no second pass over the updated S);
   4. write ``S <- S + k u^T``, stored to the token's slot with (B, T) indices.
 Without (B, T) indices S is stored once, to the start slot, after the last token. Plain fp32 FMA
-arithmetic: fp32-accurate for every input dtype. ``EVEN`` (K == KP and V % BV == 0) drops the masks;
-``STREAM`` (a launch-config choice) gives the state accesses L2 streaming hints.
+arithmetic: fp32-accurate for every input dtype. ``EVEN`` (K == KP and V % BV == 0) drops the masks.
 """
 from __future__ import annotations
 
@@ -23,36 +22,11 @@ from .gate import _kda_gate
 
 
 @triton.jit
-def _ld_state(ptr, m, EVEN: tl.constexpr, STREAM: tl.constexpr):
-    """A state block; ``STREAM``: read once, so evicted from L2 first (q, k, g stay for the other V blocks)."""
-    if STREAM:
-        if EVEN:
-            x = tl.load(ptr, eviction_policy="evict_first")
-        else:
-            x = tl.load(ptr, mask=m, other=0.0, eviction_policy="evict_first")
-    else:
-        x = _ld(ptr, m, EVEN)
-    return x
-
-
-@triton.jit
-def _st_state(ptr, x, m, EVEN: tl.constexpr, STREAM: tl.constexpr):
-    """Store a state block; ``STREAM``: a streaming store (written once, not read again by this step)."""
-    if STREAM:
-        if EVEN:
-            tl.store(ptr, x, cache_modifier=".cs")
-        else:
-            tl.store(ptr, x, mask=m, cache_modifier=".cs")
-    else:
-        _st(ptr, x, m, EVEN)
-
-
-@triton.jit
 def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
                      scale, lower_bound, T, H, HV,
                      K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
                      L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                     IDX: tl.constexpr, HAS_NAT: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
+                     IDX: tl.constexpr, HAS_NAT: tl.constexpr, EVEN: tl.constexpr):
     iv = tl.program_id(0)
     bi = tl.program_id(1).to(tl.int64)
     hv = tl.program_id(2).to(tl.int64)
@@ -65,7 +39,7 @@ def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
     in_slot = (hv * K + kk[:, None]) * V + vv[None, :]         # the block's offsets inside one slot
     slot_size = HV * K * V
     s_start = S + _start_slot(idx, nat, bi, T, IDX, HAS_NAT) * slot_size + in_slot
-    st = _ld_state(s_start, ms, EVEN, STREAM).to(tl.float32)
+    st = _ld(s_start, ms, EVEN).to(tl.float32)
     a = 1.0
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
@@ -93,7 +67,6 @@ def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
         st = st + kv[:, None] * u[None, :]
         _st(O + (row * HV + hv) * V + vv, o.to(O.dtype.element_ty), mv, EVEN)
         if IDX == 2:
-            _st_state(S + _token_slot(idx, bi, T, t) * slot_size + in_slot, st.to(S.dtype.element_ty), ms, EVEN,
-                      STREAM)
+            _st(S + _token_slot(idx, bi, T, t) * slot_size + in_slot, st.to(S.dtype.element_ty), ms, EVEN)
     if IDX != 2:
-        _st_state(s_start, st.to(S.dtype.element_ty), ms, EVEN, STREAM)
+        _st(s_start, st.to(S.dtype.element_ty), ms, EVEN)

@@ -165,10 +165,10 @@ def bwd_intra_tiles(K: int, V: int):
 
 @functools.lru_cache(maxsize=None)
 def step_tiles(K: int, V: int) -> Tiles:
-    """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs), warps and
-    STREAM (L2 streaming hints on the state accesses). ``KP`` (K to a power of two) is fixed by the shape."""
+    """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs) and warps.
+    ``KP`` (K to a power of two) is fixed by the shape."""
     return tiles("measured fastest of BV {16..64} x warps {1..8} for 64 sequences (H200)", num_warps=4,
-                 BV=min(_pow2(V), 64 if _pow2(K) <= 128 else 32), STREAM=0)
+                 BV=min(_pow2(V), 64 if _pow2(K) <= 128 else 32))
 
 
 def _gate_args(A_log, dt_bias, lower_bound, like):
