@@ -3,7 +3,6 @@ this process) with backends triton and cudnn in bf16 / fp16, and 2 ranks (spawne
 GPUs are visible. Every rank's out, lse and gradients against the float64 reference with the DESIGN rule."""
 import os
 import tempfile
-import traceback
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import delta_attn.distributed as dd
 from delta_attn import reference
 from delta_attn.backends import package_available
 from delta_attn.testing import assert_close
+from distributed_harness import run_ranks
 
 
 def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0):
@@ -93,38 +93,10 @@ def test_one_rank_nccl_matches_reference(nccl_world_of_one):
     _run_cases(1)
 
 
-def _worker(rank, world, init_file, errors):
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
-        try:
-            _run_cases(world)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:              # noqa: BLE001  (every failure goes back to the parent)
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+def _body(rank, world):
+    _run_cases(world)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_ranks_nccl_match_reference():
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "pg"), errors)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        failures = []
-        while not errors.empty():
-            failures.append(errors.get())
-        assert not failures and not alive, f"hung ranks {alive}\n" + "\n".join(
-            f"--- rank {r} ---\n{tb}" for r, tb in failures)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(2, _body, backend="nccl", timeout=600, start="spawn")

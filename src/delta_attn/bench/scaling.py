@@ -18,7 +18,6 @@ before a row is timed.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
-from .runner import DTYPES, DTYPE_NAMES, Settings
+from .runner import DTYPES, Settings
 from .timer import estimate_ms, measure
 
 OPS = ("kda", "diag", "flash")
@@ -112,17 +111,23 @@ def _agree_max(x: float, device) -> float:
     return float(t.item())
 
 
+def _direction(fn: Callable[[], object], direction: str, leaves) -> Callable[[], object]:
+    """``fn`` for "fwd"; for "fwd+bwd", ``fn`` then its backward with the leaves' gradients cleared."""
+    if direction == "fwd":
+        return fn
+
+    def call():
+        out = fn()
+        out.backward(torch.ones_like(out))
+        for x in leaves:
+            x.grad = None
+    return call
+
+
 def _timed(fn: Callable[[], object], s: Settings, device, direction: str, leaves) -> Dict:
     """Time ``fn`` (fwd) or its forward + backward on every rank with one repeat count; the slowest
     rank's median. Every rank must call this with the same function shapes (collectives inside)."""
-    if direction == "fwd":
-        call = fn
-    else:
-        def call():
-            out = fn()
-            out.backward(torch.ones_like(out))
-            for x in leaves:
-                x.grad = None
+    call = _direction(fn, direction, leaves)
     call()                                                      # first call: compile, autotune
     est = _agree_max(estimate_ms(call, device), device)
     warm = 0 if s.warmup_ms <= 0 else min(50, int(s.warmup_ms / max(est, 1e-3)))
@@ -136,14 +141,7 @@ def _timed(fn: Callable[[], object], s: Settings, device, direction: str, leaves
 
 def _timed_local(fn, s: Settings, device, direction: str, leaves) -> Dict:
     """A single-GPU call timed on every rank at once (no collectives inside); the slowest median."""
-    if direction == "fwd":
-        call = fn
-    else:
-        def call():
-            out = fn()
-            out.backward(torch.ones_like(out))
-            for x in leaves:
-                x.grad = None
+    call = _direction(fn, direction, leaves)
     call()
     est = estimate_ms(call, device)
     t = measure(call, device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, min_reps=s.min_reps, max_reps=s.max_reps,
