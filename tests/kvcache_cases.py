@@ -7,7 +7,9 @@ import random
 
 import torch
 
+import delta_attn as da
 from delta_attn import reference
+from delta_attn.testing import assert_close
 
 
 def make_case(seed: int, *, dtype=torch.float16, device="cpu", b=2, sq=1, hk=2, group=2, d=16, paged=False, page=8,
@@ -75,3 +77,21 @@ def ref(tensors, kw, dtype_to=None, upcast=True):
                 kw[name] = f64(kw[name])
     out, lse = reference.attention_with_kvcache(q, kc, vc, k, v, upcast=upcast, **kw)
     return out, lse, kc, vc
+
+
+def check_triton(tensors, kw, num_splits: int, key_tol: float, exact_uncached_keys: bool = False) -> None:
+    """The Triton backend on copies of ``tensors`` against the reference: out and lse by the DESIGN.md rule,
+    the cache writes (values copied exactly; keys rotated in float32 and rounded once, within ``key_tol``,
+    exactly when there is no rotary and ``exact_uncached_keys``)."""
+    q, kc, vc, k, v = (clone(t) for t in tensors)
+    out, lse = da.flash_attn_with_kvcache(q, kc, vc, k, v, num_splits=num_splits, return_softmax_lse=True,
+                                          backend="triton", **kw)
+    o64, l64, _, _ = ref(tensors, kw, dtype_to=torch.float64)
+    olp, llp, _, _ = ref(tensors, kw, upcast=False)
+    assert_close(out, o64, olp, name="out")
+    assert_close(lse, l64, llp, name="lse")
+    _, _, kc_ref, vc_ref = ref(tensors, kw)
+    assert torch.equal(vc, vc_ref)
+    torch.testing.assert_close(kc, kc_ref, rtol=key_tol, atol=key_tol)
+    if exact_uncached_keys and "rotary_cos" not in kw:
+        assert torch.equal(kc, kc_ref)

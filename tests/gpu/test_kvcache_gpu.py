@@ -7,7 +7,7 @@ import torch
 
 import delta_attn as da
 from delta_attn.testing import assert_close
-from kvcache_cases import clone, make_case, ref
+from kvcache_cases import check_triton, clone, make_case, ref
 
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -29,16 +29,7 @@ CASES = {
 @pytest.mark.parametrize("num_splits", [0, 1, 7])
 def test_against_reference(name, dtype, num_splits, poisoned):
     tensors, kw = make_case(17, dtype=dtype, device=DEV, **CASES[name])
-    q, kc, vc, k, v = (clone(t) for t in tensors)
-    out, lse = da.flash_attn_with_kvcache(q, kc, vc, k, v, num_splits=num_splits, return_softmax_lse=True,
-                                          backend="triton", **kw)
-    o64, l64, _, _ = ref(tensors, kw, dtype_to=torch.float64)
-    olp, llp, _, _ = ref(tensors, kw, upcast=False)
-    assert_close(out, o64, olp, name="out")
-    assert_close(lse, l64, llp, name="lse")
-    _, _, kc_ref, vc_ref = ref(tensors, kw)
-    assert torch.equal(vc, vc_ref)
-    torch.testing.assert_close(kc, kc_ref, rtol=1e-2, atol=1e-2)
+    check_triton(tensors, kw, num_splits, key_tol=1e-2)
 
 
 @pytest.mark.parametrize("paged", [False, True])
