@@ -33,7 +33,7 @@ import torch
 import delta_attn as da
 from delta_attn import reference as ref, settings
 from delta_attn.backends import UnsupportedError
-from delta_attn.testing import check as rule, poison_outputs
+from delta_attn.testing import attention_grad_floor, check as rule, poison_outputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 OPS = ("flash", "flash_varlen", "kda", "kda_step", "diag", "diag_step")
@@ -417,7 +417,7 @@ class Problem:
     outputs: Callable[[object, Dict[str, object]], Dict[str, torch.Tensor]]
     sequence_of: Dict[str, torch.Tensor] = field(default_factory=dict)   # output -> sequence index per element
     pools: Tuple[str, ...] = ()                   # tensors updated in place (state pools)
-    shared_floor: bool = False                    # one floor for every gradient (flash, see _grad_floor)
+    shared_floor: bool = False                    # one floor for every gradient (flash: testing.attention_grad_floor)
 
 
 def _cu(lens, dtype=torch.int32) -> torch.Tensor:
@@ -616,13 +616,6 @@ def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.reshape(tuple(mask.shape) + (1,) * (like.dim() - mask.dim())).expand_as(like)
 
 
-def _grad_floor(grads64: List[torch.Tensor]) -> float:
-    """Attention: one floor for dq, dk, dv from the largest of them. Where the exact gradient is 0 (a row with one
-    visible key has dq = 0, and so do its keys' dk) a flash backward still leaves rounding of the size of the
-    other gradients' (it takes rowsum(dO * O) with O rounded to the input dtype)."""
-    return 1e-5 * max([1.0] + [float(g.abs().max()) for g in grads64 if g.numel()])
-
-
 def _interpreter_on() -> bool:
     return settings.triton_interpreter()
 
@@ -704,7 +697,7 @@ class Checker:
         (o64, g64), (olo, glo) = self.references()
         bad = self._compare(outs, o64, olo, "fwd", None)
         if grads:
-            floor = _grad_floor(list(g64.values())) if prob.shared_floor else None
+            floor = attention_grad_floor(list(g64.values()), DTYPES[c.dtype]) if prob.shared_floor else None
             bad += self._compare(grads, g64, glo, "grad", floor)
         bad += self._dtypes(outs)
         assert not bad, f"backend {backend!r} ({ex.chosen}) chose to run it but:\n  " + "\n  ".join(bad) + f"\n{c}"
@@ -778,13 +771,9 @@ class Checker:
 
 
 # =============================================================================================
-# known defects (open, issue #15): the suites mark them strict xfail, so a fix shows
+# hand-set configurations
 # =============================================================================================
 
-SDPA_CPU_ONE_KEY_GRAD = ("gradients above the rule (up to 2x its floor) with |scale| 25-40 where every row sees one key: "
-                         "the reference in the input precision is exact there (p = 1, dS = 0), so only the rule's 1e-5 "
-                         "floor is left, and float32 kernels (PyTorch's CPU flash kernel, ours) round exp at |s| in the "
-                         "hundreds; open: kernel accuracy or a floor too tight for such scores (issue #15)")
 
 def edge(op: str, *, domain: str = "cpu", dtype: str, grad: bool = False, strided=None, nan=None, **p) -> Case:
     """A hand-set configuration: the first draw of ``op`` with ``p`` overriding its parameters (``kda`` takes
@@ -797,6 +786,3 @@ def edge(op: str, *, domain: str = "cpu", dtype: str, grad: bool = False, stride
     return Case(op, 0, domain, dtype, grad, params, dict(strided or {}), nan)
 
 
-FLASH_ONE_KEY_GRAD = ("flash Triton backward (the masked-keys fix of c71711c removed its NaN dq): dq / dk exceed the "
-                      "rule's floor by 1.3x with 17 queries x 1 key and very negative scores, the one-key rounding sdpa "
-                      "shows too: " + SDPA_CPU_ONE_KEY_GRAD)

@@ -28,7 +28,7 @@ import torch
 import delta_attn as da
 from delta_attn import backends, reference
 from delta_attn.backends import UnsupportedError
-from delta_attn.testing import check, poison_outputs
+from delta_attn.testing import attention_grad_floor, check, poison_outputs
 
 BACKENDS = [n for n in backends.BACKEND_NAMES if n != "auto"]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -155,12 +155,9 @@ def run_case(case: Case, backend: str, device="cpu") -> str:
     if case.grad and out.numel():
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to(out)
         got, want64, wantlo = (_grads(o, xs, dout) for o, xs in ((out, leaves), (o64, r64), (olo, rlo)))
-        # one floor for the three gradients, from the largest of them: where the exact gradient is 0 (a row
-        # with one visible key has dq = 0, and so do its keys' dk) a flash backward still leaves rounding of
-        # the size of the other gradients' (it takes rowsum(dO * O) with O rounded to the input dtype)
         full = [tuple(torch.zeros_like(leaf) if t is None else t for t in ts)
                 for ts, leaf in zip(zip(got, want64, wantlo), leaves)]
-        floor = 1e-5 * max([1.0] + [float(w64.abs().max()) for _, w64, _ in full if w64.numel()])
+        floor = attention_grad_floor([w64 for _, w64, _ in full], q.dtype)
         for name, (a, w64, wlo) in zip(("dq", "dk", "dv"), full):
             verdicts.append(check(a, w64, wlo, kind="grad", name=name, floor=floor))
     bad = [v.message for v in verdicts if not v.ok]

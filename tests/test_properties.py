@@ -29,9 +29,7 @@ MIN_RUNS = 8
 
 # Open kernel defects found by these seeds , strict: a fix
 # turns them into failures here, and the entry goes.
-KNOWN = {
-    ("flash", "sdpa", 30): P.SDPA_CPU_ONE_KEY_GRAD,
-}
+KNOWN: dict = {}
 
 
 def _params():
@@ -147,11 +145,7 @@ EDGES = {
                                          kda=dict(B=1, T=14, cu=(0, 6, 6, 14), h0=True, final=True, gate=None,
                                                   decay=None)),
 }
-EDGE_KNOWN = {
-    ("flash 17x1 very negative scores", "triton"): P.FLASH_ONE_KEY_GRAD,
-    ("flash 17x1 very negative scores", "sdpa"): P.SDPA_CPU_ONE_KEY_GRAD,
-    ("flash 17x1 very negative scores", "auto"): P.SDPA_CPU_ONE_KEY_GRAD,
-}
+EDGE_KNOWN: dict = {}
 EDGE_BACKENDS = {"flash": ("torch", "sdpa", "triton", "auto"), "flash_varlen": ("torch", "sdpa", "triton", "auto"),
                  "kda": ("torch", "triton"), "kda_step": ("torch", "triton"), "diag": ("torch", "triton"),
                  "diag_step": ("torch", "triton")}

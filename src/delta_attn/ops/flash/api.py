@@ -72,8 +72,11 @@ class AttnArgs:
             feats.add("varlen")
             if self.varlen.layout == "htd":
                 feats.add("layout_htd")
-        elif self.q.shape[1] != self.k.shape[1]:
-            feats.add("sq_ne_sk")
+        else:
+            if self.q.shape[1] != self.k.shape[1]:
+                feats.add("sq_ne_sk")
+            if self.q.shape[1] == self.k.shape[1] == 1:
+                feats.add("single_token")       # Sq = Sk = 1 (PyTorch's cuDNN SDPA refuses it)
         return Call(op="flash_varlen" if self.varlen is not None else "flash", device=self.q.device,
                     dtype=self.q.dtype, head_dims=(self.q.shape[-1], self.v.shape[-1]),
                     features=frozenset(feats), needs_grad=self.needs_grad())
@@ -212,7 +215,7 @@ flash_attn_varlen_func.plan = plan_varlen
 # the torch backend: the reference, any device and dtype, every feature
 # ---------------------------------------------------------------------------------------------
 ALL_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "dropout", "gqa", "deterministic",
-                          "head_dim_v", "varlen", "layout_htd", "sq_ne_sk"})
+                          "head_dim_v", "varlen", "layout_htd", "sq_ne_sk", "single_token"})
 _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=ALL_FEATURES)
 register("torch", "flash", Capability(impl="delta_attn.ops.flash.torch_impl:attention", **_ANY))
 register("torch", "flash_varlen", Capability(impl="delta_attn.ops.flash.torch_impl:attention", **_ANY))

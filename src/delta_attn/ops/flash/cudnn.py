@@ -76,7 +76,8 @@ def _torch_cudnn_version() -> Optional[int]:
 
 
 # features of a dense call that the SDPA cuDNN path cannot take and that need cudnn-frontend graphs
-_NEEDS_GRAPH = frozenset({"window", "gqa", "deterministic", "head_dim_v"})
+# (single_token: PyTorch's cuDNN SDPA raises "s_q = s_kv = 1 is not supported"; the graphs bucket lengths to 64)
+_NEEDS_GRAPH = frozenset({"window", "gqa", "deterministic", "head_dim_v", "single_token"})
 
 
 def dense_needs_graph(features) -> bool:
@@ -626,7 +627,10 @@ def _ragged(a: AttnArgs):
               vl.max_seqlen_k, a.softmax_scale, a.window, a.deterministic, equal)
     nb = bucket_batch(vl.num_seqs)
     q, k, v = a.q, a.k, a.v
-    transposed = layout == "htd" and _htd_as_thd(c, q.dtype, q.device, nb)
+    # "htd" runs through a transposed "thd" copy past HTD_MAX_TOTALS graphs, and always for GQA with a backward:
+    # cuDNN's htd backward gave wrong dK / dV for GQA (4 of 15 seeds of the GPU property suite, errors up to 60;
+    # thd 0 of 21), see docs/DISPATCH.md
+    transposed = layout == "htd" and ((hq != hk and a.needs_grad()) or _htd_as_thd(c, q.dtype, q.device, nb))
     if transposed:
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         c = _Call("thd", *[getattr(c, f) for f in ("hq", "hk", "d", "dv", "tq", "tk", "max_sq", "max_sk", "scale",

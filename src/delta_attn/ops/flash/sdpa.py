@@ -121,7 +121,7 @@ _FP = (torch.float16, torch.bfloat16)
 _IMPL = "delta_attn.ops.flash.sdpa:attention"
 register("sdpa", "flash", Capability(
     impl=_IMPL, dtypes=_FP + (torch.float32,), min_compute_capability=(8, 0),
-    features=frozenset({"causal", "window", "gqa", "sq_ne_sk"}), head_dims=_head_dims, check=_cuda_reasons))
+    features=frozenset({"causal", "window", "gqa", "sq_ne_sk", "single_token"}), head_dims=_head_dims, check=_cuda_reasons))
 register("sdpa", "flash_varlen", Capability(
     impl=_IMPL, dtypes=_FP, min_compute_capability=(8, 0),
     features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}), head_dims=_head_dims,
@@ -131,7 +131,7 @@ register("sdpa", "flash_varlen", Capability(
 # host (cu_seqlens read once), which torch.compile cannot trace
 _CPU = dict(impl=_IMPL, device_types=("cpu",), dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
             check=cpu_reasons)
-register("sdpa", "flash", Capability(features=frozenset({"causal", "window", "gqa", "sq_ne_sk"}), **_CPU),
+register("sdpa", "flash", Capability(features=frozenset({"causal", "window", "gqa", "sq_ne_sk", "single_token"}), **_CPU),
          device_type="cpu")
 register("sdpa", "flash_varlen", Capability(features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}),
                                             traceable=False, **_CPU), device_type="cpu")
