@@ -227,9 +227,10 @@ def test_precision_rules():
     assert (p(torch.float32, True, 128).dot, p(torch.float32, True, 128).scan) == ("tf32", "tf32")
     assert p(torch.bfloat16, False, 64).work == torch.bfloat16 and p(torch.bfloat16, False, 64).dot == "tf32"
     assert p(torch.float16, False, 64).dot == "ieee" and p(torch.float16, False, 64).work == torch.float32
-    # fp16: the forward scan (it makes the output) in 3xTF32, the backward scans in tf32
-    assert (p(torch.float16, False, 64).fwd_scan, p(torch.float16, False, 64).scan) == ("tf32x3", "tf32")
-    # K > 128: fp16 scans and allow_tf32 fp32 run IEEE; bf16 keeps tf32 on bf16 tiles
+    # fp16: forward scans in 3xTF32 (training: K <= 64, IEEE above), backward scans in IEEE
+    assert (p(torch.float16, False, 128).fwd_scan, p(torch.float16, False, 128).scan) == ("tf32x3", "ieee")
+    assert p(torch.float16, False, 64, train=True).fwd_scan == "tf32x3"
+    assert p(torch.float16, False, 128, train=True).fwd_scan == "ieee"
     assert (p(torch.float16, False, 144).fwd_scan, p(torch.float16, False, 144).scan) == ("ieee", "ieee")
     assert (p(torch.float32, True, 192).dot, p(torch.float32, True, 192).scan) == ("ieee", "ieee")
     assert p(torch.bfloat16, False, 256).dot == "tf32"

@@ -205,13 +205,20 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
     return dq, dk, dv, dg, dh0
 
 
+STEP_WIDE_CHANNELS = 2 ** 21     # B * H * D from which the step takes 2048-channel programs
+
+
 @functools.lru_cache(maxsize=None)
-def step_tiles(hd: int) -> Tiles:
+def step_tiles(hd: int, wide: bool) -> Tiles:
     """The decode step's launch config: BD channels of the flattened H * D axis per program (B x HD / BD
-    programs) and warps."""
-    bd = min(128, triton.next_power_of_2(hd))
-    return tiles("128 channels on 4 warps: 5.1-5.25 us for 64 sequences x 16 heads x 128 (H200)",
-                 num_warps=4 if bd >= 128 else 1, BD=bd)
+    programs) and warps; ``wide``: B * HD >= STEP_WIDE_CHANNELS (H200 sweep, bf16, H * D = 2048, graph
+    replay, L2 flushed: at B = 4096 / 16384, 2048-channel programs on 4 warps take 41.9 / 144.7 us, 85 % / 98 %
+    of the copy ceiling in all bytes moved, where 128-channel ones took 47.6 / 170.0 us; below 2M channels
+    the step is latency-bound and 512 channels on 4 warps are within 2 % of the best (B = 64: 5.7-5.9 us,
+    B = 256: 7.87 us, a same-size copy 5.5 / 7.65 us))."""
+    bd = min(2048 if wide else 512, triton.next_power_of_2(hd))
+    return tiles("by channel count: 2048 channels on 4 warps from 2M channels, else 512 (H200 sweep)",
+                 num_warps=max(1, min(4, bd // 32)), BD=bd)
 
 
 def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, config: Optional[Tiles] = None):
@@ -231,7 +238,7 @@ def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, c
     o = empty(q.shape, q.dtype, q.device)
     if b == 0 or t == 0:
         return o
-    config = config or step_tiles(h * d)
+    config = config or step_tiles(h * d, b * h * d >= STEP_WIDE_CHANNELS)
     launch(_diag_step_kernel, lambda c: (b, triton.cdiv(h * d, c.get("BD"))),
            (q, k, v, g, o, state, optional(state_indices, state),
             optional(num_accepted_tokens, state), t, h * d),

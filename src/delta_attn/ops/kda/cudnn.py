@@ -208,6 +208,9 @@ def _empty_call(a: "KDAArgs"):
     return o, a.q.new_zeros(a.num_seqs, hv, kd, vd, dtype=torch.float32)
 
 
+CUDNN_LOG_DECAY_MIN = -1e4
+
+
 def kda(a: "KDAArgs"):
     """Backend entry: the validated call -> ``(o (B, T, HV, V), final_state (N, HV, K, V) float32 or None)``."""
     if a.A_log is not None and a.lower_bound is None:
@@ -223,6 +226,10 @@ def kda(a: "KDAArgs"):
     q, k = a.q.reshape(total, h, kd), a.k.reshape(total, h, kd)
     v = a.v.reshape(total, hv, vd)
     g = a.g.reshape(total, hv, kd).float()
+    if a.A_log is None:
+        # a log decay of -inf (a full reset) gave NaN from cuDNN's engine on the H200 while -1e4 passed: both
+        # decay by exactly exp(.) = 0 in fp32, so the floor changes nothing; clamp keeps NaN, and dg there is 0
+        g = g.clamp(min=CUDNN_LOG_DECAY_MIN)
     beta = a.beta.reshape(total, hv).float()
     gate = {}
     if a.A_log is not None:     # lower_bound * sigmoid(exp(A_log) * (g + dt_bias)): cuDNN's "safe gate"
