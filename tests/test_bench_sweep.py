@@ -20,9 +20,7 @@ def _forward(cfg, shift=0.0):
 
 
 def test_sweep_gates_then_times_each_config():
-    configs = [ti.DiagConfig(8, 16, 2, 1, kind="rows", hold=True),
-               ti.DiagConfig(16, 16, 2, 4, kind="rows", hold=True, split=4),
-               ti.DiagConfig(8, 16, 2, 1)]                 # the 2-D tile kernel
+    configs = [ti.FwdConfig(8, 16, 2, 2, split=2), ti.FwdConfig(16, 16, 2, 4, split=4)]
     candidates = {str(c): _forward(c) for c in configs}
     candidates["wrong"] = _forward(configs[0], shift=0.01)
     rows = sweep(CASE, candidates, _settings(), dtype="fp32", ceilings={"copy_gbps": 1.0})

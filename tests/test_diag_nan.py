@@ -8,7 +8,7 @@ Every other sequence of the batch is computed exactly as without it: a sequence 
 state, it never multiplies the previous sequence's by 0. Gradients are NaN exactly where autograd
 through the float64 specification gives NaN, which is inside the NaN sequence only.
 
-CPU: the Triton interpreter (the default rows kernels and the opt-in variants) and backend="torch".
+CPU: the Triton interpreter (the interpreter's configs and the GPU's) and backend="torch".
 tests/gpu/test_diag_gpu.py runs the same checks with thousands of tiles in flight (it imports the
 helpers of this module).
 """
@@ -74,7 +74,7 @@ def public_with_grads(backend):
 
 
 def launchers_with_grads(fwd_config, bwd_config, training=False):
-    """run(...) through the launchers with explicit kernel configs (the opt-in variants)."""
+    """run(...) through the launchers with explicit kernel configs (e.g. the GPU's under the interpreter)."""
     from delta_attn.ops.diag import triton_impl as ti
 
     def run(q, k, v, g, h0, cu, do, dht):
@@ -173,27 +173,20 @@ def test_batch_nan_stays_in_its_sequence(backend, t):
     check_nan_run(public_with_grads(backend), spec_with_grads, q, k, v, g, h0, None, [(1, 5)], t_seq=t)
 
 
-def _variants():
-    from delta_attn.ops.diag.triton_impl import DiagConfig as C
-    return {"tile_late": (C(8, 16, 2, 1, early=False), C(16, 16, 2, 1, early=False), False),
-            "tile_early_w4": (C(16, 16, 4, 1, early=True), C(16, 16, 2, 1, early=True), False),
-            "rows_reread": (C(8, 16, 2, 1, kind="rows"), C(16, 16, 2, 1, kind="rows"), False),
-            "rows_split4_training": (C(16, 16, 2, 4, kind="rows", hold=True, split=4),
-                                     C(16, 16, 2, 1, kind="rows"), True)}
-
-
-@pytest.mark.parametrize("variant", ["tile_late", "tile_early_w4", "rows_reread", "rows_split4_training"])
-def test_kernel_variants_nan(variant):
-    # the opt-in kernels (tile forward / backward, the re-reading rows forward, split segments straddling
-    # sequences) on the mid-tile case and on a fixed-length batch (EVEN path)
-    fc, bc, training = _variants()[variant]
-    run = launchers_with_grads(fc, bc, training)
-    q, k, v, g, h0, cu = nan_case([5, 13, 0, 9, 14], 2, 20, torch.float32, nan_at=[(1, 2)])
-    check_nan_run(run, spec_with_grads, q, k, v, g, h0, cu, [(1, 2)])
-    q, k, v = (torch.randn(3, 32, 1, 16, device=DEV) for _ in range(3))
-    g = -torch.rand(3, 32, 1, 16, device=DEV)
-    g[1, 20] = float("nan")
-    check_nan_run(run, spec_with_grads, q, k, v, g, torch.randn(3, 1, 16, device=DEV), None, [(1, 20)], t_seq=32)
+def test_gpu_configs_nan():
+    # the GPU's configs (64-row forward tiles as 4 segments of 16 rows, 16-row backward tiles) run by the
+    # interpreter: a varlen batch whose sequences end mid-tile and mid-segment, an empty one between, the
+    # NaN sequence (1) followed by full decays; and a fixed-length batch of one tile per sequence (the
+    # EVEN path), the NaN in row 1 reaching neither row 2 (forward) nor row 0 (backward)
+    from delta_attn.ops.diag import triton_impl as ti
+    run = launchers_with_grads(ti.FWD_CONFIG, ti.BWD_CONFIG, training=True)
+    lens, nan_at = [40, 70, 0, 9, 81], [(1, 20)]
+    q, k, v, g, h0, cu = nan_case(lens, 1, 8, torch.float32, nan_at=nan_at, full_decay=30, lo=-0.1)
+    check_nan_run(run, spec_with_grads, q, k, v, g, h0, cu, nan_at)
+    q, k, v = (torch.randn(3, 64, 1, 8, device=DEV) for _ in range(3))
+    g = -torch.rand(3, 64, 1, 8, device=DEV) * 0.1
+    g[1, 40] = float("nan")
+    check_nan_run(run, spec_with_grads, q, k, v, g, torch.randn(3, 1, 8, device=DEV), None, [(1, 40)], t_seq=64)
 
 
 # ---- decode ------------------------------------------------------------------------------------------
@@ -254,7 +247,7 @@ def test_step_strided_state_indices(backend, idx_dtype):
 
 @triton.jit
 def _pack_then_look_back_kernel(a, b, ws, out, j, D, N_TILES: tl.constexpr, REVERSE: tl.constexpr,
-                                BD: tl.constexpr, W: tl.constexpr, WALK: tl.constexpr):
+                                BD: tl.constexpr, W: tl.constexpr):
     # publish every tile's map (A, B) as the kernels do, then the carry entering tile j
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -263,15 +256,12 @@ def _pack_then_look_back_kernel(a, b, ws, out, j, D, N_TILES: tl.constexpr, REVE
         x = tl.load(a + t * D + cols, mask=cmask, other=1.0)
         y = tl.load(b + t * D + cols, mask=cmask, other=0.0)
         tl.store(ws + t * D + cols, K._pack(x, y), mask=cmask)
-    if WALK:
-        s = K._lookback_walk(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
-    else:
-        s = K._lookback(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
+    s = K._lookback_walk(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
     tl.store(out + cols, s, mask=cmask)
 
 
-@pytest.mark.parametrize("reverse,walk", [(False, False), (True, False), (False, True), (True, True)])
-def test_lookback_stops_at_resets_only(reverse, walk):
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lookback_stops_at_resets_only(reverse):
     # A GPU look-back may meet a predecessor's aggregate map before its inclusive state. An aggregate whose
     # decay underflowed to 0 must not read as "inclusive" (the look-back would drop a NaN before it: the
     # state is 0 * NaN = NaN), and a map that resets (a sequence starts in the tile, A < 0) must stop the
@@ -294,7 +284,7 @@ def test_lookback_stops_at_resets_only(reverse, walk):
         expect = torch.where(ai < 0, bi, ai * expect + bi)
     out = torch.full((d,), 7.0, device=DEV)
     ws = torch.zeros(n_tiles, d, dtype=torch.int64, device=DEV)
-    _pack_then_look_back_kernel[(1,)](a, b, ws, out, j, d, N_TILES=n_tiles, REVERSE=reverse, BD=4, W=2, WALK=walk)
+    _pack_then_look_back_kernel[(1,)](a, b, ws, out, j, d, N_TILES=n_tiles, REVERSE=reverse, BD=4, W=2)
     assert torch.isnan(expect[0]) and torch.isfinite(expect[1:]).all()
     assert torch.isnan(out[0]), "a full decay after a NaN read as an inclusive state"
     torch.testing.assert_close(out[1:].double(), expect[1:], rtol=1e-5, atol=1e-5)

@@ -142,14 +142,10 @@ def test_step_token_by_token_equals_whole(poisoned):
 
 
 @triton.jit
-def _lookback_probe_kernel(ws, out, j, n_tiles, D, REVERSE: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                           WALK: tl.constexpr = False):
+def _lookback_probe_kernel(ws, out, j, n_tiles, D, REVERSE: tl.constexpr, BD: tl.constexpr, W: tl.constexpr):
     cols = tl.arange(0, BD)
     cmask = cols < D
-    if WALK:   # the rows kernels' per-channel walk
-        x = K._lookback_walk(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
-    else:
-        x = K._lookback(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
+    x = K._lookback_walk(ws, j, cols, cmask, D, n_tiles, REVERSE, W)
     tl.store(out + cols, x, mask=cmask)
 
 
@@ -159,12 +155,12 @@ def _pack(a, b):
     return (a_bits << 32) | b_bits | K.INCL_ZERO
 
 
-@pytest.mark.parametrize("reverse,walk,w", [(False, False, 2), (True, False, 2), (False, True, 3), (True, True, 3)])
-def test_lookback_composes_aggregates(reverse, walk, w):
+@pytest.mark.parametrize("reverse,w", [(False, 2), (True, 2), (False, 3), (True, 3)])
+def test_lookback_composes_aggregates(reverse, w):
     # On the interpreter every predecessor has already published its inclusive state, so the
     # aggregate path of the look-back is exercised here directly: 11 tiles of published maps
-    # (A, B), some with A == 0 (inclusive), composed across several windows (W = 2; the rows
-    # kernels' per-channel walk with W = 3: channels stop at different tiles).
+    # (A, B), some with A == 0 (inclusive), composed across several windows of W words (channels
+    # stop at different tiles).
     n_tiles, d = 11, 5
     a = torch.rand(n_tiles, d, device=DEV) + 0.5
     b = torch.randn(n_tiles, d, device=DEV)
@@ -173,7 +169,7 @@ def test_lookback_composes_aggregates(reverse, walk, w):
     ws = _pack(a, b)
     for j in (0, 5, 10):
         out = torch.full((d,), float("nan"), device=DEV)
-        _lookback_probe_kernel[(1,)](ws, out, j, n_tiles, d, REVERSE=reverse, BD=8, W=w, WALK=walk)
+        _lookback_probe_kernel[(1,)](ws, out, j, n_tiles, d, REVERSE=reverse, BD=8, W=w)
         expect = torch.zeros(d, dtype=torch.float64, device=DEV)
         order = range(j + 1, n_tiles) if reverse else range(0, j)
         for t in (reversed(list(order)) if reverse else order):   # apply the farthest map first
@@ -229,117 +225,91 @@ def test_scan_reference_matches_spec():
             torch.testing.assert_close(x, r)
 
 
-@pytest.mark.parametrize("t", [32, 29])
-def test_kernel_variants(poisoned, t):
-    # every compiled variant the benchmark may pick: loads before or after the look-back, the
-    # mask-free EVEN path (T, D multiples of the tiles) and the masked one
-    from delta_attn.ops.diag import triton_impl as ti
-    from delta_attn.reference import gated_diag_scan
-    q, k, v, g = _inputs(2, t, 1, 16, torch.float32)
-    h0 = torch.randn(2, 1, 16, device=DEV)
-    do, dht = torch.randn_like(q), torch.randn(2, 1, 16, device=DEV)
-    o64, ht64, g64 = gated_diag_scan(q, k, v, g, h0, None, do, dht)
-    for fc, bc in ((ti.DiagConfig(8, 16, 2, 1, early=False), ti.DiagConfig(16, 16, 2, 1, early=False)),
-                   (ti.DiagConfig(16, 16, 4, 1, early=True), ti.DiagConfig(16, 16, 2, 1, early=True))):
-        o, ht, ws = ti.diag_fwd(q, k, v, g, h0, None, True, config=fc)
-        grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, None, config=bc, fwd_bt=fc.bt)
-        for x, r in zip((o, ht) + tuple(grads), (o64, ht64) + tuple(g64)):
-            torch.testing.assert_close(x.double(), r, rtol=1e-4, atol=1e-4)
-
-
-# ---- opt-in "rows" forward (DiagConfig(kind="rows")): each thread walks whole channels -------------
-
-
-def _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg=None):
-    """The rows forward as a training forward (o, final state, carries every segment_rows rows) and a
-    backward (default: the tile one) on its carries."""
+def _fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg):
+    """The training forward with ``fcfg`` (o, final state, carries every segment_rows rows) and the
+    backward with ``bcfg`` on its carries."""
     from delta_attn.ops.diag import triton_impl as ti
     o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg, training=True)
     assert ws.shape[0] == triton.cdiv(q.shape[0] * q.shape[1], fcfg.bt) * fcfg.split
-    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg or ti.DiagConfig(16, 16, 2, 1),
-                        fwd_bt=fcfg.segment_rows)
+    grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg, fwd_bt=fcfg.segment_rows)
     return o, ht, grads
 
 
-@pytest.mark.parametrize("t,bd,hold,rows_bwd,split", [(37, 16, False, False, 1), (32, 64, False, True, 1),
-                                                      (37, 16, True, True, 1), (37, 16, True, False, 2),
-                                                      (32, 64, True, True, 4), (37, 16, False, True, 4)])
-def test_rows_fwd_against_float64(poisoned, t, bd, hold, rows_bwd, split):
-    # odd length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN
-    # path (T % BT == 0, H * D % BD == 0 with D = 32); fp16 inputs with fp32 decays; initial and
-    # final states; the backward (tile, or rows with 16-row tiles) runs on the rows forward's carries;
-    # split > 1: the tile's rows walked as `split` segments side by side (8 or 16 rows per tile)
+def _check_fwd_bwd(q, k, v, g, h0, cu, fcfg, bcfg):
+    """The training forward and the backward with explicit configs against the float64 reference; the
+    inference forward (no carries) gives the same o and final state."""
     from delta_attn.ops.diag import triton_impl as ti
-    d = 20 if t % 8 else 32
-    bt = 16 if split == 4 else 8
-    q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
-    h0 = torch.randn(2, 2, d, device=DEV)
-    do, dht = torch.randn_like(q), torch.randn(2, 2, d, device=DEV)
-    o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, None, do, dht,
-                                 ti.DiagConfig(bt, bd, 2, split, early=hold, kind="rows", hold=hold, split=split),
-                                 ti.DiagConfig(bt if hold else 16, bd, 2, 1, kind="rows") if rows_bwd else None)
-    o64, ht64, g64 = _ref(q, k, v, g, h0, None, do, dht, True)
-    olp, htlp, glp = _ref(q, k, v, g, h0, None, do, dht, False)
+    n = cu.shape[0] - 1 if cu is not None else q.shape[0]
+    do, dht = torch.randn_like(q), torch.randn(n, q.shape[2], q.shape[3], device=DEV)
+    o, ht, grads = _fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg)
+    o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
+    olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
     assert o.dtype == q.dtype and ht.dtype == torch.float32
     assert_close(o, o64, olp, name="o")
     assert_close(ht, ht64, htlp, name="final_state")
     for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
         assert_close(x, r64, rlp, kind="grad", name=name)
+    with da.testing.poison_outputs():
+        oi, hti, _ = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
+    torch.testing.assert_close(oi, o, rtol=0, atol=0)
+    torch.testing.assert_close(hti, ht, rtol=0, atol=0)
+    return o, ht, grads
 
 
-def test_rows_varlen_zero_length_and_extreme_decays(poisoned):
-    # varlen with zero-length sequences (first, middle, last), a length-1 sequence, tiles straddling
-    # sequences; decays down to -1e4 including a fully decayed tile; no initial state in a second call
+@pytest.mark.parametrize("t,d", [(128, 16), (133, 20)])
+def test_gpu_configs(poisoned, t, d):
+    # the GPU's configs (forward: 64-row tiles walked as 4 segments, window 4; backward: 16-row tiles on
+    # the forward's 16-row carries, window 8) run by the interpreter, 2-3 forward tiles per sequence. T = 128,
+    # H * D = 32: the mask-free EVEN path; T = 133, H * D = 40: masked rows and channels
+    from delta_attn.ops.diag import triton_impl as ti
+    q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32, decay_scale=0.1)
+    _check_fwd_bwd(q, k, v, g, torch.randn(2, 2, d, device=DEV), None, ti.FWD_CONFIG, ti.BWD_CONFIG)
+
+
+@pytest.mark.parametrize("t,d,bt,split", [(37, 20, 8, 2), (32, 32, 16, 4), (37, 20, 16, 4)])
+def test_tile_sizes_against_float64(poisoned, t, d, bt, split):
+    # other tile sizes of the same kernels: segments of 4 rows, a 16-row backward on 4-row carries; odd
+    # length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN path
+    # (T % BT == 0, H * D % BD == 0); fp16 inputs with fp32 decays; initial and final states
+    from delta_attn.ops.diag import triton_impl as ti
+    q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
+    _check_fwd_bwd(q, k, v, g, torch.randn(2, 2, d, device=DEV), None, ti.FwdConfig(bt, 16, 2, 2, split),
+                   ti.BwdConfig(16, 16, 2, 1))
+
+
+def test_configs_are_validated():
+    from delta_attn.ops.diag import triton_impl as ti
+    for split in (1, 3, 16):
+        with pytest.raises(ValueError, match="split"):
+            ti.FwdConfig(8, 16, 2, 2, split)
+    q, k, v, g = _inputs(1, 16, 1, 16, torch.float32)
+    _, _, ws = ti.diag_fwd(q, k, v, g, training=True)
+    with pytest.raises(ValueError, match="multiple of the forward's carry rows"):
+        ti.diag_bwd(q, k, v, g, q, ws, config=ti.BwdConfig(2, 16, 2, 1))
+
+
+def test_varlen_zero_length_and_extreme_decays_split_segments(poisoned):
+    # varlen with zero-length sequences (first, middle, last), a length-1 sequence, tiles and segments
+    # straddling sequences; decays down to -1e4 including a fully decayed tile
     from delta_attn.ops.diag import triton_impl as ti
     cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
     q, k, v, g = _inputs(1, 40, 2, 20, torch.float32)
     g = torch.where(torch.rand_like(g) < 0.3, torch.full_like(g, -1e4), g)
     g[:, 8:16] = -1e4
     h0 = torch.randn(7, 2, 20, device=DEV)
-    do, dht = torch.randn_like(q), torch.randn(7, 2, 20, device=DEV)
-    fcfg = ti.DiagConfig(8, 16, 2, 1, kind="rows")
-    o, ht, grads = _rows_fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg)
-    for cfg in (ti.DiagConfig(8, 16, 2, 1, kind="rows", hold=True),
-                ti.DiagConfig(16, 16, 2, 4, kind="rows", hold=True, split=4),    # segments straddle sequences
-                ti.DiagConfig(8, 16, 2, 2, kind="rows", split=2)):
-        oh, hth, _ = ti.diag_fwd(q, k, v, g, h0, cu, True, config=cfg)
-        torch.testing.assert_close(oh, o, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(hth, ht, rtol=1e-5, atol=1e-5)
-    o64, ht64, g64 = _ref(q, k, v, g, h0, cu, do, dht, True)
-    olp, htlp, glp = _ref(q, k, v, g, h0, cu, do, dht, False)
+    o, ht, grads = _check_fwd_bwd(q, k, v, g, h0, cu, ti.FwdConfig(16, 16, 2, 2, split=4), ti.BwdConfig(16, 16, 2, 1))
     for x in (o, ht) + tuple(grads):
         assert torch.isfinite(x).all()
-    assert_close(o, o64, olp, name="o")
-    assert_close(ht, ht64, htlp, name="final_state")
     torch.testing.assert_close(ht[[0, 2, 6]], h0[[0, 2, 6]], rtol=0, atol=0)
-    for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, glp):
-        assert_close(x, r64, rlp, kind="grad", name=name)
-    # the rows backward (16-row tiles on 8-row carries, straddling sequences)
-    _, _, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg)
-    for bt in (16,):
-        with da.testing.poison_outputs():
-            grads_r = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=ti.DiagConfig(bt, 16, 2, 1, kind="rows"),
-                                  fwd_bt=8)
-        for name, x, r64, rlp in zip(["dq", "dk", "dv", "dg", "dh0"], grads_r, g64, glp):
-            assert torch.isfinite(x).all(), name
-            assert_close(x, r64, rlp, kind="grad", name=f"rows bwd {bt}: {name}")
-    # an empty sequence's initial-state gradient is its final state's
-    torch.testing.assert_close(grads_r[4][[0, 2, 6]], dht[[0, 2, 6]], rtol=0, atol=0)
-    # no initial state: an empty sequence ends in state 0; the carries equal the default forward's
-    o2, ht2, ws2 = ti.diag_fwd(q, k, v, g, None, cu, True, config=fcfg)
-    o3, ht3, ws3 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.DiagConfig(8, 16, 2, 1))
-    assert torch.count_nonzero(ht2[[0, 2, 6]]) == 0
-    torch.testing.assert_close(o2, o3, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ht2, ht3, rtol=1e-5, atol=1e-5)
-    c2 = (ws2 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-    c3 = (ws3 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-    torch.testing.assert_close(c2, c3, rtol=1e-5, atol=1e-5)
-    assert bool((ws2 < 0).all())   # every tile published its inclusive word
-    # a training forward with split tiles (16 rows as 2 segments) writes its carries every 8 rows: the
-    # same states as the 8-row tiles' words
-    _, _, ws4 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.DiagConfig(16, 16, 2, 2, kind="rows", hold=True,
-                                                                             split=2), training=True)
+    # no initial state: an empty sequence ends in state 0. A training forward writes its carries every
+    # segment (16-row tiles as 2 segments: every 8 rows): the inference forward's 8-row tile words
+    fcfg = ti.INTERP_FWD_CONFIG
+    _, ht3, ws3 = ti.diag_fwd(q, k, v, g, None, cu, True, config=fcfg)
+    assert torch.count_nonzero(ht3[[0, 2, 6]]) == 0
+    assert ws3.shape[0] == 5 and bool((ws3 < 0).all())   # every tile published its inclusive word
+    _, _, ws4 = ti.diag_fwd(q, k, v, g, None, cu, True, config=ti.FwdConfig(16, 16, 2, 2, split=2), training=True)
     assert ws4.shape[0] == 6 and bool((ws4 < 0).all())
+    c3 = (ws3 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     c4 = (ws4[:5] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     torch.testing.assert_close(c4, c3, rtol=1e-5, atol=1e-5)
 

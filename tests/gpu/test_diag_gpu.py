@@ -150,72 +150,45 @@ def test_compile_fullgraph():
     torch.testing.assert_close(gq, q.grad, rtol=1e-2, atol=1e-2)
 
 
-def _variant_cases():
-    """((q, k, v, g), initial state, cu_seqlens): fixed length with an initial state (the EVEN path), and
-    varlen with empty sequences and a run of full decays (the masked path), thousands of tiles each."""
-    lens = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    cases = [(_inputs(2, 8192, 16, 128, torch.bfloat16, lo=-0.05), torch.randn(2, 16, 128, device=DEV), None),
-             (_inputs(1, int(cu[-1]), 4, 96, torch.bfloat16, torch.float32, lo=-0.1),
-              torch.randn(len(lens), 4, 96, device=DEV), cu)]
+# Launch shapes the code picks besides the bar shape's: problems too small to fill the GPU twice with the
+# default channel blocks get smaller blocks (and, with them, fewer warps: no more than the block's vector
+# fills). Long chains all the same: hundreds of tiles of one chain in flight race through the look-back.
+SHRUNK_LENS = [0, 3000, 0, 1, 777, 4000, 0, 64, 1500, 0]
+
+
+def _shrunk_cases():
+    """((q, k, v, g), initial state, cu_seqlens), each with its blocks shrunk: fixed length, H * D = 32
+    (the EVEN path; 200 forward tiles per chain), and varlen with empty sequences and a run of full
+    decays, H * D = 48 (masked rows and channels; 146 forward tiles per chain)."""
+    cu = torch.tensor([0] + torch.tensor(SHRUNK_LENS).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cases = [(_inputs(1, 12800, 1, 32, torch.bfloat16, lo=-0.05), torch.randn(1, 1, 32, device=DEV), None),
+             (_inputs(1, int(cu[-1]), 1, 48, torch.bfloat16, torch.float32, lo=-0.1),
+              torch.randn(len(SHRUNK_LENS), 1, 48, device=DEV), cu)]
     cases[1][0][3][:, 4000:4100] = -1e4
     return cases
 
 
-def _variant_pairs():
-    """(forward, backward) configs of the other compiled variants the benchmark may pick."""
+def _assert_blocks_shrink(q):
+    """The case really runs shrunk forward blocks (the launcher's choice on this GPU)."""
+    import triton
     from delta_attn.ops.diag import triton_impl as ti
-    C = ti.DiagConfig
-    return [(C(32, 64, 4, 2, True), C(32, 64, 4, 2, True)), (C(16, 32, 4, 1, False), C(32, 16, 4, 1, True)),
-            # the opt-in rows variants (channel blocks spanning heads, the fast-exp path)
-            (C(16, 64, 8, 1, kind="rows", hold=True), C(16, 64, 8, 1, kind="rows")),
-            (C(16, 128, 8, 2, True, kind="rows", hold=True), C(32, 32, 8, 1)),
-            # re-read forward (hold=False), window 4; 32-row rows kernels are left out: with varlen
-            # they take 30-90 s each to compile (sm_90a, docs/PERFORMANCE.md)
-            (C(16, 64, 4, 1, kind="rows"), C(16, 64, 4, 1, kind="rows"))]
+    total, hd, bd = q.shape[0] * q.shape[1], q.shape[2] * q.shape[3], ti.FWD_CONFIG.bd
+    assert ti._block_hd(bd, triton.cdiv(total, ti.FWD_CONFIG.bt), hd, q.device) < min(bd, triton.next_power_of_2(hd))
 
 
-def test_kernel_variants_many_tiles():
-    # the other compiled variants the benchmark may pick (loads before / after the look-back, 2-warp
-    # tiles, windows 4 and 8) with thousands of tiles in flight: fixed length with an initial state,
-    # and varlen with empty sequences and full decays (masked path)
-    from delta_attn.ops.diag import triton_impl as ti
-    pairs = _variant_pairs()
-    for (q, k, v, g), h0, c in _variant_cases():
-        n = h0.shape[0]
-        do, dht = torch.randn_like(q), torch.randn(n, q.shape[2], q.shape[3], device=DEV)
-        o64, ht64, g64 = gated_diag_scan(q, k, v, g, h0, c, do, dht)
-        o32, ht32, g32 = gated_diag_scan(q, k, v, g, h0, c, do, dht, dtype=torch.float32)
-        for fc, bc in pairs:
-            with poison_outputs():
-                o, ht, ws = ti.diag_fwd(q, k, v, g, h0, c, True, config=fc)
-                grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, c, config=bc, fwd_bt=fc.bt)
-            assert_close(o, o64, o32.to(q.dtype), name=f"o {fc}")
-            assert_close(ht, ht64, ht32, name=f"final_state {fc}")
-            dts = [q.dtype, q.dtype, q.dtype, g.dtype, torch.float32]
-            for name, x, r64, r32, dt in zip(["dq", "dk", "dv", "dg", "dh0"], grads, g64, g32, dts):
-                assert_close(x, r64, r32.to(dt), kind="grad", name=f"{name} {bc}")
-
-
-def test_split_rows_forward_many_tiles():
-    # the rows forward with split tiles (segments walked side by side on their own warps, their maps
-    # combined once per tile) with thousands of tiles in flight: the EVEN path with an initial state,
-    # and varlen with empty sequences and full decays (segments straddling sequences)
-    from delta_attn.ops.diag import triton_impl as ti
-    C = ti.DiagConfig
-    # (16-row segments: with varlen, 32-row ones unroll the per-row sequence lookup into kernels that
-    # take 30-90 s to compile)
-    configs = [C(64, 64, 8, 4, True, kind="rows", hold=True, split=4),
-               C(32, 32, 8, 2, True, kind="rows", hold=True, split=2),
-               C(64, 64, 4, 4, False, kind="rows", split=4)]
-    for (q, k, v, g), h0, c in _variant_cases():
+def test_shrunk_blocks_many_tiles():
+    # the configs the launcher picks for small problems (shrunk channel blocks, fewer warps): training
+    # forward + backward against the float64 scan, and the inference forward (no carries) equal to it
+    for (q, k, v, g), h0, c in _shrunk_cases():
+        _assert_blocks_shrink(q)
+        _check_against_scan(q, k, v, g, h0, c)
         o64, ht64, _ = gated_diag_scan(q, k, v, g, h0, c)
         o32, ht32, _ = gated_diag_scan(q, k, v, g, h0, c, dtype=torch.float32)
-        for fc in configs:
-            with poison_outputs():
-                o, ht, _ = ti.diag_fwd(q, k, v, g, h0, c, True, config=fc)
-            assert_close(o, o64, o32.to(q.dtype), name=f"o {fc}")
-            assert_close(ht, ht64, ht32, name=f"final_state {fc}")
+        with torch.no_grad(), poison_outputs():
+            o, ht = da.gated_diag_attn(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=c,
+                                       backend="triton")
+        assert_close(o, o64, o32.to(q.dtype), name="o (inference forward)")
+        assert_close(ht, ht64, ht32, name="final_state (inference forward)")
 
 
 # ---- non-finite gates (issue 15): a NaN stays in its own sequence with thousands of tiles in flight ----
@@ -223,7 +196,7 @@ def test_split_rows_forward_many_tiles():
 # meet its predecessor's aggregate map, a full decay or a reset, before the inclusive state)
 
 from test_diag_nan import (check_nan_run, check_step_nan, check_step_strided_indices,  # noqa: E402
-                           launchers_with_grads, nan_case, public_with_grads)
+                           nan_case, public_with_grads)
 
 NAN_LENS = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
 # NaN rows: inside a long sequence (then 2000 full decays), at a first token, and near the end of one
@@ -262,17 +235,12 @@ def test_batch_nan_stays_in_its_sequence_many_tiles():
                   [(1, 3000)], t_seq=8192)
 
 
-def test_kernel_variants_nan_many_tiles():
-    # every opt-in variant, and the split rows forward as a training forward, on the varlen NaN case
-    from delta_attn.ops.diag import triton_impl as ti
-    C = ti.DiagConfig
-    q, k, v, g, s0, cu = nan_case(NAN_LENS, 4, 96, torch.bfloat16, torch.float32, nan_at=NAN_AT, full_decay=2000,
+def test_shrunk_blocks_nan_many_tiles():
+    # the varlen NaN case at the shrunk-block shape (forward 32-channel blocks over H * D = 48)
+    q, k, v, g, s0, cu = nan_case(SHRUNK_LENS, 1, 48, torch.bfloat16, torch.float32, nan_at=NAN_AT, full_decay=2000,
                                   lo=-0.1)
-    runs = [launchers_with_grads(fc, bc) for fc, bc in _variant_pairs()]
-    runs.append(launchers_with_grads(C(64, 64, 4, 4, True, kind="rows", hold=True, split=4),
-                                     C(16, 128, 8, 2, kind="rows"), training=True))
-    for run in runs:
-        check_nan_run(run, _scan_ref, q, k, v, g, s0, cu, NAN_AT)
+    _assert_blocks_shrink(q)
+    check_nan_run(public_with_grads("triton"), _scan_ref, q, k, v, g, s0, cu, NAN_AT)
 
 
 def test_step_nan_and_strided_state_indices():

@@ -14,8 +14,8 @@ global. Example: the gated diagonal forward's tiles (``diag_fwd(config=...)``) o
     from delta_attn.bench.sweep import sweep
     from delta_attn.ops.diag import triton_impl as ti
 
-    configs = [ti.FWD_CONFIG, ti.DiagConfig(32, 32, 8, 1),
-               ti.DiagConfig(64, 64, 8, 4, early=True, kind="rows", hold=True, split=4)]
+    configs = [ti.FWD_CONFIG, ti.FwdConfig(bt=64, bd=64, w=8, warps=4, split=4),
+               ti.FwdConfig(bt=32, bd=64, w=4, warps=2, split=2)]
     rows = sweep(dict(op="diag", B=1, S=32768, H=16, D=128),
                  {str(c): (lambda c: lambda q, k, v, g: ti.diag_fwd(q, k, v, g, config=c)[0])(c)
                   for c in configs}, Settings())

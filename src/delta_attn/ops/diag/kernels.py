@@ -1,44 +1,41 @@
 """Triton kernels of gated diagonal attention: ``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t``.
 
 Layout: q, k, v, g, o are packed ``(total, H, D)`` (a fixed batch ``(B, T, H, D)`` is the packed batch
-of B sequences of T tokens), so every (head, channel block) is one *chain* along the packed time axis.
-Sequence boundaries inside a chain are handled by the scan itself: a sequence's first token is a
-*reset* map ``s -> b`` (its A marked ``RESET`` < 0, the initial state folded into the input:
+of B sequences of T tokens), so every channel of the flattened H * D axis is one *chain* along the packed
+time axis. Sequence boundaries inside a chain are handled by the scan itself: a sequence's first token is
+a *reset* map ``s -> b`` (its A marked ``RESET`` < 0, the initial state folded into the input:
 ``b = exp(g) * s0 + k * v``, s0 = 0 without one), and every composition and application of maps
 *selects* at a reset (``_scan_combine``, ``_apply``) instead of multiplying the state before it by 0:
 ``0 * NaN = NaN`` would carry a NaN (or an inf) of one sequence into the next. So nothing leaks from one
 sequence into another, a NaN gate included: it makes its own sequence's state NaN from its token on
 (a full decay after it keeps it NaN, as ``exp(-1e4) * NaN`` does in the specification).
 
-Forward (``_diag_fwd_kernel``), one program per (time tile of BT rows, chain), single pass:
-  1. the program id gives the tile; ids walk the chains first, so the tiles of one chain start in
-     time order (blocks are dispatched in index order: the look-back below cannot dead-lock);
-  2. load the tile, scan the affine maps ``s -> a_t s + b_t`` along time in registers;
-  3. publish the tile's aggregate map (A, B) per channel, then *decoupled look-back*: compose the
-     predecessors' published maps until a *stop* word (an inclusive state, or a map that resets: a
-     sequence starts in that tile), which gives the state entering the tile;
-  4. publish the tile's inclusive state (a stop word, B = state at its last row), write ``o = q * s``
-     and the final states of the sequences that end in the tile.
+Forward (``_diag_fwd_rows_kernel``), one program per (time tile of BT rows, block of BD channels of the
+flattened H * D axis), single pass; no data crosses threads in the time scan (each thread walks the rows
+of its own channels):
+  1. the program id gives the tile; ids walk the channel blocks first, so the tiles of one chain start
+     in time order (blocks are dispatched in index order: the look-back below cannot dead-lock);
+  2. the tile's rows, cut into SPLIT segments walked side by side by their own threads, are scanned as
+     affine maps ``s -> a_t s + b_t``; the segments' maps are combined once per tile;
+  3. publish the tile's aggregate map (A, B) per channel, then *decoupled look-back*
+     (``_lookback_walk``): compose the predecessors' published maps until a *stop* word (an inclusive
+     state, or a map that resets: a sequence starts in that tile), which gives the state entering the
+     tile; publish the tile's inclusive state (a stop word, B = state at its last row);
+  4. write ``o = q * s`` and the final states of the sequences that end in the tile; a training forward
+     also writes the state at the end of every segment: the backward's carries.
+Long tiles walked as segments keep few tiles of a chain in flight when a tile looks back (the cost of
+the look-back), with the registers of a short tile.
 Every published word packs (valid bit | A bits, B bits) into one int64 per channel, so a reader needs
 no memory fence: a word is either zero (not yet written) or a complete, consistent pair. A bits 0 is
 the stop mark (``_pack``, ``_pack_incl``): an aggregate whose A underflowed to 0 (a full decay) is
 published as the smallest subnormal instead, so the look-back never stops on it (that would drop a NaN
 before it: decided by timing on a GPU, and not what the specification computes).
-The forward's workspace ends holding the state at the end of every tile: the backward's carries.
 
-Backward (``_diag_bwd_kernel``), the same scheme run from the last tile to the first:
-  ``ds_t = exp(g_{t+1}) ds_{t+1} + do_t q_t (+ dfinal at a sequence end)``, a reverse scan (its operands
-  loaded with the rows reversed, so it runs as a forward scan) with look-back to the right; the states ``s_t`` are recomputed from the forward's tile carries; then
+Backward (``_diag_bwd_rows_kernel``), the same scheme run from the last tile to the first:
+  ``ds_t = exp(g_{t+1}) ds_{t+1} + do_t q_t (+ dfinal at a sequence end)``, a reverse walk over the rows
+  with look-back to the right; the states ``s_t`` are recomputed from the forward's carries; then
   ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
-  ``d s0 = exp(g_first) ds_first``. Inputs are read once and gradients written once.
-
-"Rows" kernels (``_diag_fwd_rows_kernel``, ``_diag_bwd_rows_kernel``; ``DiagConfig(kind="rows")``; the
-defaults, measured faster than the tile kernels above, which stay as opt-in configs): the same
-single-pass schemes, but a program owns a block of the flattened H * D channel axis and walks its tile
-row by row, each thread carrying the state of its own channels (no cross-thread scan), with a
-per-channel look-back walk (``_lookback_walk``). The forward can split its tile into segments walked
-side by side by different warps (``SPLIT``): long tiles, so that few tiles of a chain are in flight
-when a tile looks back. They publish the same words, so either backward runs on either forward's carries.
+  ``d s0 = exp(g_first) ds_first``.
 
 Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place; a program owns a
 block of the flattened H * D channels of one sequence (``ops/_slots.py`` gives its slots).
@@ -75,13 +72,6 @@ def _apply(a, b, s):
 
 
 @triton.jit
-def _outer_combine(a1, b1, a2, b2):
-    # outer (a1, b1) applied after inner (a2, b2): s -> a1 (a2 s + b2) + b1 (the look-back's words: no
-    # resets among the maps it composes, it stops at the first)
-    return a1 * a2, a1 * b2 + b1
-
-
-@triton.jit
 def _pack(a, b):
     """A tile's aggregate map -> int64 word: bit 63 valid, bits 62..32 |A|, bits 31..0 B. A reset map
     (A < 0) gets A bits 0, the stop mark; an A of 0 (underflow) the smallest subnormal, so that it is
@@ -105,46 +95,6 @@ def _unpack(word):
     a = a_bits.to(tl.int32).to(tl.float32, bitcast=True)
     b = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     return word < 0, a, b, a_bits == 0
-
-
-@triton.jit
-def _lookback(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
-    """Carry entering tile j: compose the published maps of tiles j-1, j-2, ... (j+1, ... when
-    REVERSE) until, per channel, a stop word (an inclusive state or a reset map) or the chain's end."""
-    i = tl.arange(0, W)
-    acc_a = tl.full(chan.shape, 1.0, tl.float32)
-    acc_b = tl.zeros(chan.shape, tl.float32)
-    done = cmask == 0
-    cur = j
-    while tl.max((done == 0).to(tl.int32), axis=0) > 0:
-        # window of W neighbours, nearest first; outside the chain reads as "state 0"
-        if REVERSE:
-            w = cur + 1 + i
-            inside = w < n_tiles
-        else:
-            w = cur - 1 - i
-            inside = w >= 0
-        ptrs = ws + w.to(tl.int64)[:, None] * stride_tile + chan[None, :]
-        word = tl.load(ptrs, mask=inside[:, None] & cmask[None, :], other=_INCL_ZERO, volatile=True)
-        ready, a, b, stop = _unpack(word)
-        # per channel the nearest stop word; every map up to it must be published
-        first_stop = tl.min(tl.where(ready & stop, i[:, None], W), axis=0)
-        need = (i[:, None] <= first_stop[None, :]) & (done == 0)[None, :]
-        missing = tl.max(tl.max((need & (ready == 0)).to(tl.int32), axis=1), axis=0)
-        if missing == 0:
-            am = tl.where(need, a, 1.0)
-            bm = tl.where(need, b, 0.0)
-            ca, cb = tl.associative_scan((am, bm), 0, _outer_combine)
-            wa = tl.sum(tl.where(i[:, None] == W - 1, ca, 0.0), axis=0)
-            wb = tl.sum(tl.where(i[:, None] == W - 1, cb, 0.0), axis=0)
-            acc_b = tl.where(done, acc_b, acc_b + acc_a * wb)
-            acc_a = tl.where(done, acc_a, acc_a * wa)
-            done = done | (first_stop < W)
-            if REVERSE:
-                cur = cur + W
-            else:
-                cur = cur - W
-    return acc_b
 
 
 @triton.jit
@@ -172,30 +122,6 @@ def _seq_info(rows, cu, T_seq, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(j, cu, T_seq, total, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, BT: tl.constexpr,
-               EVEN: tl.constexpr, REV: tl.constexpr = False):
-    """Rows of tile j: (valid, sequence index, sequence start, sequence end) per row, the rows in
-    time order or (REV) reversed. EVEN (fixed length, T % BT == 0, total % BT == 0): the tile lies in
-    one sequence, which can only start at its first row and end at its last: two scalar tests."""
-    r = tl.arange(0, BT)
-    if REV:
-        r = BT - 1 - r
-    row0 = j.to(tl.int64) * BT
-    if EVEN:
-        seq0 = row0 // T_seq
-        p0 = row0 - seq0 * T_seq
-        rmask = r < BT
-        seq = tl.zeros([BT], tl.int64) + seq0
-        start = (r == 0) & (p0 == 0)
-        end = (r == BT - 1) & (p0 + BT == T_seq)
-    else:
-        rows = row0 + r
-        rmask = rows < total
-        seq, start, end = _seq_info(rows, cu, T_seq, N, IS_VARLEN, LOG_N)
-    return rmask, seq, start, end
-
-
-@triton.jit
 def _ld(ptr, m, EVEN: tl.constexpr):
     if EVEN:
         x = tl.load(ptr)
@@ -210,30 +136,6 @@ def _st(ptr, x, m, EVEN: tl.constexpr):
         tl.store(ptr, x)
     else:
         tl.store(ptr, x, mask=m)
-
-
-@triton.jit
-def _tile_of(pid, n_tiles, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
-    """Program id -> (time tile, head, channel block); consecutive ids walk the chains first, so the
-    tiles of one chain start in time order (from the end when REVERSE): blocks are dispatched in
-    index order, so every earlier tile of a chain has started and the look-back cannot dead-lock."""
-    N_DB: tl.constexpr = (D + BD - 1) // BD
-    j = pid // (H * N_DB)
-    if REVERSE:
-        j = n_tiles - 1 - j
-    c = pid % (H * N_DB)
-    return j, c // N_DB, c % N_DB
-
-
-@triton.jit
-def _tile_ptrs(j, h, db, cu, T_seq, total, N, H: tl.constexpr, D: tl.constexpr, IS_VARLEN: tl.constexpr,
-               LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
-    """64-bit offset of the tile's corner, its channels and masks, and the rows' sequence flags."""
-    cols = db * BD + tl.arange(0, BD)
-    cmask = cols < D
-    rmask, seq, start, end = _tile_rows(j, cu, T_seq, total, N, IS_VARLEN, LOG_N, BT, EVEN)
-    base = j.to(tl.int64) * BT * (H * D) + h * D + db * BD
-    return base, h * D + cols, cmask, rmask[:, None] & cmask[None, :], seq, start, end
 
 
 @triton.jit
@@ -254,178 +156,9 @@ def _empty_sequences_pass_through(src, dst, cu, N, chan, cmask, HD: tl.constexpr
 
 
 @triton.jit
-def _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD: tl.constexpr, HAS_H0: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr):
-    """Forward steps 2-3 of a loaded tile: its affine maps s -> a s + b scanned along time from the tile's
-    start (a reset at a sequence start: s0 is folded into b), and the aggregate map published (the scan's
-    last row, stored by the threads that hold it: no reduction). Returns the prefixes (ca, cb) and the
-    tile's workspace pointers / last-row mask for the inclusive word."""
-    r = tl.arange(0, BT)
-    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
-    decay = tl.exp(gr.to(tl.float32))
-    b = kr.to(tl.float32) * vr.to(tl.float32)
-    if HAS_H0:
-        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0).to(tl.float32)
-    else:
-        s0 = 0.0
-    # exp(g) s0 with s0 = 0 as well: a NaN gate at a first token gives NaN, as in the specification
-    b += tl.where(start[:, None], decay * s0, 0.0)
-    a = tl.where(start[:, None], _RESET, decay)
-    ca, cb = tl.associative_scan((a, b), 0, _scan_combine)
-    last = (r == BT - 1)[:, None] & cmask[None, :]
-    wptr = ws + j.to(tl.int64) * HD + chan
-    tl.store(wptr[None, :] + off * 0, _pack(ca, cb), mask=last)
-    return ca, cb, wptr, last
-
-
-@triton.jit
-def _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD: tl.constexpr, W: tl.constexpr):
-    """The state entering tile j (decoupled look-back over the chain's earlier tiles)."""
-    return _lookback(ws, j, chan, cmask, HD, n_tiles, False, W)
-
-
-@triton.jit
-def _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
-                HD: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                BT: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
-    """Forward step 4: publish the inclusive state (the last row of s), write o = q s and the final
-    states of the sequences that end in the tile."""
-    off = tl.arange(0, BT)[:, None] * HD + tl.arange(0, BD)[None, :]
-    s = _apply(ca, cb, s_in[None, :])
-    tl.store(wptr[None, :] + off * 0, _pack_incl(s), mask=last)
-    _st(o + base + off, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
-    if STORE_FINAL:
-        tl.store(ht + seq[:, None] * HD + chan[None, :], s, mask=m & end[:, None])
-        if IS_VARLEN:
-            # zero-length sequences: the final state is the initial one; tile 0 of each chain writes it
-            if j == 0:
-                _empty_sequences_pass_through(h0, ht, cu, N, chan, cmask, HD, HAS_H0, BD)
-
-
-@triton.jit
-def _diag_fwd_kernel(q, k, v, g, o, h0, ht, ws, cu,
-                     T_seq, total, N, n_tiles,
-                     H: tl.constexpr, D: tl.constexpr,
-                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                     EVEN: tl.constexpr, Q_EARLY: tl.constexpr):
-    N_DB: tl.constexpr = (D + BD - 1) // BD
-    HD: tl.constexpr = H * D
-    n_work = n_tiles * (H * N_DB)
-    r = tl.arange(0, BT)
-    off = r[:, None] * HD + tl.arange(0, BD)[None, :]   # constant offsets inside a tile
-    # 1. the tile of this program (time order within a chain = program id order). The body sits in a
-    #    loop that runs once: this shape compiles to 128 registers at 32x32 / 1 warp instead of 132
-    #    straight-line (16 instead of 15 programs per SM), measured 8 % faster on the H200
-    #    (docs/PERFORMANCE.md, A/B in one process)
-    t = tl.program_id(0)
-    while t < n_work:
-        j, h, db = _tile_of(t, n_tiles, H, D, BD, False)
-        base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
-                                                           LOG_N, BT, BD, EVEN)
-        gr = _ld(g + base + off, m, EVEN)
-        kr = _ld(k + base + off, m, EVEN)
-        vr = _ld(v + base + off, m, EVEN)
-        # 2.-3. the tile's scan, its aggregate published, the look-back for the state entering it
-        ca, cb, wptr, last = _fwd_scan_publish(gr, kr, vr, h0, ws, j, seq, start, chan, cmask, m, HD, HAS_H0,
-                                               BT, BD)
-        if Q_EARLY:
-            qr = _ld(q + base + off, m, EVEN)
-        s_in = _fwd_carry_in(ws, j, chan, cmask, n_tiles, HD, W)
-        if not Q_EARLY:
-            qr = _ld(q + base + off, m, EVEN)
-        # 4. the inclusive state published, o and the final states written
-        _fwd_finish(o, ht, h0, cu, N, j, base, chan, cmask, m, seq, end, ca, cb, s_in, qr, wptr, last,
-                    HD, HAS_H0, STORE_FINAL, IS_VARLEN, BT, BD, EVEN)
-        t = n_work
-
-
-@triton.jit
-def _diag_bwd_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws_b, cu,
-                     T_seq, total, N, n_tiles, carry_stride,
-                     H: tl.constexpr, D: tl.constexpr,
-                     HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                     EVEN: tl.constexpr, KV_EARLY: tl.constexpr):
-    HD: tl.constexpr = H * D
-    # 1. the tile of this program, from the end of each chain
-    j, h, db = _tile_of(tl.program_id(0), n_tiles, H, D, BD, True)
-    base, chan, cmask, m, seq, start, end = _tile_ptrs(j, h, db, cu, T_seq, total, N, H, D, IS_VARLEN,
-                                                       LOG_N, BT, BD, EVEN)
-    r = tl.arange(0, BT)
-    off = r[:, None] * HD + tl.arange(0, BD)[None, :]
-
-    # 2. reverse maps ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end); the row after
-    #    a sequence's end starts the next sequence, so the map resets there (g is read shifted by a row).
-    #    The tile is loaded with its rows reversed (row i = time BT-1-i), so the reverse-time scan is
-    #    a forward scan over the rows (Triton's reverse scan costs ~4x the shuffles)
-    rr = BT - 1 - r
-    off_r = rr[:, None] * HD + tl.arange(0, BD)[None, :]
-    rmask_r, seq_r, _, end_r = _tile_rows(j, cu, T_seq, total, N, IS_VARLEN, LOG_N, BT, EVEN, True)
-    m_r = rmask_r[:, None] & cmask[None, :]
-    m1 = ((j.to(tl.int64) * BT + rr + 1) < total)[:, None] & cmask[None, :]
-    g1 = tl.load(g + base + HD + off_r, mask=m1, other=0.0).to(tl.float32)
-    a_next = tl.where(end_r[:, None], _RESET, tl.where(m1, tl.exp(g1), 0.0))
-    beta = _ld(do + base + off_r, m_r, EVEN).to(tl.float32) * _ld(q + base + off_r, m_r, EVEN).to(tl.float32)
-    if HAS_DHT:
-        beta += tl.load(dht + seq_r[:, None] * HD + chan[None, :], mask=m_r & end_r[:, None],
-                        other=0.0).to(tl.float32)
-    ra, rb = tl.associative_scan((a_next, beta), 0, _scan_combine)
-
-    # 3. publish the aggregate: the map from the next tile's first ds to this tile's first ds (the
-    #    scan's last row = time row 0, stored by the threads that hold it)
-    first = (r == BT - 1)[:, None] & cmask[None, :]
-    wptr = ws_b + j.to(tl.int64) * HD + chan[None, :] + off * 0   # (time row 0 stores)
-    tl.store(wptr, _pack(ra, rb), mask=first)
-
-    # 4. g, k, v and the forward's carry of the tile: loaded before the look-back (KV_EARLY) or after
-    jc = j.to(tl.int64) * carry_stride - 1
-    if KV_EARLY:
-        gr = _ld(g + base + off, m, EVEN)
-        kr = _ld(k + base + off, m, EVEN)
-        vr = _ld(v + base + off, m, EVEN)
-        carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
-
-    # 5. look back to the right for the carry, publish the inclusive value (ds at the first row)
-    x_in = _lookback(ws_b, j, chan, cmask, HD, n_tiles, True, W)
-    ds_r = _apply(ra, rb, x_in[None, :])
-    tl.store(wptr, _pack_incl(ds_r), mask=first)
-    ds = tl.flip(ds_r, 0)   # back to time order
-    if not KV_EARLY:
-        gr = _ld(g + base + off, m, EVEN)
-        kr = _ld(k + base + off, m, EVEN)
-        vr = _ld(v + base + off, m, EVEN)
-        carry = tl.load(ws_f + jc * HD + chan, mask=cmask & (jc >= 0), other=0)
-
-    # 6. the states from the forward's tile carry, then dq = do s, dk = ds v, dv = ds k,
-    #    dg = ds exp(g_t) s_{t-1} (= ds (s_t - k_t v_t)), d s0 = exp(g_first) ds_first
-    decay = tl.exp(gr.to(tl.float32))
-    kv = kr.to(tl.float32) * vr.to(tl.float32)
-    if HAS_H0:
-        s0 = tl.load(h0 + seq[:, None] * HD + chan[None, :], mask=m & start[:, None], other=0.0).to(tl.float32)
-    else:
-        s0 = 0.0
-    bf = kv + tl.where(start[:, None], decay * s0, 0.0)
-    af = tl.where(start[:, None], _RESET, decay)
-    ca, cb = tl.associative_scan((af, bf), 0, _scan_combine)
-    s_in = tl.where(jc >= 0, (carry & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    s = _apply(ca, cb, s_in[None, :])
-    dot = _ld(do + base + off, m, EVEN).to(tl.float32)   # (time order: a cache hit)
-    _st(dq + base + off, (dot * s).to(dq.dtype.element_ty), m, EVEN)
-    _st(dk + base + off, (ds * vr.to(tl.float32)).to(dk.dtype.element_ty), m, EVEN)
-    _st(dv + base + off, (ds * kr.to(tl.float32)).to(dv.dtype.element_ty), m, EVEN)
-    _st(dg + base + off, (ds * (s - kv)).to(dg.dtype.element_ty), m, EVEN)
-    if HAS_H0:
-        tl.store(dh0 + seq[:, None] * HD + chan[None, :], decay * ds, mask=m & start[:, None])
-        if IS_VARLEN:
-            # zero-length sequences pass the final state's gradient straight through
-            if j == 0:
-                _empty_sequences_pass_through(dht, dh0, cu, N, chan, cmask, HD, HAS_DHT, BD)
-
-
-@triton.jit
 def _lookback_walk(ws, j, chan, cmask, stride_tile, n_tiles, REVERSE: tl.constexpr, W: tl.constexpr):
-    """Carry entering tile j for the rows kernels (same result as ``_lookback``): each channel walks its
+    """Carry entering tile j (decoupled look-back over the chain's tiles before it, after it when
+    REVERSE): each channel walks its
     own predecessors, W published words per probe (issued together: one round trip), composing them in
     order up to the first stop word (an inclusive state or a reset map) or the first word not yet
     published, where its next probe starts. Only W words per channel are live (no [W, BD] window
@@ -570,25 +303,21 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                           H: tl.constexpr, D: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
-                          EVEN: tl.constexpr, HOLD: tl.constexpr, Q_EARLY: tl.constexpr,
-                          FAST_EXP: tl.constexpr, SPLIT: tl.constexpr = 1,
-                          STORE_CARRIES: tl.constexpr = False):
-    """Forward, "rows" variant (DiagConfig(kind="rows"); the default forwards). The time scan never
-    crosses threads: a program owns BD channels of the flattened (H * D) channel axis (a block may span
-    heads: every channel is its own chain) and walks the tile's rows one [BD] vector at a time, each
-    thread carrying the state of its own channels. SPLIT > 1 cuts the tile's BT rows into SPLIT
-    segments of BT / SPLIT rows walked side by side (each by its own threads: a long tile, few tiles
-    per chain in flight, with the registers of a short one); their maps are combined once per tile, and
-    STORE_CARRIES writes the state at the end of every segment (the backward's carries).
-      1. local scan from state 0 and the cumulative decay (B, A) of each segment;
+                          EVEN: tl.constexpr, FAST_EXP: tl.constexpr, SPLIT: tl.constexpr,
+                          STORE_CARRIES: tl.constexpr):
+    """Forward. A program owns BD channels of the flattened (H * D) channel axis (a block may span
+    heads: every channel is its own chain) and walks the tile's rows one vector at a time, each thread
+    carrying the state of its own channels. The tile's BT rows are cut into SPLIT (> 1) segments of
+    BT / SPLIT rows walked side by side (each by its own threads: a long tile, few tiles per chain in
+    flight, with the registers of a short one); their maps are combined once per tile, and
+    STORE_CARRIES (a training forward) writes the state at the end of every segment (the backward's
+    carries).
+      1. local scan from state 0 and the cumulative decay (B, A) of each segment, keeping every row's
+         prefix (A_i, B_i) in registers (2 per element: short segments) and q (loaded before the
+         look-back: its latency hidden behind it);
       2. publish the tile's aggregate map, look back for the entering state s_in, publish the
          inclusive state; the states entering the segments;
-      3. the states from there, writing o = q s and the final states: HOLD keeps every row's prefix
-         (A_i, B_i) from pass 1 in registers (2 per element: short segments) and s_i = A_i s_seg + B_i;
-         otherwise g, k, v are re-read (the stores and volatile loads between the passes keep the
-         compiler from merging the loads; hits only if the tile is still in L1 / L2) and
-         s = a s + b runs from s_seg, so registers do not grow with BT. Q_EARLY: q is loaded in pass 1
-         (kept in registers, its latency behind the look-back) instead of in pass 3.
+      3. the states s_i = A_i s_seg + B_i, writing o = q s and the final states.
     The look-back is ``_lookback_walk`` (per-channel walk). FAST_EXP (GPU only): exp(g) as one
     ex2.approx.ftz (results below 2^-126 flush to 0) instead of Triton's denormal-safe sequence."""
     HD: tl.constexpr = H * D
@@ -601,24 +330,18 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
     row0 = j.to(tl.int64) * BT
     seq0 = row0 // T_seq
     p0 = row0 - seq0 * T_seq
-    if SPLIT > 1:
-        # element e of a row step: segment e // BD, channel e % BD
-        lane = tl.arange(0, SPLIT * BD)
-        seg = lane // BD
-        chan = (pid % N_CB) * BD + lane % BD
-        rows0 = row0 + seg * R
-        reset = (p0 == 0) & (seg == 0)
-    else:
-        seg = 0
-        chan = chan_t
-        rows0 = row0
-        reset = p0 == 0
+    # element e of a row step: segment e // BD, channel e % BD
+    lane = tl.arange(0, SPLIT * BD)
+    seg = lane // BD
+    chan = (pid % N_CB) * BD + lane % BD
+    rows0 = row0 + seg * R
+    reset = (p0 == 0) & (seg == 0)
     # (reset, EVEN: a sequence can only start at the tile's first row: the segment's map is a reset)
     cmask = chan < HD
     p = rows0 * HD + chan
 
-    # 1. local scan from zero and the product of the decays, row by row
-    #    (HOLD: every row's prefix (A_i, B_i) kept in registers, a tuple of R [SPLIT * BD] pairs)
+    # 1. local scan from zero and the product of the decays, row by row; every row's prefix (A_i, B_i)
+    #    and q kept in registers (tuples of R [SPLIT * BD] vectors)
     acc_b = tl.zeros(chan.shape, tl.float32)
     acc_a = tl.full(chan.shape, 1.0, tl.float32)
     held = ()
@@ -628,55 +351,33 @@ def _diag_fwd_rows_kernel(q, k, v, g, o, h0, ht, ws, cu,
                                         R, SPLIT, EVEN)
         a, b = _row_map(k, v, g, h0, p + i * HD, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
         acc_a, acc_b = _then(acc_a, acc_b, a, b, i, 0, EVEN)
-        if HOLD:
-            held = held + ((acc_a, acc_b),)
-        if Q_EARLY:   # q loaded before the look-back (its latency hidden behind it), kept as loaded
-            qs = qs + (_ld(q + p + i * HD, m, EVEN),)
+        held = held + ((acc_a, acc_b),)
+        qs = qs + (_ld(q + p + i * HD, m, EVEN),)
 
-    # 2. publish the aggregate, look back for the entering state, publish the inclusive state; with
-    #    split tiles segment 0's threads do all three (one owner per word: the inclusive word is stored
-    #    after the aggregate by the same thread, and no copy of the walk lives in another warp)
+    # 2. publish the aggregate, look back for the entering state, publish the inclusive state; segment
+    #    0's threads do all three (one owner per word: the inclusive word is stored after the aggregate
+    #    by the same thread, and no copy of the walk lives in another warp)
     if EVEN:
         acc_a = tl.where(reset, _RESET, acc_a)   # the segment's map marked a reset again (see _then)
-    if SPLIT > 1:
-        ia, ib, tile_a, tile_b = _segment_scan(acc_a, acc_b, SPLIT, BD)
-        lead = cmask & (seg == 0)
-    else:
-        tile_a = acc_a
-        tile_b = acc_b
-        lead = cmask
+    ia, ib, tile_a, tile_b = _segment_scan(acc_a, acc_b, SPLIT, BD)
+    lead = cmask & (seg == 0)
     wptr = ws + j.to(tl.int64) * HD + chan
     tl.store(wptr, _pack(tile_a, tile_b), mask=lead)
     s_in = _lookback_walk(ws, j, chan, lead, HD, n_tiles, False, W)
     tl.store(wptr, _pack_incl(_apply(tile_a, tile_b, s_in)), mask=lead)
-    if SPLIT > 1:
-        s_seg, s_end = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
-        if STORE_CARRIES:
-            # the state at the end of every segment, as inclusive words: the backward's carries at
-            # BT / SPLIT rows (the tile words above serve the look-back only)
-            tl.store(carries + (j.to(tl.int64) * SPLIT + seg) * HD + chan, _pack_incl(s_end), mask=cmask)
-    else:
-        s_seg = s_in
+    s_seg, s_end = _segment_entry_states(ia, ib, s_in, SPLIT, BD)
+    if STORE_CARRIES:
+        # the state at the end of every segment, as inclusive words: the backward's carries at
+        # BT / SPLIT rows (the tile words above serve the look-back only)
+        tl.store(carries + (j.to(tl.int64) * SPLIT + seg) * HD + chan, _pack_incl(s_end), mask=cmask)
 
     # 3. the states row by row from s_seg: o = q s, final states at sequence ends
-    s = s_seg
     for i in tl.static_range(R):
         seq, start, end, m = _row_flags(i, rows0, seg, seq0, p0, cu, T_seq, total, N, cmask, IS_VARLEN, LOG_N,
                                         R, SPLIT, EVEN)
         x = p + i * HD
-        if HOLD:
-            s = _held(held[i][0], held[i][1], s_seg, reset, EVEN)
-        else:
-            a, b = _row_map(k, v, g, h0, x, seq, start, chan, m, i, HD, HAS_H0, EVEN, FAST_EXP)
-            if (not EVEN) or (i == 0):
-                s = _apply(a, b, s)
-            else:
-                s = a * s + b
-        if Q_EARLY:
-            qr = qs[i]
-        else:
-            qr = _ld(q + x, m, EVEN)
-        _st(o + x, (qr.to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
+        s = _held(held[i][0], held[i][1], s_seg, reset, EVEN)
+        _st(o + x, (qs[i].to(tl.float32) * s).to(o.dtype.element_ty), m, EVEN)
         if STORE_FINAL:
             if (not EVEN) or (i == R - 1):
                 tl.store(ht + seq * HD + chan, s, mask=m & end)
@@ -694,9 +395,8 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
                           HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                           LOG_N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
                           EVEN: tl.constexpr, FAST_EXP: tl.constexpr):
-    """Backward, "rows" variant (DiagConfig(kind="rows"); the default backward): as the forward's
-    rows variant, a program owns BD channels of the flattened H * D axis and walks rows; no data
-    crosses threads. Tiles from the end of each chain (the look-back runs to the right):
+    """Backward: as the forward, a program owns BD channels of the flattened H * D axis and walks rows;
+    no data crosses threads. Tiles from the end of each chain (the look-back runs to the right):
       1. rows from last to first: ds_t = a_{t+1} ds_{t+1} + do_t q_t (+ dfinal at a sequence end) from
          ds = 0 after the tile, keeping every row's map (RA_t, RB_t) (ds_t = RA_t x_in + RB_t) in
          registers (2 per element); each g row is read once (a_{t+1} carried to the next row);

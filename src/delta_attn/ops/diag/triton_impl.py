@@ -1,14 +1,14 @@
 """``backend="triton"`` for gated diagonal attention: launchers, torch.library custom ops, autograd.
 
-``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` (by
-default the "rows" kernels, the forward with split tiles: measured fastest; the tile kernels opt-in);
+``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` with the
+configs chosen below (:data:`FWD_CONFIG`, :data:`BWD_CONFIG`: measured fastest, docs/PERFORMANCE.md);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
 ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them),
 :class:`GatedDiagFunction` ties forward and backward together, and the backend entries take the
 Function when a gradient is needed, else the op's body in eager mode (the op while traced). The
-forward returns, besides ``o`` and the final states, its workspace: the state at the end of every time tile (of every segment for a
-training forward with split tiles), which the backward uses as carries (int64 words, 8 bytes per
-channel every ``BT`` or ``BT / split`` tokens).
+forward returns, besides ``o`` and the final states, its workspace: the state at the end of every time
+tile (of every segment for a training forward), which the backward uses as carries (int64 words, 8 bytes
+per channel every ``bt`` or, training, every ``bt / split`` tokens).
 """
 from __future__ import annotations
 
@@ -25,30 +25,22 @@ from ... import settings
 from ..._outputs import empty
 from .._launch import Tiles, eager_or_op, index, launch, optional, param, sm_count, tiles
 from .api import DiagArgs
-from .kernels import (_diag_bwd_kernel, _diag_bwd_rows_kernel, _diag_fwd_kernel, _diag_fwd_rows_kernel,
-                      _diag_step_kernel)
+from .kernels import _diag_bwd_rows_kernel, _diag_fwd_rows_kernel, _diag_step_kernel
 
 
 @dataclass(frozen=True)
-class DiagConfig:
-    bt: int                  # time rows per tile (a power of two)
-    bd: int                  # channels per tile (a power of two); shrunk for small problems
-    w: int                   # look-back window (tiles read per probe)
+class FwdConfig:
+    """The forward's launch config (``_diag_fwd_rows_kernel``)."""
+    bt: int       # time rows per tile (a power of two)
+    bd: int       # channels of the flattened H * D axis per program (a power of two); shrunk for small problems
+    w: int        # look-back window (words read per probe)
     warps: int
-    early: bool = False      # fwd (tile and rows): load q before the look-back; bwd (tile): load g, k, v and
-                             # the carry before it
-    kind: str = "tile"       # "tile" (2-D tile, scan across threads) or "rows" (_diag_fwd_rows_kernel /
-                             # _diag_bwd_rows_kernel, each thread walks whole channels; bd spans H * D)
-    hold: bool = False       # rows forward: keep the tile's prefixes in registers (2 per element) instead
-                             # of re-reading g, k, v after the look-back (the rows backward always holds)
-    split: int = 1           # rows forward: time segments per tile walked side by side (bt / split rows
-                             # each, on their own threads; their maps combined once per tile)
+    split: int    # time segments per tile walked side by side (bt / split rows each, on their own threads;
+                  # their maps combined once per tile): a power of two > 1 dividing bt
 
     def __post_init__(self):
-        if self.split < 1 or self.split & (self.split - 1) or self.bt % self.split:
-            raise ValueError(f"split ({self.split}) must be a power of two dividing bt ({self.bt})")
-        if self.split > 1 and self.kind != "rows":
-            raise ValueError("split > 1 needs kind='rows' (the rows forward)")
+        if self.split < 2 or self.split & (self.split - 1) or self.bt % self.split:
+            raise ValueError(f"split must be a power of two > 1 dividing bt ({self.bt}), got {self.split}")
 
     @property
     def segment_rows(self) -> int:
@@ -56,43 +48,37 @@ class DiagConfig:
         return self.bt // self.split
 
 
-# Defaults: the fastest correct configs measured on the H200, bf16, H=16, D=128
-# (docs/PERFORMANCE.md):
-# - forward: the rows kernel with split tiles, 64 rows x 64 channels walked as 4 segments of 16 rows on
-#   4 warps, q loaded before the look-back, prefixes held in registers, look-back window 4: 0.191 ms at
-#   1x32768 (82 % of copy); the tile kernel (32x32, one warp)
-#   0.277 ms and the 16x64 rows forward 0.290 ms in the same run. Few tiles of a chain in flight is
-#   what made the look-back cheap (0.17 ms without it);
+@dataclass(frozen=True)
+class BwdConfig:
+    """The backward's launch config (``_diag_bwd_rows_kernel``)."""
+    bt: int       # time rows per tile (a power of two; a multiple of the forward's carry rows)
+    bd: int       # channels of the flattened H * D axis per program (a power of two); shrunk for small problems
+    w: int        # look-back window
+    warps: int
+
+
+# Defaults: the fastest correct configs measured on the H200, bf16, H=16, D=128 (docs/PERFORMANCE.md):
+# - forward: 64 rows x 64 channels walked as 4 segments of 16 rows on 4 warps, look-back window 4:
+#   0.191 ms at 1x32768 (82 % of copy). Few tiles of a chain in flight is what made the look-back cheap;
 # - training: the same forward writing its states every 16 rows (the segments' ends) as the carries of
-#   the rows backward, 16 x 128 on two warps (the backward's tile must be a multiple of the forward's
+#   the backward, 16 x 128 on two warps (the backward's tile must be a multiple of the forward's
 #   segment_rows). The interpreter uses tiny tiles of the same kernels.
-FWD_CONFIG = DiagConfig(bt=64, bd=64, w=4, warps=4, early=True, kind="rows", hold=True, split=4)
-TRAIN_FWD_CONFIG = FWD_CONFIG
-BWD_CONFIG = DiagConfig(bt=16, bd=128, w=8, warps=2, kind="rows")
-INTERP_FWD_CONFIG = DiagConfig(bt=8, bd=16, w=2, warps=2, early=True, kind="rows", hold=True, split=2)
-INTERP_BWD_CONFIG = DiagConfig(bt=16, bd=16, w=2, warps=1, kind="rows")
+FWD_CONFIG = FwdConfig(bt=64, bd=64, w=4, warps=4, split=4)
+BWD_CONFIG = BwdConfig(bt=16, bd=128, w=8, warps=2)
+INTERP_FWD_CONFIG = FwdConfig(bt=8, bd=16, w=2, warps=2, split=2)
+INTERP_BWD_CONFIG = BwdConfig(bt=16, bd=16, w=2, warps=1)
 
 
-def _configs() -> Tuple[DiagConfig, DiagConfig, DiagConfig]:
-    """(forward without gradient, training forward, backward)."""
+def _configs() -> Tuple[FwdConfig, BwdConfig]:
+    """(forward, backward): the inference and the training forward share their config."""
     if settings.triton_interpreter():
-        return INTERP_FWD_CONFIG, INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
-    return FWD_CONFIG, TRAIN_FWD_CONFIG, BWD_CONFIG
+        return INTERP_FWD_CONFIG, INTERP_BWD_CONFIG
+    return FWD_CONFIG, BWD_CONFIG
 
 
-def _block_d(cfg: DiagConfig, n_tiles: int, H: int, D: int, device: torch.device) -> int:
-    """Channels per program: shrink the block while the grid would not fill the GPU twice."""
-    bd = min(cfg.bd, triton.next_power_of_2(D))
-    target = 2 * sm_count(device)
-    while bd > 16 and n_tiles * H * triton.cdiv(D, bd) < target:
-        bd //= 2
-    return bd
-
-
-def _block_hd(cfg: DiagConfig, n_tiles: int, hd: int, device: torch.device) -> int:
-    """Rows variants: channel blocks over the flattened H * D axis, shrunk while the grid would not
-    fill the GPU twice."""
-    bd = min(cfg.bd, triton.next_power_of_2(hd))
+def _block_hd(bd: int, n_tiles: int, hd: int, device: torch.device) -> int:
+    """Channel blocks over the flattened H * D axis, shrunk while the grid would not fill the GPU twice."""
+    bd = min(bd, triton.next_power_of_2(hd))
     while bd > 16 and n_tiles * triton.cdiv(hd, bd) < 2 * sm_count(device):
         bd //= 2
     return bd
@@ -113,74 +99,65 @@ def _shape(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
     return b * t, t, n, h, d
 
 
-def _launch_scan(default_kernel, rows_kernel, cfg, device, n_tiles: int, h: int, d: int, n: int, t_seq: int,
-                 total: int, cu_seqlens, args: tuple, meta: dict, rows_meta=None, default_meta=None) -> None:
-    """Launch one direction's scan with the arguments both layouts share: the tile kernel (tiles of one
-    head's channels) or the "rows" kernel (channel blocks across heads, ``cfg.kind``)."""
-    if cfg.kind == "rows":
-        bd = _block_hd(cfg, n_tiles, h * d, device)
-        kernel, programs, width = rows_kernel, n_tiles * triton.cdiv(h * d, bd), h * d
-        extra = dict(rows_meta or {}, FAST_EXP=not settings.triton_interpreter())
-    else:
-        bd = _block_d(cfg, n_tiles, h, d, device)
-        kernel, programs, width = default_kernel, n_tiles * h * triton.cdiv(d, bd), d
-        extra = dict(default_meta or {})
+def _launch_scan(kernel, cfg, split: int, device, n_tiles: int, h: int, d: int, n: int, t_seq: int, total: int,
+                 cu_seqlens, args: tuple, meta: dict) -> None:
+    """Launch one direction's scan: channel blocks of the flattened H * D axis (``split`` segments per
+    tile: 1 for the backward)."""
+    bd = _block_hd(cfg.bd, n_tiles, h * d, device)
     # no more warps than a program's channel vector ([bd * split]) fills: a look-back whose copies sat in
     # two warps could leave its loop on one copy's reduction while another copy is still walking
-    warps = min(cfg.warps, max(1, bd * cfg.split // 32))
-    meta = dict(meta, **extra, H=h, D=d, IS_VARLEN=cu_seqlens is not None, LOG_N=_log_n(n), BT=cfg.bt, BD=bd,
-                W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, width, cfg.bt, bd),
+    warps = min(cfg.warps, max(1, bd * split // 32))
+    meta = dict(meta, FAST_EXP=not settings.triton_interpreter(), H=h, D=d, IS_VARLEN=cu_seqlens is not None,
+                LOG_N=_log_n(n), BT=cfg.bt, BD=bd, W=cfg.w, EVEN=_even(cu_seqlens, t_seq, total, h * d, cfg.bt, bd),
                 num_warps=warps)
-    kernel[(programs,)](*args, **meta)
+    kernel[(n_tiles * triton.cdiv(h * d, bd),)](*args, **meta)
 
 
-def _carry_words(cfg: DiagConfig, total: int, training: bool) -> int:
-    """Words per channel of the forward's workspace: one per tile, or with split tiles in training one
-    per segment (``cfg.segment_rows`` rows: what the backward reads as carries)."""
+def _carry_words(cfg: FwdConfig, total: int, training: bool) -> int:
+    """Words per channel of the forward's workspace: one per tile, or in training one per segment
+    (``cfg.segment_rows`` rows: what the backward reads as carries)."""
     return triton.cdiv(total, cfg.bt) * (cfg.split if training else 1)
 
 
 def diag_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, output_final_state=False,
-             config: Optional[DiagConfig] = None, training: bool = False):
+             config: Optional[FwdConfig] = None, training: bool = False):
     """Forward scan. q, k, v, g (B, T, H, D). Returns ``(o, final_state, workspace)``;
-    ``final_state`` is (N, H, D) float32 or an empty tensor when not requested. ``training`` picks the
-    training forward's config, and the workspace then holds the state every ``cfg.segment_rows`` rows
-    (what the default backward expects); otherwise every ``cfg.bt`` rows."""
+    ``final_state`` is (N, H, D) float32 or an empty tensor when not requested. ``config``: default
+    :data:`FWD_CONFIG` (tests and sweeps pass others). With ``training`` the workspace holds the state
+    every ``cfg.segment_rows`` rows (what the backward expects by default); otherwise every ``cfg.bt``
+    rows."""
     q, k, v, g, initial_state = map(param, (q, k, v, g, initial_state))
     cu_seqlens = index(cu_seqlens)
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
-    cfg = config or _configs()[1 if training else 0]
+    cfg = config or _configs()[0]
     n_tiles = triton.cdiv(total, cfg.bt)
     o = empty(q.shape, q.dtype, q.device)
     ws = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
-    carries = ws
-    if training and cfg.split > 1:
-        carries = empty((_carry_words(cfg, total, True), h, d), torch.int64, q.device)
+    carries = empty((_carry_words(cfg, total, True), h, d), torch.int64, q.device) if training else ws
     final = empty((n, h, d) if output_final_state else (0,), torch.float32, q.device)
     if total == 0:
         if output_final_state:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return o, final, carries
-    _launch_scan(_diag_fwd_kernel, _diag_fwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
-                 cu_seqlens,
+    _launch_scan(_diag_fwd_rows_kernel, cfg, cfg.split, q.device, n_tiles, h, d, n, t_seq, total, cu_seqlens,
                  (q, k, v, g, o, optional(initial_state, ws), optional(final if output_final_state else None, ws),
                   ws, optional(cu_seqlens, ws),
                   max(t_seq, 1), total, n, n_tiles),
-                 dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, Q_EARLY=cfg.early),
-                 rows_meta=dict(HOLD=cfg.hold, SPLIT=cfg.split, carries=carries, STORE_CARRIES=carries is not ws))
+                 dict(HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, SPLIT=cfg.split,
+                      carries=carries, STORE_CARRIES=training))
     return o, final, carries
 
 
 def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=None,
-             config: Optional[DiagConfig] = None, fwd_bt: Optional[int] = None):
+             config: Optional[BwdConfig] = None, fwd_bt: Optional[int] = None):
     """Backward scan on the forward's workspace ``ws``, which holds the state every ``fwd_bt`` rows
-    (default: the training forward's ``segment_rows``). Returns ``(dq, dk, dv, dg, d_initial_state or
-    an empty tensor)``."""
+    (default: the training forward's ``segment_rows``). ``config``: default :data:`BWD_CONFIG`.
+    Returns ``(dq, dk, dv, dg, d_initial_state or an empty tensor)``."""
     q, k, v, g, do, initial_state, dfinal = map(param, (q, k, v, g, do, initial_state, dfinal))
     cu_seqlens = index(cu_seqlens)
     total, t_seq, n, h, d = _shape(q, cu_seqlens)
-    cfg = config or _configs()[2]
-    fbt = fwd_bt or _configs()[1].segment_rows
+    cfg = config or _configs()[1]
+    fbt = fwd_bt or _configs()[0].segment_rows
     if cfg.bt % fbt != 0:
         raise ValueError(f"the backward tile ({cfg.bt}) must be a multiple of the forward's carry rows ({fbt})")
     dq = empty(q.shape, q.dtype, q.device)
@@ -195,13 +172,11 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
         return dq, dk, dv, dg, dh0
     n_tiles = triton.cdiv(total, cfg.bt)
     ws_b = torch.zeros((n_tiles, h, d), dtype=torch.int64, device=q.device)
-    _launch_scan(_diag_bwd_kernel, _diag_bwd_rows_kernel, cfg, q.device, n_tiles, h, d, n, t_seq, total,
-                 cu_seqlens,
+    _launch_scan(_diag_bwd_rows_kernel, cfg, 1, q.device, n_tiles, h, d, n, t_seq, total, cu_seqlens,
                  (q, k, v, g, do, dq, dk, dv, dg, optional(initial_state, ws), optional(dfinal, ws),
                   optional(dh0 if initial_state is not None else None, ws), ws, ws_b, optional(cu_seqlens, ws),
                   max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt),
-                 dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None),
-                 default_meta=dict(KV_EARLY=cfg.early))
+                 dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None))
     return dq, dk, dv, dg, dh0
 
 
@@ -265,7 +240,7 @@ _diag_fwd_op = torch.library.custom_op("delta_attn::diag_fwd", _fwd, mutates_arg
 @_diag_fwd_op.register_fake
 def _(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=False):
     total, _, n, h, d = _shape(q, cu_seqlens)
-    words = _carry_words(_configs()[1 if training else 0], total, training)
+    words = _carry_words(_configs()[0], total, training)
     final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), final, q.new_empty((words, h, d), dtype=torch.int64)
 
