@@ -208,9 +208,6 @@ def _empty_call(a: "KDAArgs"):
     return o, a.q.new_zeros(a.num_seqs, hv, kd, vd, dtype=torch.float32)
 
 
-CUDNN_LOG_DECAY_MIN = -1e4
-
-
 def kda(a: "KDAArgs"):
     """Backend entry: the validated call -> ``(o (B, T, HV, V), final_state (N, HV, K, V) float32 or None)``."""
     if a.A_log is not None and a.lower_bound is None:
@@ -227,9 +224,11 @@ def kda(a: "KDAArgs"):
     v = a.v.reshape(total, hv, vd)
     g = a.g.reshape(total, hv, kd).float()
     if a.A_log is None:
-        # a log decay of -inf (a full reset) gave NaN from cuDNN's engine on the H200 while -1e4 passed: both
-        # decay by exactly exp(.) = 0 in fp32, so the floor changes nothing; clamp keeps NaN, and dg there is 0
-        g = g.clamp(min=CUDNN_LOG_DECAY_MIN)
+        # the log decay floored at -DECAY_FLOOR, as the Triton kernels do (gate.py): cuDNN's engine returned NaN
+        # on the H200 for planted decays of -inf and of -1e4 clamped from it (K = V = 128, bf16), and passed -50;
+        # exp(-30) ~ 1e-13 is a reset within the error rule. clamp keeps NaN; dg is 0 where the floor binds
+        from .gate import DECAY_FLOOR
+        g = g.clamp(min=-DECAY_FLOOR)
     beta = a.beta.reshape(total, hv).float()
     gate = {}
     if a.A_log is not None:     # lower_bound * sigmoid(exp(A_log) * (g + dt_bias)): cuDNN's "safe gate"
