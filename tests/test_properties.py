@@ -158,3 +158,10 @@ def test_issue_edge(name, backend, request):
     checker = P.Checker(EDGES[name], "cpu")
     assert checker.runs(backend) or name == "bf16 attention on CPU", f"{backend} should run {name}"
     checker.check(backend)
+
+
+# GPU-domain KDA draws with one-element dA_log (HV = 1) that the fp32 torch backend failed while the float64
+# reference took the loss weights unrounded (properties._loss_grads): 1e-4 of 0.14 (fp16), 8e-3 of 0.31 (bf16)
+@pytest.mark.parametrize("seed", [100092, 100294])
+def test_kda_torch_gpu_draws(seed):
+    assert P.Checker(P.draw("kda", seed, "gpu"), "cpu").check("torch") == "ran"
