@@ -22,16 +22,8 @@ import properties
 CPU_CASES = 300
 
 
-# Known defect (open, issue "KDA rebuilt"): fp32 training with strong decays exceeds the error rule (up to 2.5x the
-# bound): the fp32 cumulative log decay of a 64-token chunk reaches hundreds and loses absolute precision
-# (benchmarks/results/kda/2026-11-23_h200/report.md). Strict: a fix makes these pass and fail here.
-KNOWN_FP32_SMALL_K = {148: "fp32, K=32, decays -50, 64-token training chunk", 194: "fp32, K=48, d_dt_bias 1.1x over"}
-
-
 @pytest.mark.parametrize("seed", range(CPU_CASES))
-def test_random_configuration(seed, request):
-    if seed in KNOWN_FP32_SMALL_K:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_FP32_SMALL_K[seed]))
+def test_random_configuration(seed):
     case = properties.draw_kda(seed, "cpu")
     bad = properties.kda_check(case)
     assert not bad, f"{case}: " + "; ".join(bad)

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .scan import _scan_program, _scan_rows
-from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_l2norm_bwd_rows, _kda_round_tf32,
-                   _kda_row_at, _kda_row_norms_sliced)
+from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_gdiff, _kda_l2norm_bwd_rows, _kda_rel,
+                   _kda_round_tf32, _kda_row_at, _kda_row_norms_sliced)
 
 
 @triton.jit
@@ -153,8 +153,8 @@ def _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC: tl.constexpr, ROUND_TF
 
 
 @triton.jit
-def _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                        DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr):
+def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                        DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, TWO_FLOAT: tl.constexpr):
     """The decayed products of the backward with exact per-channel decays (strong decays, -inf
     included; no exponent > 0), for one K slice: P1, P3, P2 + P4 and the pair terms of dG
     (qs P1 - ks (P2 + P4) + Xa P3) with
@@ -162,14 +162,14 @@ def _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.const
     P4_j = sum_i dA_ij Xa_i E_ij, E_ij = exp(G_i - G_j), i >= j.
     Off-diagonal 16x16 blocks are factored at the row block's boundary token (as in the prep; the
     tf32 factors rounded once for both sides, as in ``_kda_bwd_factored``), diagonal blocks are
-    pairwise in fp32."""
+    pairwise in fp32. G + Gl: the cumulative log decays in two floats (``_kda_cumsum``)."""
     NB: tl.constexpr = BT // BC
     blk = i // BC
     # (runtime loops, not unrolled: this rare path would otherwise add seconds of compile time)
-    Gref = tl.zeros([BT, BK], tl.float32)
+    Gr = G                                                             # G - G_ref (G_ref = 0 for block 0)
     for sa in range(1, NB):
-        Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
-    eR = tl.exp(G - Gref)                                              # row factor, exponent <= 0
+        Gr = tl.where(blk[:, None] == sa, _kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT), Gr)
+    eR = tl.exp(Gr)                                                    # row factor, exponent <= 0
     fq = qs * eR
     fx = Xa * eR
     if ROUND_TF32:
@@ -180,9 +180,8 @@ def _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.const
     P24 = tl.zeros([BT, BK], tl.float32)
     dGp = tl.zeros([BT, BK], tl.float32)
     for sa in range(1, NB):
-        ga = _kda_row_at(G, i, sa * BC - 1)
         # column factor exp(G_ref(a) - G_j) for the columns before row block a (exponent <= 0), else 0
-        cf = tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
+        cf = tl.exp(tl.where(i[:, None] < sa * BC, -_kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT), float("-inf")))
         sel = (blk == sa)[:, None]
         fb = ks * cf
         if ROUND_TF32:
@@ -205,13 +204,16 @@ def _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.const
     dq4 = tl.sum(tl.where(eye, tl.reshape(dAqk, (NB, BC, NB, BC)), 0.0), 2)       # (NB, BC, BC)
     da4 = tl.sum(tl.where(eye, tl.reshape(dA, (NB, BC, NB, BC)), 0.0), 2)
     G4 = tl.reshape(G, (NB, BC, BK))
+    L4 = tl.reshape(Gl, (NB, BC, BK))
     q4 = tl.reshape(qs, (NB, BC, BK))
     k4 = tl.reshape(ks, (NB, BC, BK))
     x4 = tl.reshape(Xa, (NB, BC, BK))
     for sb in range(0, NB):
         on = (s4 == sb)[:, None, None]
         Gs = tl.sum(tl.where(on, G4, 0.0), 0)                                          # (BC, BK)
-        E = tl.exp(tl.where(tri, Gs[:, None, :] - Gs[None, :, :], float("-inf")))        # (BC_i, BC_j, BK)
+        Ls = tl.sum(tl.where(on, L4, 0.0), 0)
+        Gij = _kda_gdiff(Gs[:, None, :], Ls[:, None, :], Gs[None, :, :], Ls[None, :, :], TWO_FLOAT)
+        E = tl.exp(tl.where(tri, Gij, float("-inf")))                                  # (BC_i, BC_j, BK)
         dqs_ = tl.sum(tl.where(on, dq4, 0.0), 0)[:, :, None]
         das_ = tl.sum(tl.where(on, da4, 0.0), 0)[:, :, None]
         kE = tl.sum(tl.where(on, k4, 0.0), 0)[None, :, :] * E
@@ -240,7 +242,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                             HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
-                            DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, EXACT: tl.constexpr):
+                            DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, EXACT: tl.constexpr,
+                            TWO_FLOAT: tl.constexpr):
     """Backward through one 64-token chunk (parallel over chunks x value heads), from the partial
     gradients of ``_kda_bwd_chunk_grads_kernel``: the UT transform, the decayed
     intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm.
@@ -277,8 +280,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         cols = k0 + tl.arange(0, BK)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                    HAS_DT_BIAS, FLOOR)
+        x_, d, G, Gl_ = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                         HAS_DT_BIAS, FLOOR, TWO_FLOAT)
         dw = tl.load(DW + g_off + cols[None, :], mask=m, other=0.0)
         dT += tl.dot(dw, tl.trans(b[:, None] * ks * tl.exp(G)), input_precision=DOT_PREC)
     # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk lower-triangular
@@ -298,25 +301,25 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
         qs = qr * rq[:, None]
         ks = kr * rk[:, None]
-        x, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                   HAS_DT_BIAS, FLOOR)
+        x, d, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                       HAS_DT_BIAS, FLOOR, TWO_FLOAT)
         G_last = _kda_row_at(G, i, L - 1)
         eG = tl.exp(G)
-        eL = tl.exp(G_last[None, :] - G)
+        eL = tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT))
         Xa = b[:, None] * ks
         dqg = tl.load(DQG + g_off + cols[None, :], mask=m, other=0.0)
         dkd = tl.load(DKD + g_off + cols[None, :], mask=m, other=0.0)
         dw = tl.load(DW + g_off + cols[None, :], mask=m, other=0.0)
         dgc = tl.load(DGC + (c * HV + hv) * K + cols, mask=mc, other=0.0)
         dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
-        Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]
+        Gm = _kda_rel(G, Gl, i, BT // 2 - 1, TWO_FLOAT)
         fast = tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX
         if EXACT:
             if fast:
                 P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
             else:
-                P1, P3, P24, dGp = _kda_bwd_pairwise(G, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC,
-                                                       ROUND_TF32)
+                P1, P3, P24, dGp = _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC,
+                                                       ROUND_TF32, TWO_FLOAT)
         else:
             if not fast:        # this chunk is redone by the EXACT launch (whatever is written here)
                 tl.store(FLAGS + c * HV + hv, 1)

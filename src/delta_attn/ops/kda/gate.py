@@ -5,7 +5,7 @@ cumulative log decay, the chunk's rows and row norms, and their backward pieces.
   (1) or ``lower_bound sigmoid(exp(A_log) x)`` (2), with ``x = g + dt_bias``;
 * decay: every per-token log decay is floored at ``-DECAY_FLOOR`` (exp(-30) ~ 1e-13: a reset in
   fp32, -inf included) and summed over the chunk's rows only, so every exponent the kernels form is
-  a difference of small chunk-local sums;
+  a difference of chunk-local sums (kept in two floats for fp32 inputs: ``_kda_cumsum``);
 * rows: the (sequence, first row, length) of a chunk, its row offsets and beta; the L2 row norms
   of q and k (``use_qk_l2norm``) and their backward.
 """
@@ -61,13 +61,63 @@ def _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.con
     return x, d
 
 
+DECAY_GRID = tl.constexpr(4096.0)    # 2^12: the grid of the high parts of the two-float cumulative sum (_kda_cumsum)
+
+
+@triton.jit
+def _kda_cumsum(df, FLOOR: tl.constexpr, TWO_FLOAT: tl.constexpr):
+    """The cumulative sum over rows of the floored log decays df (in [-FLOOR, 0]): (G, Gl). With
+    ``TWO_FLOAT``, G + Gl is the sum in two floats (G the fp32 sum, Gl what its rounding dropped), else G is
+    the plain fp32 sum and Gl = 0 (unused, compiled out).
+
+    Why two floats for fp32 inputs: over a 64-token chunk G reaches hundreds (floored decays of -30 at a
+    few tokens, or a gate of -5 at every token), where fp32 holds G only to ~3e-5 absolute, and an exponent
+    G_i - G_j formed from two such values carries that error: a 3e-5 relative error of exp(G_i - G_j) even
+    when the difference is small (CPU property seeds 148 and 194: final state, dk, dv, dg, dbeta,
+    d_dt_bias 1.1 - 4.4x over the error rule; with G in fp64 they pass). The exponents are formed by
+    ``_kda_gdiff`` / ``_kda_rel`` from both parts instead, accurate to the rounding of the difference.
+
+    How: df = dh + dl with dh = df rounded down to the 2^-12 grid, so every partial sum of dh is exact in
+    fp32 (|G| <= rows x FLOOR < 2^12) and those of dl (each in [0, 2^-12)) lose < 1e-7; two plain
+    cumulative sums, then a two-sum splits their total into G + Gl."""
+    if TWO_FLOAT:
+        tl.static_assert(df.shape[0] * FLOOR < DECAY_GRID, "exact high parts need |G| < 2^12")
+        dh = tl.floor(df * DECAY_GRID) * (1.0 / DECAY_GRID)
+        Gh = tl.cumsum(dh, 0)
+        Gs = tl.cumsum(df - dh, 0)
+        G = Gh + Gs
+        bv = G - Gh
+        Gl = (Gh - (G - bv)) + (Gs - bv)
+    else:
+        G = tl.cumsum(df, 0)
+        Gl = tl.zeros_like(G)
+    return G, Gl
+
+
+@triton.jit
+def _kda_gdiff(Ga, La, Gb, Lb, TWO_FLOAT: tl.constexpr):
+    """The exponent G_a - G_b of two cumulative log decays given as hi + lo (``_kda_cumsum``): the high
+    parts' difference (exact when they are within a factor 2 of each other) plus the low parts'."""
+    if TWO_FLOAT:
+        return (Ga - Gb) + (La - Lb)
+    else:
+        return Ga - Gb
+
+
+@triton.jit
+def _kda_rel(G, Gl, i, r, TWO_FLOAT: tl.constexpr):
+    """G - G[row r] (a rows x cols tile relative to one of its rows), from both parts as ``_kda_gdiff``."""
+    return _kda_gdiff(G, Gl, _kda_row_at(G, i, r)[None, :], _kda_row_at(Gl, i, r)[None, :], TWO_FLOAT)
+
+
 @triton.jit
 def _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.constexpr, GATE: tl.constexpr,
-                     HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr):
+                     HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, TWO_FLOAT: tl.constexpr):
     """``_kda_load_decay`` and G, the log decay floored at -FLOOR and summed over the chunk's rows up to
-    each row (0 on masked rows): (x, d, G)."""
+    each row (0 on masked rows), as G + Gl (``_kda_cumsum``): (x, d, G, Gl)."""
     x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K, GATE, HAS_DT_BIAS)
-    return x, d, tl.cumsum(tl.where(mask, _kda_floor(d, FLOOR), 0.0), 0)
+    G, Gl = _kda_cumsum(tl.where(mask, _kda_floor(d, FLOOR), 0.0), FLOOR, TWO_FLOAT)
+    return x, d, G, Gl
 
 
 @triton.jit

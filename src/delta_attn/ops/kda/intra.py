@@ -27,7 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gate import _kda_chunk_decay, _kda_chunk_rows, _kda_floor, _kda_load_decay, _kda_row_at, _kda_row_norms_sliced
+from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay, _kda_rel,
+                   _kda_row_at, _kda_row_norms_sliced)
 
 
 @triton.jit
@@ -75,7 +76,7 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
 @triton.jit
 def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                  HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr):
+                  HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr, TWO_FLOAT: tl.constexpr):
     """The UT transform applied: U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice."""
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
@@ -87,8 +88,8 @@ def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_
         cols = k0 + tl.arange(0, BK)
         m = mr[:, None] & (cols[None, :] < K)
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                    HAS_DT_BIAS, FLOOR)
+        x_, d, G, Gl_ = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                         HAS_DT_BIAS, FLOOR, TWO_FLOAT)
         w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
         tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
 
@@ -100,7 +101,8 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr, KS: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                               HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
-                              DOT_PREC: tl.constexpr, EXACT: tl.constexpr, INV_PREC: tl.constexpr):
+                              DOT_PREC: tl.constexpr, EXACT: tl.constexpr, INV_PREC: tl.constexpr,
+                              TWO_FLOAT: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     if EXACT:
@@ -136,15 +138,16 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             m = mr[:, None] & (cols[None, :] < K)
             qs_ = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
             ks_ = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                           HAS_DT_BIAS, FLOOR)
-            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
-            E = tl.exp(tl.where(tril[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
+            xs_, ds_, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K,
+                                               GATE, HAS_DT_BIAS, FLOOR, TWO_FLOAT)
+            G_last = _kda_row_at(G, i, L - 1)
+            Gij = _kda_gdiff(G[:, None, :], Gl[:, None, :], G[None, :, :], Gl[None, :, :], TWO_FLOAT)
+            E = tl.exp(tl.where(tril[:, :, None], Gij, float("-inf")))
             akk += tl.sum(ks_[:, None, :] * ks_[None, :, :] * E, 2)
             aqk += tl.sum(qs_[:, None, :] * ks_[None, :, :] * E, 2)
             tl.store(QG + g_off + cols[None, :], (qs_ * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
-            tl.store(KD + g_off + cols[None, :], (ks_ * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty),
-                     mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks_ * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+                     .to(KD.dtype.element_ty), mask=m)
             tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
     else:
         # 2f. factored products exp(G_i) exp(-G_j), valid when every |G| of the chunk is <= FACTOR_MAX;
@@ -155,8 +158,8 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             m = mr[:, None] & (cols[None, :] < K)
             qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
             ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                           HAS_DT_BIAS, FLOOR)
+            xs_, ds_, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K,
+                                               GATE, HAS_DT_BIAS, FLOOR, TWO_FLOAT)
             bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
             eP = tl.exp(G)
             kn = ks * tl.exp(-G)
@@ -164,8 +167,8 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
             G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
             tl.store(QG + g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
-            tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty),
-                     mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+                     .to(KD.dtype.element_ty), mask=m)
             tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
         fast = bad <= FACTOR_MAX
         tl.store(FLAGS + c * HV + hv, tl.where(fast, 0, 1).to(tl.int32))
@@ -178,7 +181,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     tl.store(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
     # 4. U = T (beta v), W = T (beta exp(G) k)
     _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, KS, GATE,
-                  HAS_DT_BIAS, FLOOR, DOT_PREC)
+                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)
 
 
 @triton.jit
@@ -188,7 +191,8 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                            GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr,
-                           FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr):
+                           FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
+                           TWO_FLOAT: tl.constexpr):
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
@@ -206,13 +210,14 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         m = mr[:, None] & (cols[None, :] < K)
         qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                    HAS_DT_BIAS, FLOOR)     # chunk-local, <= 0, finite
+        x_, d, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
+                                        HAS_DT_BIAS, FLOOR, TWO_FLOAT)     # chunk-local, <= 0, finite
         G_last = _kda_row_at(G, i, L - 1)
         tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
-        tl.store(KD + g_off + cols[None, :], (ks * tl.exp(G_last[None, :] - G)).to(KD.dtype.element_ty), mask=m)
+        tl.store(KD + g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+                 .to(KD.dtype.element_ty), mask=m)
         tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
-        Gm = G - _kda_row_at(G, i, BT // 2 - 1)[None, :]              # relative to the chunk's middle
+        Gm = _kda_rel(G, Gl, i, BT // 2 - 1, TWO_FLOAT)               # relative to the chunk's middle
         if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
             # fast: one reference (the middle token) for every pair. Entries i >= j are exp(G_i - G_j) <= 1
             # as a product of two factors <= exp(FACTOR_MAX); entries i < j may overflow to inf / NaN and
@@ -224,16 +229,16 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         else:
             # safe, off-diagonal blocks: reference G_ref(a) = G at row a*BC - 1 for the rows of sub-chunk a
             # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
-            Gref = tl.zeros([BT, BK], tl.float32)
+            Gr = G                                                     # G - G_ref (G_ref = 0 for sub-chunk 0)
             for sa in range(1, NB):
-                Gref = tl.where(blk[:, None] == sa, _kda_row_at(G, i, sa * BC - 1)[None, :], Gref)
-            eR = tl.exp(G - Gref)                                      # row factor, exponent <= 0
+                Gr = tl.where(blk[:, None] == sa, _kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT), Gr)
+            eR = tl.exp(Gr)                                            # row factor, exponent <= 0
             kr_ = ks * eR
             qr_ = qs * eR
             for sa in range(1, NB):
-                ga = _kda_row_at(G, i, sa * BC - 1)
                 # column factor exp(G_ref(a) - G_j) for the columns before sub-chunk a (exponent <= 0)
-                kc = ks * tl.exp(tl.where(i[:, None] < sa * BC, ga[None, :] - G, float("-inf")))
+                gaj = -_kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT)
+                kc = ks * tl.exp(tl.where(i[:, None] < sa * BC, gaj, float("-inf")))
                 sel = (blk == sa)[:, None]
                 akk += tl.where(sel, tl.dot(kr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
                 aqk += tl.where(sel, tl.dot(qr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
@@ -249,11 +254,13 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                 kd_ = tl.load(k + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rk[:, None]
                 xd_, dd = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cd[None, :], hv, cd, md, K, GATE,
                                         HAS_DT_BIAS)
-                Gd = tl.cumsum(tl.where(md, _kda_floor(dd, FLOOR), 0.0), 0)
+                Gd, Ld = _kda_cumsum(tl.where(md, _kda_floor(dd, FLOOR), 0.0), FLOOR, TWO_FLOAT)
                 G4 = tl.reshape(Gd, (NB, BC, BKD))
+                L4 = tl.reshape(Ld, (NB, BC, BKD))
                 q4 = tl.reshape(qd, (NB, BC, BKD))
                 k4 = tl.reshape(kd_, (NB, BC, BKD))
-                E = tl.exp(tl.where(tri, G4[:, :, None, :] - G4[:, None, :, :], float("-inf")))
+                Gij = _kda_gdiff(G4[:, :, None, :], L4[:, :, None, :], G4[:, None, :, :], L4[:, None, :, :], TWO_FLOAT)
+                E = tl.exp(tl.where(tri, Gij, float("-inf")))
                 dk4 = tl.sum(k4[:, :, None, :] * k4[:, None, :, :] * E, 3)      # (NB, BC, BC)
                 dq4 = tl.sum(q4[:, :, None, :] * k4[:, None, :, :] * E, 3)
                 # place block n at rows / columns n*BC ... n*BC + BC - 1 of the BT x BT matrices
@@ -268,4 +275,4 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     tl.store(TM + a_off, T, mask=mr[:, None])          # kept for the backward
     # 3. U = T (beta v), W = T (beta exp(G) k)
     _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, BK, GATE,
-                  HAS_DT_BIAS, FLOOR, DOT_PREC)
+                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)

@@ -43,6 +43,7 @@ class Precision:
     dot: str               # per-chunk dots (intra-chunk products, U / W, backward intra)
     scan: str              # dots of the backward state scan and of the per-chunk operand gradients
     fwd_scan: str          # dots of the forward state scan (they make the output)
+    two_float: bool        # cumulative log decays in two floats (fp32 with exact dots: gate._kda_cumsum)
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
@@ -52,19 +53,21 @@ def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False)
     tf32 backward scans), so fp16 scans run 3xTF32 or IEEE: the inference forward scan in 3xTF32 for K <= 128;
     the training forward scan in 3xTF32 for K <= 64 and IEEE above (3xTF32 training scans with a 128-wide state
     tile read out of bounds on the H200); the backward scans in IEEE. fp32: exact (IEEE) everywhere unless
-    ``allow_tf32``.
+    ``allow_tf32``. With exact dots (fp32) the cumulative log
+    decays are kept in two floats (``gate._kda_cumsum``: one fp32 loses too much of an exponent G_i - G_j
+    formed near the end of a strongly decaying 64-token chunk).
 
     tf32 dots on fp32 tiles are used only for K <= 128: with K > 128 (a 256-wide padded state tile) Triton
     3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
     measured at K = 144 and 192) and lost accuracy where they ran; IEEE dots are exact there."""
     tf32_ok = K <= 128
     if dtype == torch.bfloat16:
-        return Precision(torch.bfloat16, "tf32", "tf32", "tf32")
+        return Precision(torch.bfloat16, "tf32", "tf32", "tf32", False)
     if dtype == torch.float16:
         x3_ok = K <= (64 if train else 128)
-        return Precision(torch.float32, "ieee", "ieee", "tf32x3" if x3_ok else "ieee")
+        return Precision(torch.float32, "ieee", "ieee", "tf32x3" if x3_ok else "ieee", False)
     p = "tf32" if allow_tf32 and tf32_ok else "ieee"
-    return Precision(torch.float32, p, p, p)
+    return Precision(torch.float32, p, p, p, p == "ieee")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,7 +227,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
     common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                 DOT_PREC=prec.dot, **gate_kw)
+                 DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
     # 1. intra-chunk stage
     if NC > 0 and train:
         launch(_kda_train_intra_kernel, lambda t: (NC, HV),
@@ -316,7 +319,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                                                     db, dg, dal, flags, float(scale), float(lower_bound or 0.0),
                                                     H, HV),
                    dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                        DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact, **gate_kw),
+                        DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact, TWO_FLOAT=prec.two_float,
+                        **gate_kw),
                    bwd_intra_tiles(K, V))
     # GVA: the query / key heads' gradients are the sums over their value heads
     G = HV // H
