@@ -280,7 +280,13 @@ def _diff(variant, xs, state, **kw):
                             kw.get("lower_bound"), kw.get("use_qk_l2norm", False), kw.get("num_accepted_tokens"),
                             variant)
     torch.cuda.synchronize()
-    return (o_var.float() - o_ref.float()).abs().max().item(), (s_var - s_ref).abs().max().item()
+    return (o_var.float() - o_ref.float()).abs().max().item(), (s_var - s_ref).abs().max().item(), \
+        _same(o_var, o_ref, 2.0 ** -7) and _same(s_var, s_ref, 1e-5)
+
+
+def _same(x, ref, rel):
+    """Within ``rel`` of the largest |ref| (one bf16 rounding for o, a few fp32 roundings for the state)."""
+    return bool((x.float() - ref.float()).abs().max() <= rel * max(1.0, ref.float().abs().max().item()))
 
 
 def _semantic_checks(dev):
@@ -308,9 +314,9 @@ def _semantic_checks(dev):
             if "lower_bound" not in kw and "A_log" not in kw:
                 xs[3] = xs[3].float().clamp(min=-5).to(xs[3].dtype)
             try:
-                do, ds = _diff(variant, xs, state, use_qk_l2norm=True, **kw)
+                do, ds, same = _diff(variant, xs, state, use_qk_l2norm=True, **kw)
                 print(json.dumps(dict(check=name, variant=str(variant), o_maxdiff=do, state_maxdiff=ds,
-                                      ok=do < 1e-2 and ds < 1e-3)), flush=True)
+                                      ok=same)), flush=True)
             except Exception as e:  # noqa: BLE001
                 print(json.dumps(dict(check=name, variant=str(variant), error=repr(e)[:300])), flush=True)
 
@@ -337,8 +343,7 @@ def main(batches):
         cases[B] = (xs, state)
         for var in VARIANTS:
             try:
-                do, ds = _diff(var, xs, state, use_qk_l2norm=True)
-                ok[(B, var)] = do < 1e-2 and ds < 1e-3
+                do, ds, ok[(B, var)] = _diff(var, xs, state, use_qk_l2norm=True)
                 print(json.dumps(dict(B=B, variant=str(var), o_maxdiff=do, state_maxdiff=ds, ok=ok[(B, var)])),
                       flush=True)
             except Exception as e:  # noqa: BLE001
