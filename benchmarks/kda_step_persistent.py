@@ -37,9 +37,9 @@ import triton.language as tl
 
 from delta_attn._outputs import empty
 from delta_attn.ops._launch import index, launch, optional, param, sm_count, tiles
-from delta_attn.ops._slots import _start_slot, _token_slot
-from delta_attn.ops.diag.kernels import _ld, _st
-from delta_attn.ops.kda.gate import _kda_gate
+from delta_attn.ops._slots import _start_slot
+from delta_attn.ops.diag.kernels import _st
+from delta_attn.ops.kda.decode import _kda_step_token
 from delta_attn.ops.kda.pipeline import _gate_args, _pow2, step_tiles
 
 PIPES = {"none": 0, "manual": 1, "auto": 2}
@@ -78,8 +78,8 @@ def _step_item(q, k, v, g, beta, A_log, dt_bias, S, idx, O, st, slot, w, scale, 
                T: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, IDX: tl.constexpr,
                EVEN: tl.constexpr):
-    """The T tokens of item w from its state block ``st`` (fp32, loaded from ``slot``), as the shipped kernel;
-    stores o and the state (after each token with (B, T) slots, else once to ``slot``)."""
+    """The T tokens of item w from its state block ``st`` (fp32, loaded from ``slot``), by the shipped kernel's
+    token step; stores o and the state (after each token with (B, T) slots, else once to ``slot``)."""
     iv, bi, hv = _item_of(w, HV, NV)
     h = hv // (HV // H)
     vv = iv * BV + tl.arange(0, BV)
@@ -94,27 +94,8 @@ def _step_item(q, k, v, g, beta, A_log, dt_bias, S, idx, O, st, slot, w, scale, 
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias + hv * K + kk, mask=mk, other=0.0).to(tl.float32)
     for t in tl.static_range(T):
-        row = bi * T + t
-        qv = tl.load(q + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
-        kv = tl.load(k + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
-        if L2NORM:
-            qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)
-            kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6)
-        qv = qv * scale
-        x = tl.load(g + (row * HV + hv) * K + kk, mask=mk, other=0.0).to(tl.float32) + bias
-        d = _kda_gate(x, a, lower_bound, GATE)
-        b = tl.load(beta + row * HV + hv).to(tl.float32)
-        vt = _ld(v + (row * HV + hv) * V + vv, mv, EVEN).to(tl.float32)
-        # 1. decay; 2. both reductions over K; 3. correction and read-out; 4. delta-rule write
-        st = st * tl.exp(d)[:, None]
-        p = tl.sum(st * kv[:, None], 0)
-        r = tl.sum(st * qv[:, None], 0)
-        u = b * (vt - p)
-        o = r + tl.sum(kv * qv, 0) * u
-        st = st + kv[:, None] * u[None, :]
-        _st(O + (row * HV + hv) * V + vv, o.to(O.dtype.element_ty), mv, EVEN)
-        if IDX == 2:
-            _st(S + _token_slot(idx, bi, T, t) * slot_size + in_slot, st.to(S.dtype.element_ty), ms, EVEN)
+        st = _kda_step_token(q, k, v, g, beta, S, idx, O, st, a, bias, bi, hv, h, t, kk, mk, vv, mv, ms, in_slot,
+                             scale, lower_bound, T, H, HV, K, V, L2NORM, GATE, IDX, EVEN)
     if IDX != 2:
         _st(S + slot * slot_size + in_slot, st.to(S.dtype.element_ty), ms, EVEN)
 
@@ -243,19 +224,8 @@ BUDGET_S = 60.0
 
 def _graph_ms(fn, dev):
     """Median of CUDA-graph replays of fn, L2 flushed before each (gpujobs/steps_vs_copy.py's protocol)."""
-    from delta_attn.bench.timer import measure
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return measure(graph.replay, dev, rep_ms=200, max_reps=400).median_ms
+    from delta_attn.bench.timer import measure_graph
+    return measure_graph(fn, dev, warm_calls=3, rep_ms=200, max_reps=400).median_ms
 
 
 def _inputs(B, T, H, HV, K, V, dev, dtype, P=None, seed=0):
