@@ -16,7 +16,7 @@ import torch
 from . import cases, models
 from .gate import GateResult, gate_key, is_unavailable_error, run_gate
 from .impls import Impl
-from .timer import _flush_buffer, estimate_ms, measure
+from .timer import _flush_buffer, estimate_ms, measure, measure_graph
 from . import resources as _resources   # per-kernel resource report
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -418,17 +418,8 @@ class Runner:
         no host launch cost), by the same protocol as the eager rows. A call that cannot be captured
         gets a note instead of a time."""
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):      # warm-up on a side stream, as torch.cuda.graphs asks
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
-            graph.replay()
-            torch.cuda.synchronize()
-            t = self._measure(graph.replay, None, None)
+            t = measure_graph(call, self.device, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms,
+                              min_reps=self.s.min_reps, max_reps=self.s.max_reps)
             return {"graph_ms": t.median_ms}
         except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is a note, not a failure
             torch.cuda.synchronize()

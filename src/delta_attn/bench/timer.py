@@ -123,3 +123,21 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup_ms: float 
         fn()
         tokens.append(clock.stop(tok))
     return summarize(clock.read(tokens))
+
+
+def measure_graph(fn: Callable[[], object], device: torch.device, *, warm_calls: int = 1, **kw) -> Timing:
+    """``fn`` captured once in a CUDA graph and its replays timed by :func:`measure` (``kw``): how servers run
+    a decode step, with no host launch cost. ``warm_calls`` calls run first on a side stream (compilation,
+    allocator), as ``torch.cuda.graphs`` asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return measure(graph.replay, device, **kw)

@@ -22,6 +22,36 @@ from .gate import _kda_gate
 
 
 @triton.jit
+def _kda_step_token(q, k, v, g, beta, S, idx, O, st, a, bias, bi, hv, h, t, kk, mk, vv, mv, ms, in_slot,
+                    scale, lower_bound, T, H, HV, K: tl.constexpr, V: tl.constexpr, L2NORM: tl.constexpr,
+                    GATE: tl.constexpr, IDX: tl.constexpr, EVEN: tl.constexpr):
+    """Token t of sequence bi on the state block ``st`` (fp32, K x BV columns ``vv`` of value head hv): stores
+    its output (and, with (B, T) slots, the state after it); returns the updated block."""
+    row = bi * T + t
+    qv = tl.load(q + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
+    kv = tl.load(k + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
+    if L2NORM:
+        qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)
+        kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6)
+    qv = qv * scale
+    x = tl.load(g + (row * HV + hv) * K + kk, mask=mk, other=0.0).to(tl.float32) + bias
+    d = _kda_gate(x, a, lower_bound, GATE)
+    b = tl.load(beta + row * HV + hv).to(tl.float32)
+    vt = _ld(v + (row * HV + hv) * V + vv, mv, EVEN).to(tl.float32)
+    # 1. decay; 2. both reductions over K; 3. correction and read-out; 4. delta-rule write
+    st = st * tl.exp(d)[:, None]
+    p = tl.sum(st * kv[:, None], 0)
+    r = tl.sum(st * qv[:, None], 0)
+    u = b * (vt - p)
+    o = r + tl.sum(kv * qv, 0) * u
+    st = st + kv[:, None] * u[None, :]
+    _st(O + (row * HV + hv) * V + vv, o.to(O.dtype.element_ty), mv, EVEN)
+    if IDX == 2:
+        _st(S + _token_slot(idx, bi, T, t) * (HV * K * V) + in_slot, st.to(S.dtype.element_ty), ms, EVEN)
+    return st
+
+
+@triton.jit
 def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
                      scale, lower_bound, T, H, HV,
                      K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -47,26 +77,7 @@ def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias + hv * K + kk, mask=mk, other=0.0).to(tl.float32)
     for t in range(0, T):
-        row = bi * T + t
-        qv = tl.load(q + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
-        kv = tl.load(k + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
-        if L2NORM:
-            qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)
-            kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6)
-        qv = qv * scale
-        x = tl.load(g + (row * HV + hv) * K + kk, mask=mk, other=0.0).to(tl.float32) + bias
-        d = _kda_gate(x, a, lower_bound, GATE)
-        b = tl.load(beta + row * HV + hv).to(tl.float32)
-        vt = _ld(v + (row * HV + hv) * V + vv, mv, EVEN).to(tl.float32)
-        # 1. decay; 2. both reductions over K; 3. correction and read-out; 4. delta-rule write
-        st = st * tl.exp(d)[:, None]
-        p = tl.sum(st * kv[:, None], 0)
-        r = tl.sum(st * qv[:, None], 0)
-        u = b * (vt - p)
-        o = r + tl.sum(kv * qv, 0) * u
-        st = st + kv[:, None] * u[None, :]
-        _st(O + (row * HV + hv) * V + vv, o.to(O.dtype.element_ty), mv, EVEN)
-        if IDX == 2:
-            _st(S + _token_slot(idx, bi, T, t) * slot_size + in_slot, st.to(S.dtype.element_ty), ms, EVEN)
+        st = _kda_step_token(q, k, v, g, beta, S, idx, O, st, a, bias, bi, hv, h, t, kk, mk, vv, mv, ms, in_slot,
+                             scale, lower_bound, T, H, HV, K, V, L2NORM, GATE, IDX, EVEN)
     if IDX != 2:
         _st(s_start, st.to(S.dtype.element_ty), ms, EVEN)
