@@ -115,6 +115,26 @@ def test_gate_and_backward_reasons(fake_gpu):
     assert reasons(_call(feats={"qk_l2norm", "gva", "gate_lower_bound"})) == []
 
 
+def test_strong_decay_is_declared(fake_gpu, monkeypatch):
+    """g below MIN_LOG_DECAY (read from the values for an explicit cuDNN call) is refused by name; the triton and
+    torch backends take it; the probe reads nothing for CPU tensors, gated calls or auto."""
+    r = reasons(_call(feats={"strong_decay"}))
+    assert any("does not support strong_decay" in x for x in r) and CK.STRONG_DECAY_REASON in r
+    assert "NaN for log decays g below about -5" in CK.STRONG_DECAY_REASON
+    for name in ("triton", "torch"):
+        assert "strong_decay" in B.BACKENDS[name].capabilities["kda"].features
+    g = torch.tensor([[-1.0, -6.0]])
+    assert not CK.log_decay_out_of_range(g, None)                          # CPU: never read
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    as_cuda = types.SimpleNamespace(numel=g.numel, device=torch.device("cuda"), amin=g.amin)
+    assert CK.log_decay_out_of_range(as_cuda, None)
+    assert not CK.log_decay_out_of_range(as_cuda, torch.zeros(1))           # the A_log gate: g is not a decay
+    ok = types.SimpleNamespace(numel=g.numel, device=torch.device("cuda"), amin=lambda: torch.tensor(-4.0))
+    assert not CK.log_decay_out_of_range(ok, None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not CK.log_decay_out_of_range(as_cuda, None)                     # under capture: skipped (documented)
+
+
 def test_explicit_backend_raises_with_the_named_reason(fake_gpu):
     with pytest.raises(UnsupportedError, match=r"pre-normalised \(use_qk_l2norm=False\)"):
         B.select(_call(feats={"qk_l2norm"}, grad=True), "cudnn")

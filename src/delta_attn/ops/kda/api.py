@@ -37,8 +37,10 @@ class KDAArgs:
     num_accepted_tokens: Optional[torch.Tensor] = None   # kda_step with (B, T) slots: start slot column + 1
     allow_tf32: bool = False                        # fp32 inputs: tf32 tensor-core dots allowed
 
-    def call(self, op: str) -> Call:
+    def call(self, op: str, backend: str = "auto") -> Call:
         feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
+        if backend == "cudnn" and _cudnn_kda.log_decay_out_of_range(self.g, self.A_log):
+            feats.add("strong_decay")     # read from the values (one host sync), only for an explicit cuDNN call
         if self.use_qk_l2norm:
             feats.add("qk_l2norm")
         if self.A_log is not None:
@@ -154,7 +156,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     """
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32)
-    return select(args.call("kda"), backend)(args)
+    return select(args.call("kda", backend), backend)(args)
 
 
 def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens=None, scale=None,
@@ -200,7 +202,7 @@ kda.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call
 kda_step.plan = lambda *a, backend="auto", **kw: explain_call(validate_step(*a, **kw).call("kda_step"), backend)
 
 _FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_softplus",
-                       "gate_lower_bound", "gva", "state_indices", "speculative"})
+                       "gate_lower_bound", "gva", "state_indices", "speculative", "strong_decay"})
 _ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
 register("torch", "kda", Capability(impl="delta_attn.ops.kda.torch_impl:kda", **_ANY))
 register("torch", "kda_step", Capability(impl="delta_attn.ops.kda.torch_impl:kda_step", backward=False, **_ANY))

@@ -57,6 +57,12 @@ SM90 = (9, 0)                           # kda_hopper_cuda runs on compute capabi
 BACKWARD_SCALE = HEAD_DIM ** -0.5       # the scale the sm_90 backward kernel bakes in
 DTYPES = (torch.bfloat16,)              # the sm_90 engine's q/k/v dtype
 FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_lower_bound", "gva"})
+# The sm_90 engine's range of the log decay g: measured on the H200 (bf16, K = V = 128, T = 503), g = -5 at every
+# token and channel passed the error rule, g = -8 everywhere (or -10 at 15 % of the entries) returned NaN
+MIN_LOG_DECAY = -5.0
+STRONG_DECAY_REASON = (f"cuDNN KDA's sm_90 engine returns NaN for log decays g below about {MIN_LOG_DECAY:g} (measured "
+                       f"on the H200: -5 everywhere passes, -8 everywhere or -10 at 15 % of the entries give NaN); "
+                       f"this call's g goes below {MIN_LOG_DECAY:g}: use backend='triton'")
 INSTALL_HINT = ("pip install --no-deps 'nvidia-cudnn-frontend>=1.32' and pip install cuda-python (the sm_90 KDA "
                 "engine compiles with NVRTC and needs the CUDA headers: CUDA_HOME or the nvidia-cuda-runtime wheel)")
 
@@ -112,9 +118,19 @@ def toolchain_error() -> Optional[str]:
     return _PROBES["toolchain"]
 
 
+def log_decay_out_of_range(g: torch.Tensor, A_log: Optional[torch.Tensor]) -> bool:
+    """Whether a raw log decay g (no A_log gate) goes below MIN_LOG_DECAY: read from the values, one host
+    synchronisation; skipped (False) under CUDA-graph capture, where the caller must keep g in range."""
+    if A_log is not None or g.numel() == 0 or g.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    return bool(g.amin() < MIN_LOG_DECAY)
+
+
 def check(call: Call) -> List[str]:
     """The reasons beyond dtype / head dims / features / compute capability >= 9.0."""
     reasons: List[str] = []
+    if "strong_decay" in call.features:
+        reasons.append(STRONG_DECAY_REASON)
     if call.device.type == "cuda":
         cc = B.device_capability(call.device)
         if cc is not None and cc > SM90:
@@ -223,12 +239,6 @@ def kda(a: "KDAArgs"):
     q, k = a.q.reshape(total, h, kd), a.k.reshape(total, h, kd)
     v = a.v.reshape(total, hv, vd)
     g = a.g.reshape(total, hv, kd).float()
-    if a.A_log is None:
-        # the log decay floored at -DECAY_FLOOR, as the Triton kernels do (gate.py): cuDNN's engine returned NaN
-        # on the H200 for planted decays of -inf and of -1e4 clamped from it (K = V = 128, bf16), and passed -50;
-        # exp(-30) ~ 1e-13 is a reset within the error rule. clamp keeps NaN; dg is 0 where the floor binds
-        from .gate import DECAY_FLOOR
-        g = g.clamp(min=-DECAY_FLOOR)
     beta = a.beta.reshape(total, hv).float()
     gate = {}
     if a.A_log is not None:     # lower_bound * sigmoid(exp(A_log) * (g + dt_bias)): cuDNN's "safe gate"
