@@ -4,32 +4,14 @@ Prints one JSON line per row and a table last."""
 import json, sys
 import torch
 import delta_attn as da
-from delta_attn.bench.timer import measure
+from steps_vs_copy_common import ceiling_tbps, graph_ms
 from delta_attn.ops.kda import pipeline as kp
 
 dev = torch.device("cuda")
 H, D = 16, 128
 
 
-def graph_ms(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    return measure(g.replay, dev, rep_ms=200, max_reps=400).median_ms
-
-
-big = torch.empty(2 ** 30 // 4, device=dev)
-big2 = torch.empty_like(big)
-ceil_ms = measure(lambda: big2.copy_(big), dev).median_ms
-ceiling = 2 * big.numel() * 4 / ceil_ms / 1e9
-del big, big2
+ceiling = ceiling_tbps()
 rows = []
 SWEEP = "--no-sweep" not in sys.argv
 configs = {"kda": [None] + ([dict(BV=bv, num_warps=w) for bv in (16, 32, 64) for w in (1, 2, 4, 8)] if SWEEP else [])}
