@@ -254,3 +254,79 @@ def test_autotune_keys_bucket_sequence_lengths():
                                      "n_q", "n_k") for k in keys), keys
     buckets = {ti._bucket(n) for n in range(1, 20000, 7)}
     assert buckets == {64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+
+
+# ---------------------------------------------------------------------------------------------
+# the LSE is differentiable: gradients of sum(out W) + sum(lse w)
+# ---------------------------------------------------------------------------------------------
+
+
+def _grads_through_lse(out, lse, xs, w_out, w_lse):
+    """Gradients of ``sum(out W) + sum(lse w)`` (``W`` None: lse alone). ``w`` is NaN on rows with lse = +inf:
+    no key, so no gradient, and whatever reaches them must be ignored."""
+    w = torch.where(torch.isinf(lse), float("nan"), w_lse.to(lse.dtype))
+    outs, gos = ([lse], [w]) if w_out is None else ([out, lse], [w_out.to(out.dtype), w])
+    return torch.autograd.grad(outs, xs, gos, retain_graph=True, allow_unused=True, materialize_grads=True)
+
+
+# (B, Sq, Sk, Hq, Hk, D, options, lse only)
+LSE_GRAD_CASES = [
+    (1, 20, 7, 2, 1, 16, dict(causal=True), False),                         # first 13 rows see no key
+    (2, 13, 21, 2, 2, 16, dict(alibi_slopes=(2, 2), softcap=2.0), False),    # ALiBi, keys on both sides
+    (1, 17, 9, 4, 2, 32, dict(window_size=(2, 1), alibi_slopes=(4,)), False),  # rows 0..6 see no key
+    (1, 11, 11, 2, 1, 16, dict(window_size=(3, -1), softmax_scale=0.4), True),  # lse alone reaches the loss
+    (1, 15, 19, 2, 2, 16, dict(dropout_p=0.25, causal=True), False),        # lse is that before dropout
+]
+
+
+@pytest.mark.parametrize("case", LSE_GRAD_CASES, ids=lambda c: f"Sq{c[1]}-Sk{c[2]}-{c[6]}-lse_only={c[7]}")
+def test_lse_gradient_dense(case, poisoned):
+    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    b, sq, sk, hq, hk, d, kw, lse_only = case
+    kw = dict(kw)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = torch.rand(kw["alibi_slopes"]) * 0.5
+    q, k, v = _inputs([(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)])
+    mask = None
+    if kw.get("dropout_p", 0) > 0:
+        mask = dropout_keep_mask(_seed_of_next_call(3), b, hq, sq, sk, kw["dropout_p"])
+        torch.manual_seed(3)
+    out, lse, _ = da.flash_attn_func(q, k, v, return_attn_probs=True, backend="triton", **kw)
+    assert lse.requires_grad
+    w_out = None if lse_only else torch.randn(out.shape, dtype=torch.float64)
+    w_lse = torch.randn(lse.shape, dtype=torch.float64)
+    got = _grads_through_lse(out, lse, (q, k, v), w_out, w_lse)
+    assert all(torch.isfinite(g).all() for g in got)
+    res = {}
+    for name, dt, up in (("64", torch.float64, True), ("low", q.dtype, False)):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = reference.attention(*xs, dropout_mask=mask, upcast=up, **kw)
+        res[name] = _grads_through_lse(o, l, xs, w_out, w_lse)
+    _check_all(got, res["64"], res["low"], ("dq", "dk", "dv"))
+    if not lse_only:
+        # the lse term changes the gradient (the check above would not notice a dropped dlse otherwise)
+        plain = torch.autograd.grad(out, (q, k, v), w_out.to(out.dtype))
+        assert any(not torch.allclose(a.float(), b.float(), atol=1e-2) for a, b in zip(got, plain))
+
+
+@pytest.mark.parametrize("layout", ["thd", "htd"])
+def test_lse_gradient_varlen(layout, poisoned):
+    # an empty q sequence, an empty k sequence (its rows see no key), Sq > Sk (causal: leading rows empty)
+    lq, lk = [0, 3, 9, 5], [2, 0, 12, 3]
+    hq, hk, d = 2, 1, 16
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    shp = (lambda t, h: (t, h, d)) if layout == "thd" else (lambda t, h: (h, t, d))
+    q, k, v = _inputs([shp(sum(lq), hq), shp(sum(lk), hk), shp(sum(lk), hk)])
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=torch.rand(len(lq), hq) * 0.5)
+    out, lse, _ = da.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True,
+                                            layout=layout, backend="triton", **kw)
+    assert torch.isinf(lse).any()
+    w_out, w_lse = torch.randn(out.shape, dtype=torch.float64), torch.randn(lse.shape, dtype=torch.float64)
+    got = _grads_through_lse(out, lse, (q, k, v), w_out, w_lse)
+    res = {}
+    for name, dt, up in (("64", torch.float64, True), ("low", q.dtype, False)):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = reference.attention_varlen(*xs, cu_q, cu_k, layout=layout, upcast=up, **kw)
+        res[name] = _grads_through_lse(o, l, xs, w_out, w_lse)
+    _check_all(got, res["64"], res["low"], ("dq", "dk", "dv"))

@@ -245,9 +245,10 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
 
 def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", scale=1.0,
               wl=-1, wr=-1, softcap=0.0, alibi=None, dropout_p=0.0, seed=None, dkdv_config=None,
-              dq_config=None) -> Tuple[Tensor, Tensor, Tensor]:
+              dq_config=None, dlse=None) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward pass: ``(dq, dk, dv)`` in the layouts of q, k, v (dK/dV summed over GQA groups).
-    ``dkdv_config`` / ``dq_config``: entries of ``_DKDV_CONFIGS`` / ``_DQ_CONFIGS`` run untuned (GPU)."""
+    ``dlse``: the gradient of lse (its shape), or None for none. ``dkdv_config`` / ``dq_config``:
+    entries of ``_DKDV_CONFIGS`` / ``_DQ_CONFIGS`` run untuned (GPU)."""
     do, q, k, v, out = (unit_last(t) for t in (do, q, k, v, out))
     L = _Launch(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p, seed)
     dq = _outputs.empty(q.shape, q.dtype, q.device)
@@ -261,6 +262,10 @@ def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, l
         _flash_bwd_preprocess_kernel[(triton.cdiv(L.sq, pre_m), L.batch * L.hq)](
             out, do, delta, L.cu_q, *_strides(out, layout), *_strides(do, layout), *lse_s, L.sq, L.hq,
             IS_VARLEN=L.varlen, HEAD_DIM=L.d, BLOCK_D=L.flags["BLOCK_D"], BLOCK_M=pre_m)
+    # 1b. the LSE's gradient: d lse_i / d s_ij = p_ij, so dS = P (dP - delta) gains P dlse, i.e. delta -= dlse.
+    # Rows that see no key (lse = +inf, p = 0) keep delta finite: their dlse is ignored (no inf - inf, no NaN).
+    if dlse is not None:
+        delta.sub_(torch.where(lse == float("inf"), 0.0, dlse))
     common = (L.cu_q, L.cu_k, L.alibi, L.seed, *_strides(q, layout), *_strides(k, layout), *_strides(v, layout),
               *_strides(do, layout))
     # 2. dK, dV: one program per key block and key head
@@ -330,9 +335,10 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, l
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
          cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
          layout: str, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-         alibi_slopes: Optional[Tensor], dropout_p: float) -> Tuple[Tensor, Tensor, Tensor]:
+         alibi_slopes: Optional[Tensor], dropout_p: float, dlse: Optional[Tensor] = None
+         ) -> Tuple[Tensor, Tensor, Tensor]:
     return flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout,
-                     softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+                     softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, dlse=dlse)
 
 
 _bwd_op = torch.library.custom_op("delta_attn::flash_attn_bwd", _bwd, mutates_args=())
@@ -340,12 +346,13 @@ _bwd_op = torch.library.custom_op("delta_attn::flash_attn_bwd", _bwd, mutates_ar
 
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout,
-              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p):
+              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """Autograd of the Triton flash attention: forward and backward custom ops."""
+    """Autograd of the Triton flash attention: forward and backward custom ops; out and lse are both
+    differentiable (gradients not materialised: an unused lse costs the backward nothing)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p):
@@ -353,15 +360,17 @@ class FlashAttnFunction(torch.autograd.Function):
                                                              wl, wr, softcap, alibi, dropout_p)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, alibi)
         ctx.params = (max_sq, max_sk, layout, scale, wl, wr, softcap, dropout_p)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, seed, cu_q, cu_k, alibi = ctx.saved_tensors
         max_sq, max_sk, layout, scale, wl, wr, softcap, dropout_p = ctx.params
+        if dout is None:            # only lse reached the loss
+            dout = torch.zeros_like(out)
         dq, dk, dv = torch.ops.delta_attn.flash_attn_bwd(dout, q, k, v, out, lse, seed, cu_q, cu_k, max_sq, max_sk,
-                                                         layout, scale, wl, wr, softcap, alibi, dropout_p)
+                                                         layout, scale, wl, wr, softcap, alibi, dropout_p, dlse)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
