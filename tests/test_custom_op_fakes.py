@@ -87,20 +87,20 @@ def test_diag_fakes_match_real_strides(which):
     assert _fake_run(op, args) == real
 
 
-@pytest.mark.parametrize("which", ["flash_attn_fwd", "flash_attn_bwd"])
+@pytest.mark.parametrize("which", ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_bwd+dlse"])
 def test_flash_fakes_match_real_strides(which):
     torch.manual_seed(0)
     q = _strided(1, 5, 2, 16, dtype=torch.float16)
     k, v = (_strided(1, 7, 1, 16, dtype=torch.float16) for _ in range(2))
     alibi = torch.rand(2)
     fwd = (q, k, v, None, None, 5, 7, "bshd", 0.25, -1, 0, 0.0, alibi, 0.0)
-    op = getattr(torch.ops.delta_attn, which)
+    op = getattr(torch.ops.delta_attn, which.split("+")[0])
     if which == "flash_attn_fwd":
         args = fwd
     else:
         out, lse, seed = torch.ops.delta_attn.flash_attn_fwd(*fwd)
         args = (_strided(1, 5, 2, 16, dtype=torch.float16), q, k, v, out, lse, seed, None, None, 5, 7, "bshd", 0.25,
-                -1, 0, 0.0, alibi, 0.0)
+                -1, 0, 0.0, alibi, 0.0) + ((torch.randn(lse.shape),) if which.endswith("+dlse") else ())
     real = _meta(op(*args))
     assert real, "the op returned nothing to compare"
     assert _fake_run(op, args) == real

@@ -37,11 +37,9 @@ def _options(rnd, hq, batch):
     return kw
 
 
-def _loss(out, lse, w_out, w_lse, with_lse):
-    loss = (out.double() * w_out).sum()
-    if with_lse:
-        loss = loss + torch.where(torch.isfinite(lse), lse.double(), torch.zeros_like(lse.double())).mul(w_lse).sum()
-    return loss
+def _loss(out, lse, w_out, w_lse):
+    lse = lse.double()
+    return (out.double() * w_out).sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).mul(w_lse).sum()
 
 
 def _compare(got, want, what, tol):
@@ -53,7 +51,6 @@ def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=No
     """Distributed vs single-process on the same full inputs; returns nothing, asserts everything."""
     tdim = 1 if not varlen else (0 if tensor_layout == "thd" else 1)
     gen = torch.Generator().manual_seed(1234)
-    with_lse = backend == "torch"
     # single process on the full inputs (float64, backend torch) and, for low precision, the rule's baseline
     refs = {}
     for name, dt, up in (("64", torch.float64, True), ("low", dtype, False)) if dtype != torch.float64 else (
@@ -75,7 +72,7 @@ def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=No
         w_out = torch.randn(o.shape, generator=gen, dtype=torch.float64)
         w_lse = torch.randn(l.shape, generator=gen, dtype=torch.float64)
         gen.manual_seed(1234)
-        refs[name] = (o, l, *torch.autograd.grad(_loss(o, l, w_out, w_lse, with_lse), xs))
+        refs[name] = (o, l, *torch.autograd.grad(_loss(o, l, w_out, w_lse), xs))
     # distributed on this rank's shards
     shard = dict(dim=tdim, layout=layout)
     loc = [dd.shard(t.detach(), **shard).requires_grad_() for t in (q, k, v)]
@@ -87,7 +84,7 @@ def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=No
         o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw)
     w_out = dd.shard(torch.randn(refs["64"][0].shape, generator=gen, dtype=torch.float64), **shard)
     w_lse = dd.shard(torch.randn(refs["64"][1].shape, generator=gen, dtype=torch.float64), dim=-1, layout=layout)
-    got = (o, l, *torch.autograd.grad(_loss(o, l, w_out, w_lse, with_lse), loc))
+    got = (o, l, *torch.autograd.grad(_loss(o, l, w_out, w_lse), loc))
     names = ("out", "lse", "dq", "dk", "dv")
     for i, name in enumerate(names):
         dim = -1 if name == "lse" else tdim
@@ -185,11 +182,6 @@ def _validation(rank, world):
         _cu_mismatch(x, world)
     with pytest.raises(ValueError, match="shard_layout"):
         dd.flash_attn_varlen_func(x, x, x, cu, cu, 3 * world, 3 * world, shard_layout="ring")
-    # ALiBi with keys after the queries merges by LSE: refused where the backend's LSE has no gradient
-    if world == 2:
-        a = torch.zeros(1, 2, 2, 8, dtype=torch.float16, requires_grad=True)
-        with pytest.raises(ValueError, match="does not differentiate its LSE"):
-            dd.flash_attn_func(a, a, a, alibi_slopes=torch.ones(2, dtype=torch.float32), backend="triton")
 
 
 def _cu_mismatch(x, world):
@@ -202,6 +194,9 @@ TRITON_CASES = [
     (torch.float16, True, "contiguous", dict(causal=True, alibi_slopes=torch.tensor([0.3, 0.1]))),
     (torch.float16, False, "zigzag", dict(causal=True)),
     (torch.float16, False, "contiguous", dict(window_size=(3, 2), softcap=2.0)),
+    # ALiBi with keys after the queries: two calls merged by their LSE, gradients through the Triton LSE
+    (torch.float16, False, "zigzag", dict(alibi_slopes=torch.tensor([0.3, 0.1]))),
+    (torch.float16, True, "contiguous", dict(window_size=(2, 3), alibi_slopes=torch.tensor([0.2, 0.5]))),
 ]
 
 

@@ -17,9 +17,9 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    are split: the lower part [.., qe) is an aligned call with right bound 0, the upper part (j > i) is a
    call on the reversed rows and keys (where it becomes a lower part, one step below the diagonal, so
    its LSE is corrected by one slope), and the two are merged by their LSE in fp32
-   (``out = sum_b exp(lse_b - lse) out_b``). The merge's backward needs the LSE to be differentiable,
-   which ``backend="torch"`` gives and the fused kernels do not: those raise instead of returning a
-   wrong gradient.
+   (``out = sum_b exp(lse_b - lse) out_b``). The merge's backward needs the LSE to be differentiable:
+   it is on every backend that takes ALiBi (``torch``, ``triton``); a backend whose LSE had no
+   gradient would raise instead of returning a wrong gradient.
 4. Overlap: the key heads are split into ``PIPELINE_GROUPS`` groups; the gather of group g + 1 is in
    flight while group g computes, and in the backward the reduce-scatter of group g's dK/dV runs while
    group g - 1's backward computes. The first group's gather and the last reduce-scatter are exposed.
@@ -241,14 +241,15 @@ def _run_group(q, kv_stacked, d, alibi, spec: _Spec):
     outs, lses = [], []
     for block in spec.blocks:
         parts = [_attend(q, k, v, alibi, call, spec) for call in block]
-        # checked on every rank (the last one may have no merge of its own) before the next collective
+        # guard (no backend that takes ALiBi trips it today): a merge by an LSE without gradient would give
+        # a wrong gradient; checked on every rank (the last one may have no merge of its own)
         if spec.merges and torch.is_grad_enabled() and parts[0][0].requires_grad:
             if not all(lse.requires_grad for _, lse in parts):
                 raise ValueError(
                     f"alibi_slopes with keys after the queries (causal=False and window right bound != 0) over "
                     f"{spec.world} ranks merges two partial results by their LSE, and backend={spec.backend!r} "
-                    f"does not differentiate its LSE: the gradient would be wrong. Use backend='torch', "
-                    f"causal=True, or run without gradients")
+                    f"does not differentiate its LSE: the gradient would be wrong. Use backend='torch' or "
+                    f"'triton', causal=True, or run without gradients")
         outs.append(parts[0] if len(parts) == 1 else _merge(parts, spec))
     out = torch.cat([o for o, _ in outs], spec.tdim) if len(outs) > 1 else outs[0][0]
     lse = torch.cat([x for _, x in outs], -1) if len(outs) > 1 else outs[0][1]
