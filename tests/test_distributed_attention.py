@@ -47,9 +47,13 @@ def _compare(got, want, what, tol):
     torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=None, tensor_layout="thd"):
-    """Distributed vs single-process on the same full inputs; returns nothing, asserts everything."""
+def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=None, tensor_layout="thd", cu_k=None):
+    """Distributed vs single-process on the same full inputs; returns nothing, asserts everything.
+    ``cu_k``: the keys' boundaries when they differ from ``cu`` (the queries')."""
     tdim = 1 if not varlen else (0 if tensor_layout == "thd" else 1)
+    if varlen:
+        cu_k = cu if cu_k is None else cu_k
+        max_q, max_k = int((cu[1:] - cu[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
     gen = torch.Generator().manual_seed(1234)
     # single process on the full inputs (float64, backend torch) and, for low precision, the rule's baseline
     refs = {}
@@ -58,15 +62,14 @@ def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=No
         xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
         if name == "64":
             if varlen:
-                o, l, _ = da.flash_attn_varlen_func(*xs, cu, cu, int((cu[1:] - cu[:-1]).max()),
-                                                    int((cu[1:] - cu[:-1]).max()), return_attn_probs=True,
+                o, l, _ = da.flash_attn_varlen_func(*xs, cu, cu_k, max_q, max_k, return_attn_probs=True,
                                                     layout=tensor_layout, backend="torch", **kw)
             else:
                 o, l, _ = da.flash_attn_func(*xs, return_attn_probs=True, backend="torch", **kw)
         else:
             rkw = {n: kw[n] for n in kw if n != "deterministic"}
             if varlen:
-                o, l = reference.attention_varlen(*xs, cu, cu, layout=tensor_layout, upcast=False, **rkw)
+                o, l = reference.attention_varlen(*xs, cu, cu_k, layout=tensor_layout, upcast=False, **rkw)
             else:
                 o, l = reference.attention(*xs, upcast=False, **rkw)
         w_out = torch.randn(o.shape, generator=gen, dtype=torch.float64)
@@ -77,8 +80,7 @@ def _run_case(rank, world, *, varlen, layout, backend, dtype, kw, q, k, v, cu=No
     shard = dict(dim=tdim, layout=layout)
     loc = [dd.shard(t.detach(), **shard).requires_grad_() for t in (q, k, v)]
     if varlen:
-        o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu, int((cu[1:] - cu[:-1]).max()),
-                                            int((cu[1:] - cu[:-1]).max()), return_attn_probs=True,
+        o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu_k, max_q, max_k, return_attn_probs=True,
                                             shard_layout=layout, layout=tensor_layout, backend=backend, **kw)
     else:
         o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw)
@@ -178,16 +180,20 @@ def _validation(rank, world):
     cu = torch.tensor([0, 3 * world], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         dd.flash_attn_varlen_func(x, x, x, torch.tensor([0, 3], dtype=torch.int32), cu, 3 * world, 3 * world)
-    with pytest.raises(ValueError, match="cu_seqlens_k must equal"):
-        _cu_mismatch(x, world)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):       # cu_seqlens_k[-1] != W x the local keys
+        dd.flash_attn_varlen_func(x, x, x, cu, torch.tensor([0, 3 * world + 1], dtype=torch.int32), 3 * world,
+                                  3 * world + 1)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        _alibi_refused(world)
     with pytest.raises(ValueError, match="shard_layout"):
         dd.flash_attn_varlen_func(x, x, x, cu, cu, 3 * world, 3 * world, shard_layout="ring")
 
 
-def _cu_mismatch(x, world):
-    cu_q = torch.tensor([0, 1, 3 * world], dtype=torch.int32)
-    cu_k = torch.tensor([0, 2, 3 * world], dtype=torch.int32)
-    dd.flash_attn_varlen_func(x, x, x, cu_q, cu_k, 3 * world, 3 * world)
+def _alibi_refused(world):
+    """ALiBi past the diagonal in a sequence with Sq >= Sk + 2 cut by a q shard boundary: refused on every rank."""
+    q, kv = torch.zeros(3, 2, 8), torch.zeros(1, 2, 8)
+    cu_q, cu_k = (torch.tensor([0, n * world], dtype=torch.int32) for n in (3, 1))
+    dd.flash_attn_varlen_func(q, kv, kv, cu_q, cu_k, 3 * world, world, alibi_slopes=torch.ones(2))
 
 
 TRITON_CASES = [
@@ -208,6 +214,82 @@ def test_context_parallel_attention_matches_single_process(world):
         run_ranks(world, _body, 20, 20, TRITON_CASES)
     else:
         run_ranks(world, _body, 10, 10, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# cu_seqlens_k != cu_seqlens_q: q and k sharded separately (each an equal share of its packed tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fixed_cu_pair(world):
+    """Sequences: (Sq, Sk) = (0, 2), (1, 0), (2W + 1, W) spanning ranks, (1, 1), (2W - 3, 5W - 3)."""
+    w = world
+    return (torch.tensor([0, 0, 1, 2 * w + 2, 2 * w + 3, 4 * w], dtype=torch.int32),
+            torch.tensor([0, 2, 2, w + 2, w + 3, 6 * w], dtype=torch.int64))
+
+
+def _qkv_distinct(gen, tl, total_q, total_k, hq, hk, d, dv, dtype):
+    shapes = ((total_q, hq, d), (total_k, hk, d), (total_k, hk, dv))
+    return [_full(gen, sh if tl == "thd" else (sh[1], sh[0], sh[2]), dtype) for sh in shapes]
+
+
+def _body_distinct(rank, world, n_random, triton_cases):
+    torch.set_default_dtype(torch.float64)
+    rnd = random.Random(100 + world)
+    gen = torch.Generator()
+    cu_q, cu_k = _fixed_cu_pair(world)
+    fixed = [("contiguous", "thd", dict(causal=True)), ("zigzag", "htd", dict(window_size=(2, 1))),
+             ("contiguous", "thd", dict(window_size=(-1, 3), softcap=1.5)),
+             ("zigzag", "thd", dict(causal=True, alibi_slopes=torch.tensor([0.4, 0.9], dtype=torch.float32))),
+             ("contiguous", "htd", dict(window_size=(1, 0), alibi_slopes=torch.rand(5, 2, generator=gen,
+                                                                            dtype=torch.float32)))]
+    for layout, tl, kw in fixed:            # float64, backend torch, GQA 2:1
+        gen.manual_seed(5)
+        q, k, v = _qkv_distinct(gen, tl, 4 * world, 6 * world, 2, 1, 8, 6, torch.float64)
+        _run_case(rank, world, varlen=True, layout=layout, backend="torch", dtype=torch.float64, kw=kw, q=q, k=k,
+                  v=v, cu=cu_q, cu_k=cu_k, tensor_layout=tl)
+    run = 0
+    for _ in range(n_random):                # float64, backend torch: random boundaries and options
+        layout, tl = rnd.choice(dd.LAYOUTS), rnd.choice(["thd", "htd"])
+        tq, tk = ((rnd.choice([2, 4]), rnd.choice([2, 4, 6])) if layout == "zigzag"
+                  else (rnd.randint(1, 4), rnd.randint(1, 5)))
+        hk, ratio = rnd.choice([1, 2]), rnd.choice([1, 2])
+        cq, ck = (torch.tensor(c, dtype=torch.int32) for c in _random_cu_pair(rnd, tq * world, tk * world))
+        kw = _options(rnd, hk * ratio, cq.numel() - 1)
+        gen.manual_seed(rnd.randrange(1 << 30))
+        q, k, v = _qkv_distinct(gen, tl, tq * world, tk * world, hk * ratio, hk, 4, 6, torch.float64)
+        try:
+            _run_case(rank, world, varlen=True, layout=layout, backend="torch", dtype=torch.float64, kw=kw, q=q,
+                      k=k, v=v, cu=cq, cu_k=ck, tensor_layout=tl)
+            run += 1
+        except ValueError as e:             # the documented ALiBi refusal (raised on every rank alike)
+            assert "more queries than keys" in str(e), e
+    assert run >= n_random // 2, f"only {run} of {n_random} random cases ran"
+    for layout, kw, sq_gt_sk in triton_cases:          # backend triton under the interpreter, fp16
+        gen.manual_seed(9)
+        q, k, v = _qkv_distinct(gen, "thd", 4 * world, 6 * world, 2, 1, 16, 16, torch.float16)
+        cq, ck = (cu_q, cu_k) if sq_gt_sk else _sq_lt_sk_cu_pair(world)
+        _run_case(rank, world, varlen=True, layout=layout, backend="triton", dtype=torch.float16, kw=kw, q=q, k=k,
+                  v=v, cu=cq, cu_k=ck)
+
+
+def _sq_lt_sk_cu_pair(world):
+    """(Sq, Sk) = (0, 2), (1, 0), (3W - 1, 4W - 2) spanning ranks, (W, 2W): ALiBi past the diagonal may split."""
+    w = world
+    return (torch.tensor([0, 0, 1, 3 * w, 4 * w], dtype=torch.int32),
+            torch.tensor([0, 2, 2, 4 * w, 6 * w], dtype=torch.int32))
+
+
+DISTINCT_TRITON_CASES = [
+    ("contiguous", dict(causal=True), True),
+    ("zigzag", dict(window_size=(2, 1), alibi_slopes=torch.tensor([0.3, 0.1])), False),    # ALiBi merges by LSE
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_varlen_distinct_q_k(world):
+    pytest.importorskip("triton")
+    run_ranks(world, _body_distinct, 12 if world == 2 else 6, DISTINCT_TRITON_CASES if world == 2 else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,29 +323,60 @@ def _pairs_of(call, pos):
     return out
 
 
+def _random_cu_pair(rnd, total_q, total_k):
+    """Distinct q / k boundaries with as many sequences: lengths 0 and 1, Sq > Sk and Sq < Sk."""
+    cu_q = _random_cu(rnd, total_q).tolist()
+    n = len(cu_q) - 1
+    cuts = sorted(rnd.randrange(0, total_k + 1) for _ in range(n - 1))
+    return cu_q, [0] + cuts + [total_k]
+
+
+def _plan_case(rnd, world, layout, window, alibi, varlen, distinct):
+    """(global mask {(q, k): ALiBi distance}, {rank: (chunks, positions, blocks)}) of one random case."""
+    from delta_attn.distributed import attention as A
+    t_local = rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.randint(1, 6)
+    tk_local = (rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.randint(1, 6)) if distinct else t_local
+    total, total_k = world * t_local, world * tk_local
+    if distinct:
+        cu, cu_k = _random_cu_pair(rnd, total, total_k)
+    else:
+        cu = _random_cu(rnd, total).tolist() if varlen else [0, total]
+        cu_k = cu
+    want = {}
+    for (a, b), (ka, kb) in zip(zip(cu, cu[1:]), zip(cu_k, cu_k[1:])):
+        for i in range(b - a):
+            for j in range(kb - ka):
+                ok, dist = _visible(i, j, b - a, kb - ka, window)
+                if ok:
+                    want[(a + i, ka + j)] = dist
+    plans = {}
+    for rank in range(world):
+        chunks = dd.chunk_ranges(t_local, rank, world, layout)
+        pos = dd.positions(t_local, rank, world, layout)
+        blocks = (A.plan_varlen(chunks, cu, cu_k, window, alibi) if varlen or distinct
+                  else A.plan_dense(chunks, total, window, alibi))
+        plans[rank] = (t_local, pos, blocks)
+    return want, plans, (world, layout, t_local, window, cu, cu_k)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_plan_covers_the_global_mask_exactly(seed):
-    from delta_attn.distributed import attention as A
     rnd = random.Random(seed)
-    for _ in range(40):
+    refused = 0
+    for _ in range(60):
         world, layout = rnd.choice([1, 2, 3, 4]), rnd.choice(dd.LAYOUTS)
-        t_local = rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.randint(1, 6)
-        total = world * t_local
-        window = rnd.choice(WINDOWS)
+        window = rnd.choice(WINDOWS + [(-1, 0)])
         alibi = rnd.random() < 0.5
         varlen = rnd.random() < 0.5
-        cu = _random_cu(rnd, total).tolist() if varlen else [0, total]
-        want = {}
-        for a, b in zip(cu, cu[1:]):
-            for gi in range(a, b):
-                for gj in range(a, b):
-                    if (window[0] < 0 or gj >= gi - window[0]) and (window[1] < 0 or gj <= gi + window[1]):
-                        want[(gi, gj)] = abs(gi - gj)
+        distinct = rnd.random() < 0.5
+        try:
+            want, plans, case = _plan_case(rnd, world, layout, window, alibi, varlen, distinct)
+        except ValueError as e:      # documented refusal: ALiBi split inside a sequence with Sq >= Sk + 2
+            assert distinct and alibi and window[1] != 0 and "more queries than keys" in str(e), e
+            refused += 1
+            continue
         got = {}
-        for rank in range(world):
-            chunks = dd.chunk_ranges(t_local, rank, world, layout)
-            pos = dd.positions(t_local, rank, world, layout)
-            blocks = A.plan_varlen(chunks, cu, window, alibi) if varlen else A.plan_dense(chunks, total, window, alibi)
+        for t_local, pos, blocks in plans.values():
             rows = [r for blk in blocks for r in range(blk[0].rows[0], blk[0].rows[1])]
             assert rows == list(range(t_local)), "row blocks must tile the local rows in order"
             for blk in blocks:
@@ -274,6 +387,7 @@ def test_plan_covers_the_global_mask_exactly(seed):
                     pairs = _pairs_of(call, pos)
                     assert not set(pairs) & set(got), "a pair is computed by two calls"
                     got.update(pairs)
-        assert set(got) == set(want), (world, layout, t_local, window, cu, set(got) ^ set(want))
+        assert set(got) == set(want), (case, set(got) ^ set(want))
         if alibi:
             assert got == want, "the op's ALiBi distance must be the global one"
+    assert refused < 30

@@ -11,7 +11,9 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    Causal: keys [0, qe) (or from qs - wl), so masked blocks are never computed (the causal saving; the
    zigzag layout gives every rank the same number of unmasked pairs). Varlen: the sequences crossing a
    chunk become one varlen call with local cu_seqlens (sequences may span ranks); the one sequence
-   running past the chunk end, when it needs a shifted window, is a call of its own.
+   running past the chunk end, when it needs a shifted window, is a call of its own. With
+   cu_seqlens_k != cu_seqlens_q the diagonal of sequence s is j = i + Sk_s - Sq_s: the same rule with
+   key positions offset by Sk_s - Sq_s (q and k are sharded separately; the keys are gathered whole).
 3. ALiBi needs the local diagonal to be the global one (the op's bias is ``slope * |i + Sk - Sq - j|``).
    That holds for every call above except keys past the chunk end without a causal mask; there the keys
    are split: the lower part [.., qe) is an aligned call with right bound 0, the upper part (j > i) is a
@@ -76,25 +78,40 @@ class _Call:
     seqs: Tuple[int, int] = (0, 1)              # sequences [n0, n1) of the call (ALiBi (N, H) rows)
 
 
-def _span_calls(p0: int, p1: int, s: int, wl: int, wr: int, alibi: bool, row0: int, key0: int,
+def _span_calls(p0: int, p1: int, sq: int, sk: int, wl: int, wr: int, alibi: bool, row0: int, key0: int,
                 seq: int) -> List[_Call]:
-    """Calls for query positions [p0, p1) of one sequence of length s (keys at the same positions).
+    """Calls for query positions [p0, p1) of one sequence of sq queries and sk keys: query i sees key j
+    when i + sk - sq - wl <= j <= i + sk - sq + wr (bottom-right alignment).
 
-    Returns one call, or with ALiBi and keys past p1 two calls to merge (lower, reversed upper).
-    ``row0`` / ``key0``: local row and global key index of position 0 of the sequence.
+    Returns one call, or with ALiBi and keys past the diagonal of row p1 - 1 two calls to merge (lower,
+    reversed upper). A span whose rows see no key is one call on the empty key range ending at the
+    aligned end (clipped to the sequence), so it can share a varlen call. ``row0`` / ``key0``: local
+    row and global key index of position 0 of the sequence.
     """
-    a = max(0, p0 - wl) if wl >= 0 else 0
-    b = min(s, p1 + wr) if wr >= 0 else s
-    shift = b - p1                              # >= 0: keys past the last query row
+    off = sk - sq
+    a = min(sk, max(0, p0 + off - wl)) if wl >= 0 else 0
+    b = min(sk, max(0, p1 + off + wr)) if wr >= 0 else sk
     rows = (row0 + p0, row0 + p1)
+    if b <= a:                                  # no row sees a key: empty range, any window
+        e = key0 + min(sk, max(0, p1 + off))
+        return [_Call(rows, (e, e), (wl, wr), seqs=(seq, seq + 1))]
+    shift = b - p1 - off                        # >= 0: keys past the diagonal of the last query row
     if shift == 0 or not alibi:
         win = (wl + shift if wl >= 0 else -1, wr - shift if wr >= 0 else -1)
         return [_Call(rows, (key0 + a, key0 + b), win, seqs=(seq, seq + 1))]
-    # ALiBi: lower part (j <= i) aligned; upper part (i < j <= i + wr) reversed, one below the diagonal
-    lower = _Call(rows, (key0 + a, key0 + p1), (wl, 0), seqs=(seq, seq + 1))
-    upper = _Call(rows, (key0 + p0 + 1, key0 + b), (wr - 1 if wr >= 0 else -1, 0), reversed=True,
+    # ALiBi: lower part (j <= i + off) aligned; upper part (i + off < j <= i + off + wr) reversed, its
+    # top-left corner (row p0, key p0 + off + 1) one below the diagonal
+    if p0 + off + 1 < 0:
+        raise ValueError(
+            f"alibi_slopes with keys after the diagonal (causal=False and window right bound != 0) cannot be "
+            f"split at a shard boundary of q inside a sequence with more queries than keys + 1 (its diagonal "
+            f"starts before its first key): sequence {seq} has {sq} queries and {sk} keys and is cut at query "
+            f"{p0 if p0 > 0 else p1}. Use causal=True, a right window bound of 0, or put the sequence on one rank")
+    upper = _Call(rows, (key0 + p0 + off + 1, key0 + b), (wr - 1 if wr >= 0 else -1, 0), reversed=True,
                   seqs=(seq, seq + 1))
-    return [lower, upper]
+    if p1 + off <= a:                           # no key on or below the diagonal
+        return [upper]
+    return [_Call(rows, (key0 + a, key0 + p1 + off), (wl, 0), seqs=(seq, seq + 1)), upper]
 
 
 def plan_dense(chunks: Sequence[Tuple[int, int]], t: int, window: Tuple[int, int], alibi: bool) -> List[List[_Call]]:
@@ -102,38 +119,44 @@ def plan_dense(chunks: Sequence[Tuple[int, int]], t: int, window: Tuple[int, int
     blocks, row = [], 0
     for qs, qe in chunks:
         if qe > qs:
-            blocks.append(_span_calls(qs, qe, t, *window, alibi, row - qs, 0, 0))
+            blocks.append(_span_calls(qs, qe, t, t, *window, alibi, row - qs, 0, 0))
         row += qe - qs
     return blocks
 
 
-def plan_varlen(chunks: Sequence[Tuple[int, int]], cu: Sequence[int], window: Tuple[int, int],
-                alibi: bool) -> List[List[_Call]]:
-    """Row blocks for a packed batch with global offsets ``cu``: per chunk, one varlen call for the
-    sequences ending inside it (their keys [start - wl, end) are contiguous in the packed keys), and the
-    calls of the sequence running past the chunk end when its window must shift."""
+def plan_varlen(chunks: Sequence[Tuple[int, int]], cu_q: Sequence[int], cu_k: Sequence[int],
+                window: Tuple[int, int], alibi: bool) -> List[List[_Call]]:
+    """Row blocks for a packed batch with global offsets ``cu_q`` (queries) and ``cu_k`` (keys); ``chunks``
+    are this rank's ranges of packed queries. Per chunk, one varlen call for the sequences that end inside
+    it (each sequence's keys run from its first key, or the first visible one for the sequence started
+    before the chunk, to its last, so the op's bottom-right alignment is the sequence's own), and the calls
+    of the sequence running past the chunk end when its window must shift."""
     wl, wr = window
+    n = len(cu_q) - 1
     blocks, row = [], 0
+
+    def span(s, qs, qe):
+        p0, p1 = max(qs, cu_q[s]) - cu_q[s], min(qe, cu_q[s + 1]) - cu_q[s]
+        return _span_calls(p0, p1, cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s], wl, wr, alibi,
+                           row - qs + cu_q[s], cu_k[s], s)
+
     for qs, qe in chunks:
         if qe <= qs:
             continue
-        first = max(n for n in range(len(cu) - 1) if cu[n] <= qs < cu[n + 1])
-        last = max(n for n in range(len(cu) - 1) if cu[n] < qe <= cu[n + 1])
-        tail = _span_calls(max(qs, cu[last]) - cu[last], qe - cu[last], cu[last + 1] - cu[last], wl, wr,
-                           alibi, row - qs + cu[last], cu[last], last)
+        first = max(s for s in range(n) if cu_q[s] <= qs < cu_q[s + 1])
+        last = max(s for s in range(n) if cu_q[s] < qe <= cu_q[s + 1])
+        tail = span(last, qs, qe)
         exact_tail = len(tail) == 1 and tail[0].window == (wl, wr)
         end = last + 1 if exact_tail else last          # sequences [first, end) share the op's window
-        q_bounds = [qs] + list(cu[first + 1:end]) + ([qe] if exact_tail else [cu[end]])
-        if exact_tail:
-            k_end = tail[0].keys[1]
-        else:
-            k_end = cu[end]
-        k_start = max(cu[first], qs - wl) if wl >= 0 else cu[first]
-        k_bounds = [k_start] + list(cu[first + 1:end]) + [k_end]
-        if end > first and q_bounds[-1] > q_bounds[0]:
-            blocks.append([_Call((row, row + q_bounds[-1] - qs), (k_start, k_end), (wl, wr),
-                                 cu=(tuple(x - qs for x in q_bounds), tuple(x - k_start for x in k_bounds)),
-                                 seqs=(first, end))])
+        if end > first:
+            k_start = (tail[0] if first == last else span(first, qs, qe)[0]).keys[0]
+            k_end = tail[0].keys[1] if exact_tail else cu_k[end]
+            q_bounds = [qs] + list(cu_q[first + 1:end]) + [qe if exact_tail else cu_q[end]]
+            k_bounds = [k_start] + list(cu_k[first + 1:end]) + [k_end]
+            if q_bounds[-1] > q_bounds[0]:
+                blocks.append([_Call((row, row + q_bounds[-1] - qs), (k_start, k_end), (wl, wr),
+                                     cu=(tuple(x - qs for x in q_bounds), tuple(x - k_start for x in k_bounds)),
+                                     seqs=(first, end))])
         if not exact_tail:
             blocks.append(tail)
         row += qe - qs
@@ -345,11 +368,16 @@ class ContextParallelAttnFunction(torch.autograd.Function):
             qg, kvg, out, lse = ctx.graphs[g]
             h0, h1 = ctx.groups[g]
             qh = (h0 * ctx.ratio, h1 * ctx.ratio)
-            outputs, grads = [out], [_narrow(dout, spec.hdim, qh)]
+            outputs, grads = [], []
+            if out.requires_grad:       # not when no local row sees a key (varlen with Sq > Sk)
+                outputs.append(out)
+                grads.append(_narrow(dout, spec.hdim, qh))
             if lse.requires_grad and dlse is not None:
                 outputs.append(lse)
                 grads.append(_narrow(dlse, lse_hdim, qh))
-            dq, dkv = torch.autograd.grad(outputs, (qg, kvg), grads, allow_unused=True)
+            dq = dkv = None
+            if outputs:
+                dq, dkv = torch.autograd.grad(outputs, (qg, kvg), grads, allow_unused=True)
             dqs[g] = dq if dq is not None else torch.zeros_like(qg)
             if need_kv:
                 pending[g] = _start_reduce_scatter(dkv if dkv is not None else torch.zeros_like(kvg), spec)
@@ -437,12 +465,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, *, group=None,
                            shard_layout="contiguous", layout="thd", backend="auto"):
-    """Context-parallel ``da.flash_attn_varlen_func``: q, k, v are this rank's equal share (T_local tokens)
-    of one packed batch of W * T_local tokens; ``cu_seqlens_q`` / ``cu_seqlens_k`` (equal: self-attention)
-    describe the whole packed batch with global offsets, and a sequence may span ranks.
-    ``shard_layout`` is how the packed tokens are split ("contiguous" or "zigzag", as ``dd.shard``);
+    """Context-parallel ``da.flash_attn_varlen_func``: q is this rank's equal share (Tq_local tokens) of the
+    packed queries (W * Tq_local tokens), k and v its equal share (Tk_local tokens) of the packed keys
+    (W * Tk_local tokens), both split by ``shard_layout`` ("contiguous" or "zigzag", as ``dd.shard``).
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` describe the whole packed batch with global offsets; they may differ
+    (Sq != Sk per sequence, bottom-right alignment as in the single-GPU op: query i of sequence s sees key
+    j when i + Sk_s - Sq_s - wl <= j <= i + Sk_s - Sq_s + wr), and a sequence may span ranks in q and in k.
     ``layout`` is the tensors' layout as in ``da.flash_attn_varlen_func`` ("thd" / "htd"). Returns this
-    rank's out, or ``(out, lse (Hq, T_local), None)``. Dropout is refused.
+    rank's out, or ``(out, lse (Hq, Tq_local), None)``. Dropout is refused; ALiBi with keys after the
+    diagonal (causal=False, right window bound != 0) is refused where a q shard boundary cuts a sequence
+    with Sq_s >= Sk_s + 2 (no single-GPU call aligns its distance there).
     """
     rank, world = group_rank_world(group)
     C.one_of("shard_layout", shard_layout, ("contiguous", "zigzag"))
@@ -451,26 +483,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, x in (("q", q), ("k", k), ("v", v)):
         C.tensor(name, x, 3, shape_doc=doc)
     tdim, hdim = (0, 1) if layout == "thd" else (1, 0)
-    C.dim_equal("local token count (context parallelism needs Sq == Sk)", "k", k.shape[tdim], "q", q.shape[tdim])
     C.dim_equal("local token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
-    t_local = q.shape[tdim]
-    total = local_length(t_local * world, world, shard_layout,
-                         f"the packed token count (local {t_local} x world size {world})") * world
-    _, _, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total, total, max_seqlen_q, max_seqlen_k, q.device)
+    tq, tk = q.shape[tdim], k.shape[tdim]
+    total_q = local_length(tq * world, world, shard_layout,
+                           f"the packed query count (local {tq} x world size {world})") * world
+    total_k = local_length(tk * world, world, shard_layout,
+                           f"the packed key count (local {tk} x world size {world})") * world
+    _, _, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, q.device)
     values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
-    C.cu_seqlens_values("cu_seqlens_q", values[:n + 1], total, max_seqlen_q, "max_seqlen_q")
-    if values[:n + 1] != values[n + 1:]:
-        raise ValueError("cu_seqlens_k must equal cu_seqlens_q for context-parallel attention (self-attention "
-                         f"over one packed batch), got {values[n + 1:]} and {values[:n + 1]}")
+    cu_q, cu_k = values[:n + 1], values[n + 1:]
+    C.cu_seqlens_values("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q")
+    C.cu_seqlens_values("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k")
     common = flash_api._common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
                                window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     _refuse_dropout(common["dropout_p"])
-    plans = [plan_varlen(chunk_ranges(t_local, r, world, shard_layout), values[:n + 1], common["window"],
+    plans = [plan_varlen(chunk_ranges(tq, r, world, shard_layout), cu_q, cu_k, common["window"],
                          alibi_slopes is not None) for r in range(world)]
     blocks = plans[rank]
     spec = _Spec(tdim=tdim, hdim=hdim, varlen_layout=layout, blocks=tuple(tuple(b) for b in blocks),
-                 order=_order(t_local, world, shard_layout), softmax_scale=common["softmax_scale"],
+                 order=_order(tk, world, shard_layout), softmax_scale=common["softmax_scale"],
                  softcap=common["softcap"], deterministic=deterministic, backend=backend, group=group, rank=rank,
                  world=world, merges=any(len(b) > 1 for p in plans for b in p))
     out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
