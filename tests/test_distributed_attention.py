@@ -193,7 +193,8 @@ def _alibi_refused(world):
     """ALiBi past the diagonal in a sequence with Sq >= Sk + 2 cut by a q shard boundary: refused on every rank."""
     q, kv = torch.zeros(3, 2, 8), torch.zeros(1, 2, 8)
     cu_q, cu_k = (torch.tensor([0, n * world], dtype=torch.int32) for n in (3, 1))
-    dd.flash_attn_varlen_func(q, kv, kv, cu_q, cu_k, 3 * world, world, alibi_slopes=torch.ones(2))
+    dd.flash_attn_varlen_func(q, kv, kv, cu_q, cu_k, 3 * world, world,
+                              alibi_slopes=torch.ones(2, dtype=torch.float32))
 
 
 TRITON_CASES = [
