@@ -15,8 +15,10 @@ from delta_attn.testing import assert_close
 from distributed_harness import run_ranks
 
 
-def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0):
-    """Full inputs on every rank (same seed), the op on this rank's shard, the reference on the full inputs."""
+def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0, cu_k=None):
+    """Full inputs on every rank (same seed), the op on this rank's shard, the reference on the full inputs.
+    ``cu_k``: the keys' boundaries when they differ from ``cu`` (q and k sharded separately)."""
+    cu_k = cu if cu_k is None else cu_k
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(s, device="cuda", generator=g, dtype=torch.float32).to(dtype) for s in shapes)
     tdim = 0 if varlen else 1
@@ -25,7 +27,7 @@ def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0):
     for name, dt, up in (("64", torch.float64, True), ("low", dtype, False)):
         xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
         if varlen:
-            o, l = reference.attention_varlen(*xs, cu, cu, upcast=up, **kw)
+            o, l = reference.attention_varlen(*xs, cu, cu_k, upcast=up, **kw)
         else:
             o, l = reference.attention(*xs, upcast=up, **kw)
         if w_out is None:
@@ -33,8 +35,8 @@ def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0):
         res[name] = (o, l, *torch.autograd.grad(o, xs, w_out.to(dt)))
     loc = [dd.shard(t, dim=tdim, layout=layout).requires_grad_() for t in (q, k, v)]
     if varlen:
-        m = int((cu[1:] - cu[:-1]).max())
-        o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu, m, m, return_attn_probs=True, shard_layout=layout,
+        m, mk = int((cu[1:] - cu[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
+        o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu_k, m, mk, return_attn_probs=True, shard_layout=layout,
                                             backend=backend, **kw)
     else:
         o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw)
@@ -72,11 +74,28 @@ def _cases(world):
     ]
 
 
+# cu_seqlens_k != cu_seqlens_q: 1536 packed queries, 2048 packed keys per rank count; (Sq, Sk) per sequence
+# (tv/3 + 5, tk/4) Sq > Sk spanning ranks, (0, 7), (1, 0), (rest, rest) Sq < Sk
+def _distinct_cases(world):
+    tv, tk = 768 * world, 1024 * world
+    packed = ((tv, 8, 64), (tk, 2, 64), (tk, 2, 64))
+    cu_q = _cu([tv // 3 + 5, 0, 1, tv - tv // 3 - 6])
+    cu_k = _cu([tk // 4, 7, 0, tk - tk // 4 - 7])
+    return [
+        ("contiguous", "triton", torch.float16, dict(causal=True), packed, cu_q, cu_k),
+        ("zigzag", "triton", torch.bfloat16, dict(window_size=(200, 50)), packed, cu_q, cu_k),
+        ("contiguous", "cudnn", torch.bfloat16, dict(causal=True), packed, cu_q, cu_k),
+    ]
+
+
 def _run_cases(world):
     for i, (varlen, layout, backend, dtype, kw, shapes, cu) in enumerate(_cases(world)):
         if backend == "cudnn" and not varlen and (world > 1 or layout == "zigzag") and not package_available("cudnn"):
             continue        # causal with Sq != Sk (a rank's keys reach past its queries) needs cudnn-frontend graphs
         _check_case(varlen=varlen, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu, seed=i)
+    for i, (layout, backend, dtype, kw, shapes, cu_q, cu_k) in enumerate(_distinct_cases(world)):
+        _check_case(varlen=True, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu_q,
+                    seed=100 + i, cu_k=cu_k)
 
 
 @pytest.fixture(scope="module")
