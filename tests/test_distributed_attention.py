@@ -249,6 +249,12 @@ def _body_distinct(rank, world, n_random, triton_cases):
         q, k, v = _qkv_distinct(gen, tl, 4 * world, 6 * world, 2, 1, 8, 6, torch.float64)
         _run_case(rank, world, varlen=True, layout=layout, backend="torch", dtype=torch.float64, kw=kw, q=q, k=k,
                   v=v, cu=cu_q, cu_k=cu_k, tensor_layout=tl)
+    # rank 0's rows see no key at all (Sk = 0, then causal rows before the diagonal): its out carries no graph
+    gen.manual_seed(6)
+    q, k, v = _qkv_distinct(gen, "thd", 4 * world, 2 * world, 2, 2, 4, 4, torch.float64)
+    _run_case(rank, world, varlen=True, layout="contiguous", backend="torch", dtype=torch.float64,
+              kw=dict(causal=True), q=q, k=k, v=v, cu=torch.tensor([0, 2, 4 * world], dtype=torch.int32),
+              cu_k=torch.tensor([0, 0, 2 * world], dtype=torch.int32))
     run = 0
     for _ in range(n_random):                # float64, backend torch: random boundaries and options
         layout, tl = rnd.choice(dd.LAYOUTS), rnd.choice(["thd", "htd"])
