@@ -43,12 +43,15 @@ def tensor(name: str, x, ndim: Optional[int] = None, dtypes: Sequence[torch.dtyp
 
 
 def same_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for n, t in named[1:]:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{n} must have the dtype of {first_name} ({first.dtype}), got {t.dtype}")
-    return first.dtype
+    first_name = dtype = None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if first_name is None:
+            first_name, dtype = n, t.dtype
+        elif t.dtype != dtype:
+            raise TypeError(f"{n} must have the dtype of {first_name} ({dtype}), got {t.dtype}")
+    return dtype
 
 
 def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
@@ -57,10 +60,11 @@ def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     first_name, first = named[0]
+    device = first.device
     for n, t in named[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{n} must be on the device of {first_name} ({first.device}), got {t.device}")
-    return first.device
+        if t.device != device:
+            raise ValueError(f"{n} must be on the device of {first_name} ({device}), got {t.device}")
+    return device
 
 
 def dim_equal(what: str, name: str, got: int, ref_name: str, expected: int) -> None:
@@ -69,7 +73,7 @@ def dim_equal(what: str, name: str, got: int, ref_name: str, expected: int) -> N
 
 
 def shape_equal(name: str, x: torch.Tensor, expected: Tuple[int, ...], doc: str = "") -> None:
-    if tuple(x.shape) != tuple(expected):
+    if x.shape != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}{' ' + doc if doc else ''}, "
                          f"got {tuple(x.shape)}")
 
