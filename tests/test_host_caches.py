@@ -89,3 +89,20 @@ def test_launch_helpers():
     first = tiles("t", BV=64)
     assert halving(first, ("BV",)) is halving(first, ("BV",))       # cached
     assert [t.get("BV") for t in halving(first, ("BV",))] == [64, 32, 16]
+
+
+def test_kvcache_memoized_checks_still_refuse_bad_input():
+    q, k_cache, v_cache = torch.randn(2, 1, 2, 16), torch.zeros(2, 8, 1, 16), torch.zeros(2, 8, 1, 16)
+    k, v = torch.randn(2, 2, 1, 1, 16).unbind(0)
+    run = lambda **kw: da.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, backend="torch", **kw)  # noqa: E731
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    out = run(cache_seqlens=lens, causal=True)
+    assert torch.equal(out, run(cache_seqlens=lens, causal=True, window_size=[-1, 0]))   # a list: checked in full
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the cache is too short"):
+            run(cache_seqlens=torch.tensor([3, 8], dtype=torch.int32), causal=True)    # a value: every call
+        with pytest.raises(ValueError, match="the cache is too short"):
+            run(cache_seqlens=8, causal=True)                                          # an int: in the signature
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            run(cache_seqlens=lens, causal=1)
+    run(cache_seqlens=7)

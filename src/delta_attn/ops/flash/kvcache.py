@@ -150,10 +150,10 @@ def _value_checks(a: KVCacheArgs, snew: int, b_cache: int) -> None:
                              f"{needed - 1} are needed (cache_seqlens + new tokens), got {a.rotary_cos.shape[0]} rows")
 
 
-def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-             return_softmax_lse=False) -> KVCacheArgs:
+def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+           return_softmax_lse) -> Tuple[float, bool, Tuple[int, int], float]:
+    """Every check that reads no device value. Returns (softmax_scale, causal, window, softcap) normalised."""
     C.tensor("q", q, 4, shape_doc="(batch, seqlen_q, heads_q, head_dim)")
     paged = block_table is not None
     cache_doc = "(num_blocks, page_size, heads_k, head_dim)" if paged else "(batch_cache, seqlen_cache, heads_k, head_dim)"
@@ -218,9 +218,8 @@ def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
             raise ValueError(f"the cache is too short: cache_seqlens + new tokens (k.shape[1] = {snew}) must be <= "
                              f"{capacity} (the cache capacity per sequence), and cache_seqlens >= 0, got "
                              f"cache_seqlens = {cache_seqlens}")
-        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=device)
     else:
-        cache_seqlens = _index("cache_seqlens", cache_seqlens, (b,), "(batch,) int32", device)
+        _index("cache_seqlens", cache_seqlens, (b,), "(batch,) int32", device)
     # rotary
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
@@ -236,13 +235,32 @@ def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
                      alibi_slopes, False, return_softmax_lse)
     # as flash-attn: a window bound reaching past the whole cache bounds nothing
     wl, wr = (w if w < capacity else -1 for w in common["window"])
+    return common["softmax_scale"], common["causal"], (wl, wr), common["softcap"]
+
+
+def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+             return_softmax_lse=False) -> KVCacheArgs:
+    # shapes, dtypes, devices, options: once per signature (C.memoized); device values: every call
+    softmax_scale, causal, window, softcap = C.memoized(
+        "flash_kvcache", _check, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+        num_splits, return_softmax_lse)
+    b = q.shape[0]
+    if cache_seqlens is None:        # the whole cache
+        cache_seqlens = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = map(
+        C.as_int32, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     a = KVCacheArgs(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                     cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                    block_table=block_table, softmax_scale=common["softmax_scale"], causal=common["causal"],
-                    window=(wl, wr), softcap=common["softcap"], rotary_interleaved=rotary_interleaved,
-                    alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse)
+                    block_table=block_table, softmax_scale=softmax_scale, causal=causal, window=window,
+                    softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                    num_splits=num_splits, return_lse=return_softmax_lse)
     if b > 0 and C.value_checks_enabled():
-        _value_checks(a, snew, b_cache)
+        _value_checks(a, 0 if k is None else k.shape[1], k_cache.shape[0])
     return a
 
 
