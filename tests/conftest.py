@@ -49,6 +49,16 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dispatch():
+    """Every test dispatches from scratch: tests monkeypatch what the backends' checks read (CUDA, packages,
+    compute capability, the registry), which the dispatcher's cache of choices does not watch."""
+    from delta_attn import backends
+    backends.clear_dispatch_cache()
+    yield
+    backends.clear_dispatch_cache()
+
+
 @pytest.fixture
 def poisoned():
     """Kernel outputs start as NaN inside the test."""

@@ -9,7 +9,7 @@ device checks always run.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +28,32 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+# Validated argument signatures -> what their checks derived (a normalised scale...), see :func:`memoized`.
+_VALIDATED: Dict[tuple, Any] = {}
+
+
+def memoized(op: str, check: Callable[..., Any], *args) -> Any:
+    """``check(*args)``: the shape / dtype / device / scalar checks of one call of ``op`` (none that reads a
+    device value: those run on every call), skipped for a signature of ``args`` that passed them before, whose
+    result is remembered. The signature is what such checks read: each tensor's type, shape, dtype and device,
+    each other argument's type and value. A signature that raised is never remembered (bad input raises on every
+    call); while torch.compile traces, or with an unhashable argument, ``check`` runs every time."""
+    if _tracing():
+        return check(*args)
+    key = (op,) + tuple([(type(a), a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                         for a in args])
+    try:
+        got = _VALIDATED.get(key, _VALIDATED)
+    except TypeError:         # an unhashable argument (a list...)
+        return check(*args)
+    if got is _VALIDATED:
+        got = check(*args)
+        if len(_VALIDATED) >= 1024:       # bounded: shapes are in the key
+            _VALIDATED.clear()
+        _VALIDATED[key] = got
+    return got
+
+
 def tensor(name: str, x, ndim: Optional[int] = None, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
            shape_doc: str = "") -> torch.Tensor:
     """``x`` is a tensor of rank ``ndim`` whose dtype is one of ``dtypes``."""
@@ -43,12 +69,15 @@ def tensor(name: str, x, ndim: Optional[int] = None, dtypes: Sequence[torch.dtyp
 
 
 def same_dtype(**tensors: Optional[torch.Tensor]) -> torch.dtype:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for n, t in named[1:]:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{n} must have the dtype of {first_name} ({first.dtype}), got {t.dtype}")
-    return first.dtype
+    first_name = dtype = None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if first_name is None:
+            first_name, dtype = n, t.dtype
+        elif t.dtype != dtype:
+            raise TypeError(f"{n} must have the dtype of {first_name} ({dtype}), got {t.dtype}")
+    return dtype
 
 
 def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
@@ -57,10 +86,11 @@ def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     first_name, first = named[0]
+    device = first.device
     for n, t in named[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{n} must be on the device of {first_name} ({first.device}), got {t.device}")
-    return first.device
+        if t.device != device:
+            raise ValueError(f"{n} must be on the device of {first_name} ({device}), got {t.device}")
+    return device
 
 
 def dim_equal(what: str, name: str, got: int, ref_name: str, expected: int) -> None:
@@ -69,7 +99,7 @@ def dim_equal(what: str, name: str, got: int, ref_name: str, expected: int) -> N
 
 
 def shape_equal(name: str, x: torch.Tensor, expected: Tuple[int, ...], doc: str = "") -> None:
-    if tuple(x.shape) != tuple(expected):
+    if x.shape != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}{' ' + doc if doc else ''}, "
                          f"got {tuple(x.shape)}")
 
@@ -215,12 +245,14 @@ def state(name: str, s: Optional[torch.Tensor], expected: Tuple[int, ...], devic
 
 
 def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device: torch.device,
-                  tokens: Optional[int] = None, num_accepted: Optional[torch.Tensor] = None) -> None:
+                  tokens: Optional[int] = None, num_accepted: Optional[torch.Tensor] = None,
+                  values: bool = True) -> None:
     """The slots of a decode step: ``indices`` None (slot b is ``state[b]``), (B,) (sequence b reads and
     writes one slot) or, for speculative decoding, (B, T) with T == ``tokens`` (the state after token t of
     sequence b goes to slot ``indices[b, t]``; the step starts from ``indices[b, num_accepted[b] - 1]``).
     ``num_accepted`` (B,) needs (B, T) indices. Shapes, dtypes and devices are checked here; the values
-    by :func:`state_indices_values` when :func:`value_checks_enabled` (never under CUDA-graph capture)."""
+    by :func:`state_indices_values` when :func:`value_checks_enabled` (never under CUDA-graph capture); with
+    ``values=False`` the caller runs :func:`state_indices_value_checks` itself."""
     if indices is None:
         if num_accepted is not None:
             raise ValueError("num_accepted_tokens needs state_indices of shape (B, T): one slot per new token")
@@ -246,7 +278,14 @@ def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device
         if num_accepted.device != device:
             raise ValueError(f"num_accepted_tokens must be on the device of the inputs ({device}), "
                              f"got {num_accepted.device}")
-    if value_checks_enabled() and indices.numel() > 0:
+    if values:
+        state_indices_value_checks(indices, pool, num_accepted)
+
+
+def state_indices_value_checks(indices: Optional[torch.Tensor], pool: int,
+                               num_accepted: Optional[torch.Tensor] = None) -> None:
+    """The value part of :func:`state_indices` (after its shape checks), when :func:`value_checks_enabled`."""
+    if indices is not None and value_checks_enabled() and indices.numel() > 0:
         state_indices_values(indices, pool, num_accepted)
 
 

@@ -151,6 +151,7 @@ class Backend:
             self.capabilities[op] = capability
         else:
             self.device_capabilities[(op, device_type)] = capability
+        clear_dispatch_cache()
         self._loaded.pop(op, None)
         self.loaded.__dict__.pop(op, None)
 
@@ -273,6 +274,7 @@ _CPU_WHY: Dict[str, str] = {
 def set_auto_policy(op: str, policy: Callable[[Call], Sequence[str]]) -> None:
     """Install ``policy(call) -> backend names, preferred first`` for ``op``."""
     _POLICIES[op] = policy
+    clear_dispatch_cache()
 
 
 def auto_order(call: Call) -> Tuple[str, ...]:
@@ -308,10 +310,15 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain_call(call: Call, backend: str = "auto") -> Explanation:
+def _candidates(call: Call, backend: str) -> Tuple[str, ...]:
+    """The backends ``backend`` lets run ``call``, in order: the policy order for ``auto``, else ``backend``."""
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKEND_NAMES)}, got {backend!r}")
-    names = auto_order(call) if backend == "auto" else (backend,)
+    return auto_order(call) if backend == "auto" else (backend,)
+
+
+def explain_call(call: Call, backend: str = "auto") -> Explanation:
+    names = _candidates(call, backend)
     ex = Explanation(call=call, requested=backend, chosen=None)
     describe = getattr(_POLICIES.get(call.op), "describe", None) if backend == "auto" else None
     if describe is not None:
@@ -328,13 +335,41 @@ def explain_call(call: Call, backend: str = "auto") -> Explanation:
 
 _warned: set = set()
 
+# The choices made so far: (the arguments of _choose, the process state they depend on) -> backend name.
+# A choice depends on the call and on the registry (capabilities, policies: register / set_auto_policy clear
+# this), on TRITON_INTERPRET and on whether CUDA is visible (both in the key), and on what the checks probe once
+# per process (installed packages, compute capability, cuDNN version). Only choices that raise nothing and warn
+# nothing are kept; an eager decode call then pays one look-up instead of asking every backend (docs/DISPATCH.md).
+_CHOSEN: Dict[tuple, str] = {}
+
+
+def clear_dispatch_cache() -> None:
+    """Forget every cached choice (after changing what the backends' checks read, e.g. in tests)."""
+    _CHOSEN.clear()
+
 
 def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[int, ...],
             features: Tuple[str, ...], needs_grad: bool, compiling: bool, backend: str) -> str:
     """The backend that runs the call (imports its implementation now). Runs eagerly even while
     torch.compile traces, so dispatch never breaks a graph: the choice is a constant of the trace."""
+    key = (op, device, dtype, head_dims, features, needs_grad, compiling, backend, triton_interpreter_on(),
+           torch.cuda.is_available())
+    chosen = _CHOSEN.get(key)
+    if chosen is not None:
+        BACKENDS[chosen].implementation(op)
+        return chosen
     call = Call(op, device, dtype, head_dims, frozenset(features), needs_grad, compiling)
-    ex = explain_call(call, backend)
+    # the first candidate with no reasons: what explain_call chooses, without asking the backends after it
+    chosen = next((n for n in _candidates(call, backend) if not BACKENDS[n].not_supported_reasons(call)), None)
+    warn_key = (call.op, call.dtype, call.head_dims, call.features)
+    fallback = backend == "auto" and chosen == "torch" and call.device.type == "cuda" and warn_key not in _warned
+    if chosen is not None and not fallback:
+        BACKENDS[chosen].implementation(call.op)
+        if len(_CHOSEN) >= 4096:      # bounded: shapes (head dims) are in the key
+            _CHOSEN.clear()
+        _CHOSEN[key] = chosen
+        return chosen
+    ex = explain_call(call, backend)      # the full explanation: for the error or the fallback warning
     if ex.chosen is None:
         if backend == "auto":
             detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in ex.considered)
@@ -342,9 +377,8 @@ def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[
         reasons = ex.considered[0][1]
         raise UnsupportedError(f"backend {backend!r} cannot run {call.describe()}: " + "; ".join(reasons))
     if backend == "auto" and ex.chosen == "torch" and call.device.type == "cuda":
-        key = (call.op, call.dtype, call.head_dims, call.features)
-        if key not in _warned:
-            _warned.add(key)
+        if warn_key not in _warned:
+            _warned.add(warn_key)
             warnings.warn("delta_attn: auto runs the slow reference path for this call\n" + str(ex),
                           ReferenceFallbackWarning, stacklevel=4)
     BACKENDS[ex.chosen].implementation(call.op)

@@ -16,6 +16,7 @@ launcher imports it before its first launch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, Sequence, Tuple
 
@@ -27,7 +28,17 @@ from ._prepare import index, optional, param, shared_memory, sm_count, unit_last
 _triton_interpreter.patch()
 
 __all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
-           "shared_memory", "eager_or_op"]
+           "shared_memory", "eager_or_op", "cdiv", "next_pow2"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` in plain Python (Triton's is a constexpr function: ~2 us per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` in plain Python for n >= 0 (0 for 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def eager_or_op(fn: Callable, op: Callable) -> Callable:
@@ -45,8 +56,13 @@ class Tiles:
     num_stages: int = 1
     reason: str = ""
 
+    @functools.cached_property
+    def kwargs(self) -> Dict[str, int]:
+        """The tile constexprs as keyword arguments (built once per Tiles; read-only by convention)."""
+        return dict(self.meta)
+
     def get(self, name: str) -> int:
-        return dict(self.meta)[name]
+        return self.kwargs[name]
 
     def with_(self, reason: str = "", num_stages=None, **meta) -> "Tiles":
         """A copy with some tile sizes (or the stage count) replaced."""
@@ -60,9 +76,11 @@ def tiles(reason: str, num_warps: int = 4, num_stages: int = 1, **meta) -> Tiles
     return Tiles(tuple(sorted(meta.items())), num_warps, num_stages, reason)
 
 
-def halving(first: Tiles, names: Sequence[str], floor: int = 16) -> Tuple[Tiles, ...]:
+@functools.lru_cache(maxsize=1024)
+def halving(first: Tiles, names: Tuple[str, ...], floor: int = 16) -> Tuple[Tiles, ...]:
     """``first``, then single-stage copies with each named tile halved in turn down to ``floor``:
-    the fallbacks of :func:`launch` when ``first`` needs more shared memory than the device has."""
+    the fallbacks of :func:`launch` when ``first`` needs more shared memory than the device has.
+    Cached (a pure function of its arguments): launchers call it on every launch."""
     out = [first]
     cur = first.with_(num_stages=1)
     if cur != first:
@@ -83,9 +101,11 @@ def halving(first: Tiles, names: Sequence[str], floor: int = 16) -> Tuple[Tiles,
 _FITTED: Dict[tuple, Tiles] = {}
 
 
-def _key(kernel, args, fixed: dict) -> tuple:
-    dtypes = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
-    return (getattr(kernel, "__name__", None) or kernel.fn.__name__, dtypes, tuple(sorted(fixed.items())))
+def _fitted_key(kernel, args, fixed: dict, candidates: Sequence[Tiles], device_index) -> tuple:
+    """The specialisation whose fitted tiles :func:`launch` caches: kernel, argument dtypes (tensors) or
+    types (scalars), constexprs, device and candidates."""
+    dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args)
+    return (kernel, dtypes, tuple(sorted(fixed.items())), device_index, tuple(candidates))
 
 
 def fit(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candidates: Sequence[Tiles],
@@ -111,10 +131,10 @@ def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, can
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     chosen = candidates[0]
     if device.type == "cuda":
-        key = _key(kernel, args, fixed) + (device.index, tuple(candidates))
+        key = _fitted_key(kernel, args, fixed, candidates, device.index)
         chosen = _FITTED.get(key)
         if chosen is None:
             chosen = _FITTED[key] = fit(kernel, grid, args, fixed, candidates, shared_memory(device))
-    kernel[grid(chosen)](*args, **fixed, **dict(chosen.meta), num_warps=chosen.num_warps,
+    kernel[grid(chosen)](*args, **fixed, **chosen.kwargs, num_warps=chosen.num_warps,
                          num_stages=chosen.num_stages)
     return chosen

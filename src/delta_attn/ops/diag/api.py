@@ -61,7 +61,8 @@ def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlen
     return DiagArgs(q, k, v, g, initial_state, output_final_state, cu_seqlens, n)
 
 
-def validate_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None) -> DiagArgs:
+def _check_step(q, k, v, g, state, state_indices, num_accepted_tokens) -> None:
+    """The checks of a decode step that read no device value."""
     _validate_qkvg(q, k, v, g)
     b, t, h, d = q.shape
     C.positive_dim("new tokens per sequence (q.shape[1])", t)
@@ -69,7 +70,14 @@ def validate_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=Non
     C.shape_equal("state", state, (state.shape[0], h, d), "(P, H, D)")
     if state.device != q.device:
         raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
-    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens)
+    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens, values=False)
+
+
+def validate_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None) -> DiagArgs:
+    # shapes, dtypes, devices: once per signature (C.memoized); slot values: every call
+    C.memoized("diag_step", _check_step, q, k, v, g, state, state_indices, num_accepted_tokens)
+    C.state_indices_value_checks(state_indices, state.shape[0], num_accepted_tokens)
+    b = q.shape[0]
     return DiagArgs(q, k, v, g, None, False, None, b, state=state, state_indices=state_indices,
                     num_accepted_tokens=num_accepted_tokens)
 

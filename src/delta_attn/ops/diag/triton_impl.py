@@ -23,7 +23,7 @@ import triton
 
 from ... import settings
 from ..._outputs import empty
-from .._launch import Tiles, eager_or_op, index, launch, optional, param, sm_count, tiles
+from .._launch import Tiles, cdiv, eager_or_op, index, launch, next_pow2, optional, param, sm_count, tiles
 from .api import DiagArgs
 from .kernels import _diag_bwd_rows_kernel, _diag_fwd_rows_kernel, _diag_step_kernel
 
@@ -184,6 +184,7 @@ STEP_WIDE_CHANNELS = 2 ** 21     # B * H * D from which the step takes 2048-chan
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def step_tiles(hd: int, wide: bool) -> Tiles:
     """The decode step's launch config: BD channels of the flattened H * D axis per program (B x HD / BD
     programs) and warps; ``wide``: B * HD >= STEP_WIDE_CHANNELS (H200 sweep, bf16, H * D = 2048, graph
@@ -191,7 +192,7 @@ def step_tiles(hd: int, wide: bool) -> Tiles:
     of the copy ceiling in all bytes moved, where 128-channel ones took 47.6 / 170.0 us; below 2M channels
     the step is latency-bound and 512 channels on 4 warps are within 2 % of the best (B = 64: 5.7-5.9 us,
     B = 256: 7.87 us, a same-size copy 5.5 / 7.65 us))."""
-    bd = min(2048 if wide else 512, triton.next_power_of_2(hd))
+    bd = min(2048 if wide else 512, next_pow2(hd))
     return tiles("by channel count: 2048 channels on 4 warps from 2M channels, else 512 (H200 sweep)",
                  num_warps=max(1, min(4, bd // 32)), BD=bd)
 
@@ -214,7 +215,7 @@ def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, c
     if b == 0 or t == 0:
         return o
     config = config or step_tiles(h * d, b * h * d >= STEP_WIDE_CHANNELS)
-    launch(_diag_step_kernel, lambda c: (b, triton.cdiv(h * d, c.get("BD"))),
+    launch(_diag_step_kernel, lambda c: (b, cdiv(h * d, c.get("BD"))),
            (q, k, v, g, o, state, optional(state_indices, state),
             optional(num_accepted_tokens, state), t, h * d),
            dict(IDX=0 if state_indices is None else state_indices.dim(), HAS_NAT=num_accepted_tokens is not None,

@@ -8,6 +8,7 @@ splits comes from the shapes only (:func:`choose_splits`), never from ``cache_se
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -15,7 +16,7 @@ import torch
 import triton
 
 from ... import _outputs, settings
-from .._launch import Tiles, eager_or_op, halving, index, launch, optional, param, sm_count, tiles
+from .._launch import Tiles, cdiv, eager_or_op, halving, index, launch, next_pow2, optional, param, sm_count, tiles
 from .kernels_decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_merge_kernel
 
 Tensor = torch.Tensor
@@ -42,8 +43,8 @@ def choose_splits(programs: int, capacity: int, sms: int, rule: SplitRule = SPLI
     ``capacity`` (cache positions per sequence) and the SM count."""
     if programs >= rule.fill * sms:
         return 1
-    want = triton.cdiv(rule.programs_per_sm * sms, max(programs, 1))
-    return max(1, min(want, triton.cdiv(capacity, rule.min_keys), rule.max_splits))
+    want = cdiv(rule.programs_per_sm * sms, max(programs, 1))
+    return max(1, min(want, cdiv(capacity, rule.min_keys), rule.max_splits))
 
 
 def _attn_tiles(d: int, paged: bool):
@@ -54,14 +55,22 @@ def _attn_tiles(d: int, paged: bool):
     masks). Halved when shared memory is short. One small tile under the interpreter (CPU tests cover
     several tiles and splits)."""
     if settings.triton_interpreter():
-        return (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16, HOIST=0),)
+        return _INTERP_ATTN_TILES
+    return _device_attn_tiles(d, paged)
+
+
+_INTERP_ATTN_TILES = (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16, HOIST=0),)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_attn_tiles(d: int, paged: bool) -> Tuple[Tiles, ...]:
     if paged:
         first = tiles("paged: 64-key tiles, 3 stages, every tile masked", num_warps=4, num_stages=3,
                       BLOCK_N=64 if d <= 128 else 32, HOIST=0)
     else:
         first = tiles("contiguous: 128-key tiles, 2 stages, edge tiles masked", num_warps=4, num_stages=2,
                       BLOCK_N=128 if d <= 128 else 64, HOIST=1)
-    return halving(first, ["BLOCK_N"])
+    return halving(first, ("BLOCK_N",))
 
 
 ATTN_META = ("BLOCK_N", "HOIST")
@@ -87,7 +96,7 @@ def check_attn_config(config: Tiles) -> None:
 
 def _row_block(rows: int) -> int:
     """Query rows (query x q head of one group) per program: all of them up to 64 (tl.dot needs >= 16)."""
-    return max(16, min(64, triton.next_power_of_2(max(rows, 1))))
+    return max(16, min(64, next_pow2(max(rows, 1))))
 
 
 def _s4(t: Optional[Tensor]) -> Tuple[int, ...]:
@@ -122,7 +131,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     bt = optional(block_table, cache_seqlens)
     s_bt = tuple(block_table.stride()) if paged else (0, 0)
     idx = optional(cache_batch_idx, cache_seqlens)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGED=paged, HAS_IDX=cache_batch_idx is not None, ROTARY=rotary,
                   INTERLEAVED=bool(rotary_interleaved))
 
@@ -139,12 +148,13 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return out, lse
     # 2. split-KV attention: programs (row block x split, batch x key head)
     block_m = _row_block(sq * group)
-    row_blocks = triton.cdiv(sq * group, block_m)
+    row_blocks = cdiv(sq * group, block_m)
     splits = num_splits or choose_splits(b * hk * row_blocks, capacity, sm_count(q.device))
     splits = max(1, min(splits, capacity))
     split = splits > 1
-    o_part = _outputs.empty((b * hq * sq * splits * d,) if split else (1,), torch.float32, q.device)
-    l_part = _outputs.empty((b * hq * sq * splits,) if split else (1,), torch.float32, q.device)
+    # the splits' partial results (unused placeholders when the keys are not split)
+    o_part = _outputs.empty((b * hq * sq * splits * d,), torch.float32, q.device) if split else optional(None, lse)
+    l_part = _outputs.empty((b * hq * sq * splits,), torch.float32, q.device) if split else optional(None, lse)
     alibi = optional(alibi_slopes, q)
     s_ab = (0, 0) if alibi_slopes is None else (
         (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else tuple(alibi_slopes.stride()))
@@ -161,7 +171,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # 3. merge the splits
     if split:
         _kvcache_merge_kernel[(b * hq * sq,)](o_part, l_part, out, lse, *out.stride(), *lse.stride(), sq, hq, splits,
-                                              HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits))
+                                              HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits))
     return out, lse
 
 

@@ -93,37 +93,42 @@ def _index(name: str, x, shape: Tuple[int, ...], doc: str, device: torch.device)
 def _value_checks(a: KVCacheArgs, snew: int, b_cache: int) -> None:
     """Every check that reads device values, with one device-to-host copy (plus one more to name the
     offending row when a check fails)."""
+    # as few device ops as the call's options need (each is a launch on a GPU); sums of a device value and a
+    # host number are taken on the host
     n = a.cache_seqlens.long()
-    total = n + snew
-    lp = a.cache_leftpad.long() if a.cache_leftpad is not None else torch.zeros_like(n)
-    stats = [n.min(), total.max(), lp.min(), (lp - n).max()]
+    stats = list(torch.aminmax(n))
+    lp = None
+    if a.cache_leftpad is not None:
+        lp = a.cache_leftpad.long()
+        stats += [lp.min(), (lp - n).max()]
     if a.cache_batch_idx is not None:
         idx = a.cache_batch_idx.long()
         ordered = idx.sort().values
-        stats += [idx.min(), idx.max(), (ordered[1:] == ordered[:-1]).any().long()]
+        stats += [ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).any().long()]
     if a.paged:
         page = a.k_cache.shape[1]
-        used = torch.arange(a.block_table.shape[1], device=n.device)[None, :] < (total[:, None] + page - 1) // page
+        used = torch.arange(a.block_table.shape[1], device=n.device)[None, :] < (n[:, None] + (snew + page - 1)) // page
         bt = a.block_table.long()
         bad_blocks = used & ((bt < 0) | (bt >= a.k_cache.shape[0]))
         stats.append(bad_blocks.any().long())
-    if a.rotary_cos is not None:
-        stats.append((n + max(snew, a.q.shape[1] if a.rotary_per_query else 1)).max())
-    vals = torch.stack([s.long() for s in stats]).tolist()
-    n_min, total_max, lp_min, lp_over = vals[:4]
-    rest = vals[4:]
+    vals = torch.stack(stats).tolist()
+    n_min, total_max = vals[0], vals[1] + snew
+    rest = vals[2:]
     if n_min < 0:
         raise ValueError(f"cache_seqlens must be >= 0 (tokens already in the cache), got {n_min}")
     if total_max > a.capacity:
-        row = int(total.argmax())
+        row = int(n.argmax())
         where = (f"block_table.shape[1] * page_size = {a.block_table.shape[1]} * {a.k_cache.shape[1]}" if a.paged
                  else "k_cache.shape[1]")
         raise ValueError(f"the cache is too short: cache_seqlens + new tokens (k.shape[1] = {snew}) must be <= "
                          f"{a.capacity} ({where}), got {total_max} for batch row {row}")
-    if a.cache_leftpad is not None and (lp_min < 0 or lp_over > 0):
-        row = int(((lp < 0) | (lp > n)).long().argmax())
-        raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens] for every row, got {int(lp[row])} with "
-                         f"cache_seqlens {int(n[row])} for batch row {row}")
+    if lp is not None:
+        lp_min, lp_over = rest[:2]
+        rest = rest[2:]
+        if lp_min < 0 or lp_over > 0:
+            row = int(((lp < 0) | (lp > n)).long().argmax())
+            raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens] for every row, got {int(lp[row])} with "
+                             f"cache_seqlens {int(n[row])} for batch row {row}")
     if a.cache_batch_idx is not None:
         lo, hi, repeats = rest[:3]
         rest = rest[3:]
@@ -138,16 +143,17 @@ def _value_checks(a: KVCacheArgs, snew: int, b_cache: int) -> None:
             r, col = (int(x) for x in bad_blocks.nonzero()[0].tolist())
             raise ValueError(f"block_table entries must lie in [0, {a.k_cache.shape[0]}) (blocks of k_cache) for the "
                              f"pages a sequence uses, got {int(a.block_table[r, col])} at block_table[{r}, {col}]")
-        rest = rest[1:]
-    if a.rotary_cos is not None and rest[0] > a.rotary_cos.shape[0]:
-        raise ValueError(f"rotary_cos / rotary_sin must cover every rotated position: positions up to "
-                         f"{rest[0] - 1} are needed (cache_seqlens + new tokens), got {a.rotary_cos.shape[0]} rows")
+    if a.rotary_cos is not None:
+        needed = vals[1] + max(snew, a.q.shape[1] if a.rotary_per_query else 1)
+        if needed > a.rotary_cos.shape[0]:
+            raise ValueError(f"rotary_cos / rotary_sin must cover every rotated position: positions up to "
+                             f"{needed - 1} are needed (cache_seqlens + new tokens), got {a.rotary_cos.shape[0]} rows")
 
 
-def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-             return_softmax_lse=False) -> KVCacheArgs:
+def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+           return_softmax_lse) -> Tuple[float, bool, Tuple[int, int], float]:
+    """Every check that reads no device value. Returns (softmax_scale, causal, window, softcap) normalised."""
     C.tensor("q", q, 4, shape_doc="(batch, seqlen_q, heads_q, head_dim)")
     paged = block_table is not None
     cache_doc = "(num_blocks, page_size, heads_k, head_dim)" if paged else "(batch_cache, seqlen_cache, heads_k, head_dim)"
@@ -212,9 +218,8 @@ def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
             raise ValueError(f"the cache is too short: cache_seqlens + new tokens (k.shape[1] = {snew}) must be <= "
                              f"{capacity} (the cache capacity per sequence), and cache_seqlens >= 0, got "
                              f"cache_seqlens = {cache_seqlens}")
-        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=device)
     else:
-        cache_seqlens = _index("cache_seqlens", cache_seqlens, (b,), "(batch,) int32", device)
+        _index("cache_seqlens", cache_seqlens, (b,), "(batch,) int32", device)
     # rotary
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
@@ -230,13 +235,32 @@ def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
                      alibi_slopes, False, return_softmax_lse)
     # as flash-attn: a window bound reaching past the whole cache bounds nothing
     wl, wr = (w if w < capacity else -1 for w in common["window"])
+    return common["softmax_scale"], common["causal"], (wl, wr), common["softcap"]
+
+
+def validate(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+             return_softmax_lse=False) -> KVCacheArgs:
+    # shapes, dtypes, devices, options: once per signature (C.memoized); device values: every call
+    softmax_scale, causal, window, softcap = C.memoized(
+        "flash_kvcache", _check, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+        num_splits, return_softmax_lse)
+    b = q.shape[0]
+    if cache_seqlens is None:        # the whole cache
+        cache_seqlens = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = map(
+        C.as_int32, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     a = KVCacheArgs(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                     cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                    block_table=block_table, softmax_scale=common["softmax_scale"], causal=common["causal"],
-                    window=(wl, wr), softcap=common["softcap"], rotary_interleaved=rotary_interleaved,
-                    alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse)
+                    block_table=block_table, softmax_scale=softmax_scale, causal=causal, window=window,
+                    softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                    num_splits=num_splits, return_lse=return_softmax_lse)
     if b > 0 and C.value_checks_enabled():
-        _value_checks(a, snew, b_cache)
+        _value_checks(a, 0 if k is None else k.shape[1], k_cache.shape[0])
     return a
 
 

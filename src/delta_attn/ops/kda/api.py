@@ -119,8 +119,9 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
                    A_log, dt_bias, lower_bound, allow_tf32=allow_tf32)
 
 
-def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
-                  dt_bias=None, lower_bound=None, num_accepted_tokens=None) -> KDAArgs:
+def _check_step(q, k, v, g, beta, state, state_indices, num_accepted_tokens, scale, use_qk_l2norm, A_log, dt_bias,
+                lower_bound):
+    """The checks of a decode step that read no device value. Returns (scale, lower_bound) normalised."""
     scale, lower_bound = _validate(q, k, v, g, beta, scale, None, use_qk_l2norm, A_log, dt_bias, lower_bound)
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -129,7 +130,17 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
     C.shape_equal("state", state, (state.shape[0], hv, kd, vd), "(P, HV, K, V)")
     if state.device != q.device:
         raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
-    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens)
+    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens, values=False)
+    return scale, lower_bound
+
+
+def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_qk_l2norm=False, A_log=None,
+                  dt_bias=None, lower_bound=None, num_accepted_tokens=None) -> KDAArgs:
+    # shapes, dtypes, devices, scalars: once per signature (C.memoized); slot values: every call
+    scale, lower_bound = C.memoized("kda_step", _check_step, q, k, v, g, beta, state, state_indices,
+                                    num_accepted_tokens, scale, use_qk_l2norm, A_log, dt_bias, lower_bound)
+    C.state_indices_value_checks(state_indices, state.shape[0], num_accepted_tokens)
+    b = q.shape[0]
     return KDAArgs(q, k, v, g, beta, scale, None, False, None, b, use_qk_l2norm, A_log, dt_bias, lower_bound,
                    state=state, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
 

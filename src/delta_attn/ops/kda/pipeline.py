@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ..._outputs import empty
-from .._launch import Tiles, halving, index, launch, optional, param, sm_count, tiles
+from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, param, sm_count, tiles
 from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .decode import _kda_step_kernel
 from .gate import DECAY_FLOOR
@@ -106,7 +106,7 @@ def max_chunks(B: int, T: int, n_seq: int, varlen: bool, bt: int = TRAIN_CHUNK) 
 
 
 def _pow2(x: int) -> int:
-    return triton.next_power_of_2(x)
+    return next_pow2(x)
 
 
 def _state_block(K: int, V: int, chains: int, min_programs: int) -> int:
@@ -170,6 +170,7 @@ def bwd_intra_tiles(K: int, V: int):
     return halving(first, ("BV",))
 
 
+@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def step_tiles(K: int, V: int) -> Tiles:
     """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs) and warps.
@@ -357,7 +358,7 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
         KP = _pow2(K)
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
         idx_mode = 0 if state_indices is None else state_indices.dim()
-        launch(_kda_step_kernel, lambda t: (triton.cdiv(V, t.get("BV")), B, HV),
+        launch(_kda_step_kernel, lambda t: (cdiv(V, t.get("BV")), B, HV),
                (q, k, v, g, beta) + gate_ptrs + (state, optional(state_indices, q),
                                                  optional(num_accepted_tokens, q), o,
                                                  float(scale), float(lower_bound or 0.0), T, H, HV),
