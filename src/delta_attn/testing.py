@@ -96,17 +96,3 @@ def poison_outputs() -> Iterator[None]:
         yield
     finally:
         _outputs._poison_depth -= 1
-
-
-@contextlib.contextmanager
-def pinned_flash_configs(entry: int) -> Iterator[None]:
-    """Inside this block the Triton flash kernels skip autotuning and run entry ``entry`` (mod the table's
-    length) of each tuning table (GPU). Tests rotate ``entry`` so that every configuration autotuning may pick
-    is checked, at one compilation per kernel instead of one per configuration."""
-    from .ops.flash import triton_impl
-    old, triton_impl._pinned_entry = triton_impl._pinned_entry, int(entry)
-    try:
-        yield
-    finally:
-        triton_impl._pinned_entry = old
-

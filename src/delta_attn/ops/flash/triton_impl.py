@@ -103,8 +103,6 @@ def _tuned(kind: str, dclass: int):
 
 
 _KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}
-# set by testing.pinned_flash_configs: launches run entry (i mod len) of each table untuned instead of autotuning
-_pinned_entry: Optional[int] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,9 +137,6 @@ def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple,
         return
     if kwargs.get("TMA_OK"):
         _set_allocator()
-    if config is None and _pinned_entry is not None:         # testing.pinned_flash_configs
-        table = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}[kind][_dclass(d)]
-        config = table[_pinned_entry % len(table)]
     if config is not None:
         bm, bn, warps, stages = config[:4]
         meta = dict(BLOCK_M=bm, BLOCK_N=bn)
