@@ -79,15 +79,14 @@ class KVCacheArgs:
                     needs_grad=needs_grad)
 
 
-def _index(name: str, x, shape: Tuple[int, ...], doc: str, device: torch.device) -> Optional[torch.Tensor]:
-    """An optional int32 / int64 index tensor of ``shape`` on ``device``, as contiguous int32."""
+def _index(name: str, x, shape: Tuple[int, ...], doc: str, device: torch.device) -> None:
+    """An optional int32 / int64 index tensor of ``shape`` on ``device`` (validate makes it contiguous int32)."""
     if x is None:
-        return None
+        return
     C.tensor(name, x, len(shape), C.INDEX_DTYPES, doc)
     C.shape_equal(name, x, shape, doc)
     if x.device != device:
         raise ValueError(f"{name} must be on the device of q ({device}), got {x.device}")
-    return C.as_int32(x)
 
 
 def _value_checks(a: KVCacheArgs, snew: int, b_cache: int) -> None:
@@ -200,14 +199,13 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
         C.positive_dim("block_table.shape[1] (blocks per sequence)", block_table.shape[1])
         if block_table.device != device:
             raise ValueError(f"block_table must be on the device of q ({device}), got {block_table.device}")
-        block_table = C.as_int32(block_table)
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx must be None with a paged cache (block_table): block_table already maps "
                              "each batch row to its pages")
     elif cache_batch_idx is None and b_cache != b:
         raise ValueError(f"k_cache batch size must equal q's ({b}) when cache_batch_idx is None, got {b_cache}")
-    cache_batch_idx = _index("cache_batch_idx", cache_batch_idx, (b,), "(batch,) int32", device)
-    cache_leftpad = _index("cache_leftpad", cache_leftpad, (b,), "(batch,) int32", device)
+    _index("cache_batch_idx", cache_batch_idx, (b,), "(batch,) int32", device)
+    _index("cache_leftpad", cache_leftpad, (b,), "(batch,) int32", device)
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if cache_seqlens is None:
         cache_seqlens = capacity
