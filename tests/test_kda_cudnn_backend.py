@@ -135,6 +135,16 @@ def test_strong_decay_is_declared(fake_gpu, monkeypatch):
     assert not CK.log_decay_out_of_range(as_cuda, None)                     # under capture: skipped (documented)
 
 
+def test_explain_reads_strong_decay_as_the_explicit_call_does(monkeypatch):
+    """``da.explain(da.kda, ..., backend="cudnn")`` builds the call exactly as ``da.kda`` does, so the value-read
+    strong_decay feature is in both (explain once said cuDNN runs a call that then refused it); auto reads nothing."""
+    monkeypatch.setattr(CK, "log_decay_out_of_range", lambda g, A_log: True)
+    q = k = v = g = torch.zeros(1, 3, 1, 8)
+    beta = torch.zeros(1, 3, 1)
+    assert "strong_decay" in da.explain(da.kda, q, k, v, g, beta, backend="cudnn").call.features
+    assert "strong_decay" not in da.explain(da.kda, q, k, v, g, beta).call.features
+
+
 def test_explicit_backend_raises_with_the_named_reason(fake_gpu):
     with pytest.raises(UnsupportedError, match=r"pre-normalised \(use_qk_l2norm=False\)"):
         B.select(_call(feats={"qk_l2norm"}, grad=True), "cudnn")

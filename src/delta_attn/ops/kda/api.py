@@ -209,7 +209,7 @@ def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens
     return select(args.call("kda_step"), backend)(args)
 
 
-kda.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call("kda"), backend)
+kda.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call("kda", backend), backend)
 kda_step.plan = lambda *a, backend="auto", **kw: explain_call(validate_step(*a, **kw).call("kda_step"), backend)
 
 _FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_softplus",
