@@ -14,6 +14,7 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    running past the chunk end, when it needs a shifted window, is a call of its own. With
    cu_seqlens_k != cu_seqlens_q the diagonal of sequence s is j = i + Sk_s - Sq_s: the same rule with
    key positions offset by Sk_s - Sq_s (q and k are sharded separately; the keys are gathered whole).
+   Dense is planned as a packed batch of one sequence of Sq queries and Sk keys (every batch row alike).
 3. ALiBi needs the local diagonal to be the global one (the op's bias is ``slope * |i + Sk - Sq - j|``).
    That holds for every call above except keys past the chunk end without a causal mask; there the keys
    are split: the lower part [.., qe) is an aligned call with right bound 0, the upper part (j > i) is a
@@ -29,7 +30,7 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    differentiates is differentiated here; dK/dV of the gathered keys go back to their owners by a
    reduce-scatter (sum over ranks).
 
-Communication per rank and call (W ranks, local tokens Tl, batch B, key heads Hk, element size e):
+Communication per rank and call (W ranks, local keys Tl, batch B, key heads Hk, element size e):
 the forward's all-gather of K and V sends and receives (W - 1) * B * Tl * Hk * (D + Dv) * e bytes (NCCL's
 ring all-gather); the backward's reduce-scatter of dK, dV moves the same volume again (gloo, which has no
 reduce-scatter here, all-reduces: about twice that). Nothing else crosses ranks: Q, O and dO stay local.
