@@ -4,6 +4,8 @@ Inside the workers, seeded random cases: every rank builds the same full inputs,
 its shard and compares out, lse and every gradient with the single-process operator on the full inputs,
 sharded the same way. float64 with backend="torch" (equal up to rounding), and a few tiny fp32 / fp16
 cases with backend="triton" under the interpreter against the float64 reference with the DESIGN error rule.
+Sq != Sk: dense (q and k / v sharded separately; each of these calls was refused when the dense function
+needed Sq == Sk) and varlen with cu_seqlens_k != cu_seqlens_q.
 """
 import random
 
