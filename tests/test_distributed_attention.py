@@ -4,6 +4,8 @@ Inside the workers, seeded random cases: every rank builds the same full inputs,
 its shard and compares out, lse and every gradient with the single-process operator on the full inputs,
 sharded the same way. float64 with backend="torch" (equal up to rounding), and a few tiny fp32 / fp16
 cases with backend="triton" under the interpreter against the float64 reference with the DESIGN error rule.
+Sq != Sk: dense (q and k / v sharded separately; each of these calls was refused when the dense function
+needed Sq == Sk) and varlen with cu_seqlens_k != cu_seqlens_q.
 """
 import random
 
@@ -168,10 +170,16 @@ def _validation(rank, world):
     q = torch.zeros(1, 2, 2, 8)
     with pytest.raises(ValueError, match="layout"):
         dd.flash_attn_func(q, q, q, layout="ring")
-    with pytest.raises(ValueError, match="local sequence length"):
-        dd.flash_attn_func(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="q local sequence length"):
+        dd.flash_attn_func(q[:, :0], q, q)
+    with pytest.raises(ValueError, match="k local sequence length"):
+        dd.flash_attn_func(q, q[:, :0], q[:, :0])
     with pytest.raises(ValueError, match="2 x world size"):
         dd.flash_attn_func(q[:, :1], q[:, :1], q[:, :1], layout="zigzag")
+    with pytest.raises(ValueError, match="global key length Sk .*2 x world size"):
+        dd.flash_attn_func(q, q[:, :1], q[:, :1], layout="zigzag")
+    with pytest.raises(ValueError, match="sequence length"):           # k and v of different lengths
+        dd.flash_attn_func(q, q, q[:, :1])
     with pytest.raises(TypeError, match="group"):
         dd.flash_attn_func(q, q, q, group="world")
     with pytest.raises(ValueError, match="dropout_p"):
@@ -185,6 +193,8 @@ def _validation(rank, world):
                                   3 * world + 1)
     with pytest.raises(ValueError, match="more queries than keys"):
         _alibi_refused(world)
+    with pytest.raises(ValueError, match="alibi_slopes.*more queries than keys"):     # dense: the same refusal
+        dd.flash_attn_func(torch.zeros(1, 3, 2, 8), q[:, :1], q[:, :1], alibi_slopes=torch.ones(2, dtype=torch.float32))
     with pytest.raises(ValueError, match="shard_layout"):
         dd.flash_attn_varlen_func(x, x, x, cu, cu, 3 * world, 3 * world, shard_layout="ring")
 
@@ -234,10 +244,11 @@ def _qkv_distinct(gen, tl, total_q, total_k, hq, hk, d, dv, dtype):
     return [_full(gen, sh if tl == "thd" else (sh[1], sh[0], sh[2]), dtype) for sh in shapes]
 
 
-def _body_distinct(rank, world, n_random, triton_cases):
+def _body_distinct(rank, world, n_random, triton_cases, n_dense, dense_triton):
     torch.set_default_dtype(torch.float64)
     rnd = random.Random(100 + world)
     gen = torch.Generator()
+    _dense_distinct(rank, world, random.Random(200 + world), gen, n_dense, dense_triton)
     cu_q, cu_k = _fixed_cu_pair(world)
     fixed = [("contiguous", "thd", dict(causal=True)), ("zigzag", "htd", dict(window_size=(2, 1))),
              ("contiguous", "thd", dict(window_size=(-1, 3), softcap=1.5)),
@@ -280,6 +291,54 @@ def _body_distinct(rank, world, n_random, triton_cases):
                   v=v, cu=cq, cu_k=ck)
 
 
+# dense Sq != Sk: q sharded over Sq = W x tq, k and v over Sk = W x tk, each by the layout; (layout, tq, tk, kw)
+# float64 / backend torch, GQA 2:1
+DENSE_DISTINCT = [
+    ("contiguous", 2, 5, dict(causal=True)),                        # Sq < Sk
+    ("zigzag", 6, 2, dict(causal=True)),                            # Sq > Sk: rows before the diagonal see no key
+    ("contiguous", 3, 1, dict(window_size=(2, 1))),                 # whole ranks without keys
+    ("zigzag", 2, 4, dict(softcap=1.5, softmax_scale=0.7)),         # not causal
+    ("contiguous", 1, 3, dict(window_size=(1, 2), alibi_slopes=torch.tensor([[0.5, 0.2], [0.3, 0.7]]))),  # merge
+    ("zigzag", 4, 2, dict(causal=True, alibi_slopes=torch.tensor([0.4, 0.9]))),
+    ("contiguous", 4, 1, dict(window_size=(1, 1), alibi_slopes=torch.tensor([0.4, 0.9]))),  # Sq > Sk, no split
+]
+
+# backend triton under the interpreter, fp16, world 2: (layout, tq, tk, kw); B 1, Hq 2, Hk 1, D 16
+DENSE_DISTINCT_TRITON = [
+    ("contiguous", 2, 6, dict(causal=True)),
+    ("zigzag", 6, 2, dict(window_size=(3, 1))),
+    ("zigzag", 2, 4, dict(alibi_slopes=torch.tensor([0.3, 0.1]))),    # Sq < Sk, ALiBi merges by LSE
+]
+
+
+def _dense_distinct(rank, world, rnd, gen, n_random, triton):
+    """dd.flash_attn_func with Sq != Sk against da.flash_attn_func on the full inputs."""
+    def case(layout, tq, tk, kw, b, hq, hk, d, dv, dtype, backend):
+        q, k, v = (_full(gen, sh, dtype) for sh in ((b, tq * world, hq, d), (b, tk * world, hk, d),
+                                                     (b, tk * world, hk, dv)))
+        _run_case(rank, world, varlen=False, layout=layout, backend=backend, dtype=dtype, kw=kw, q=q, k=k, v=v)
+
+    for i, (layout, tq, tk, kw) in enumerate(DENSE_DISTINCT):
+        gen.manual_seed(20 + i)
+        case(layout, tq, tk, kw, 2, 2, 1, 8, 6, torch.float64, "torch")
+    run = 0
+    for _ in range(n_random):               # random lengths, layouts, options, GQA ratios
+        layout = rnd.choice(dd.LAYOUTS)
+        tq, tk = rnd.sample([2, 4, 6] if layout == "zigzag" else [1, 2, 3, 5], 2)
+        hk, ratio, b = rnd.choice([1, 2]), rnd.choice([1, 2, 4]), rnd.choice([1, 2])
+        kw = _options(rnd, hk * ratio, b)
+        gen.manual_seed(rnd.randrange(1 << 30))
+        try:
+            case(layout, tq, tk, kw, b, hk * ratio, hk, 4, rnd.choice([4, 6]), torch.float64, "torch")
+            run += 1
+        except ValueError as e:             # the documented ALiBi refusal (raised on every rank alike)
+            assert "more queries than keys" in str(e), e
+    assert run >= n_random // 2, f"only {run} of {n_random} random dense cases ran"
+    for i, (layout, tq, tk, kw) in enumerate(triton):
+        gen.manual_seed(30 + i)
+        case(layout, tq, tk, kw, 1, 2, 1, 16, 16, torch.float16, "triton")
+
+
 def _sq_lt_sk_cu_pair(world):
     """(Sq, Sk) = (0, 2), (1, 0), (3W - 1, 4W - 2) spanning ranks, (W, 2W): ALiBi past the diagonal may split."""
     w = world
@@ -294,9 +353,13 @@ DISTINCT_TRITON_CASES = [
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_context_parallel_varlen_distinct_q_k(world):
+def test_context_parallel_distinct_q_k(world):
+    """Sq != Sk: dense (q and k sharded separately) and varlen (cu_seqlens_k != cu_seqlens_q)."""
     pytest.importorskip("triton")
-    run_ranks(world, _body_distinct, 12 if world == 2 else 6, DISTINCT_TRITON_CASES if world == 2 else [])
+    if world == 2:
+        run_ranks(world, _body_distinct, 12, DISTINCT_TRITON_CASES, 12, DENSE_DISTINCT_TRITON)
+    else:
+        run_ranks(world, _body_distinct, 6, [], 6, [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,11 +407,12 @@ def _plan_case(rnd, world, layout, window, alibi, varlen, distinct):
     t_local = rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.randint(1, 6)
     tk_local = (rnd.choice([2, 4, 6]) if layout == "zigzag" else rnd.randint(1, 6)) if distinct else t_local
     total, total_k = world * t_local, world * tk_local
-    if distinct:
+    if not varlen:                          # dense: one sequence of total queries and total_k keys
+        cu, cu_k = [0, total], [0, total_k]
+    elif distinct:
         cu, cu_k = _random_cu_pair(rnd, total, total_k)
     else:
-        cu = _random_cu(rnd, total).tolist() if varlen else [0, total]
-        cu_k = cu
+        cu = cu_k = _random_cu(rnd, total).tolist()
     want = {}
     for (a, b), (ka, kb) in zip(zip(cu, cu[1:]), zip(cu_k, cu_k[1:])):
         for i in range(b - a):
@@ -360,8 +424,8 @@ def _plan_case(rnd, world, layout, window, alibi, varlen, distinct):
     for rank in range(world):
         chunks = dd.chunk_ranges(t_local, rank, world, layout)
         pos = dd.positions(t_local, rank, world, layout)
-        blocks = (A.plan_varlen(chunks, cu, cu_k, window, alibi) if varlen or distinct
-                  else A.plan_dense(chunks, total, window, alibi))
+        blocks = (A.plan_varlen(chunks, cu, cu_k, window, alibi) if varlen
+                  else A.plan_dense(chunks, total, total_k, window, alibi))
         plans[rank] = (t_local, pos, blocks)
     return want, plans, (world, layout, t_local, window, cu, cu_k)
 

@@ -88,6 +88,17 @@ def _distinct_cases(world):
     ]
 
 
+# dense Sq != Sk: q and k / v sharded separately (Sq = 1024 W, Sk = 1536 W, then Sq > Sk with rows before
+# the diagonal that see no key); Triton only (cuDNN's causal with Sq != Sk needs cudnn-frontend graphs)
+def _dense_distinct_cases(world):
+    sq, sk = 1024 * world, 1536 * world
+    return [
+        ("zigzag", "triton", torch.bfloat16, dict(causal=True), ((2, sq, 8, 128), (2, sk, 2, 128), (2, sk, 2, 128))),
+        ("contiguous", "triton", torch.float16, dict(window_size=(256, 64)),
+         ((1, sk, 8, 64), (1, sq, 2, 64), (1, sq, 2, 64))),
+    ]
+
+
 def _run_cases(world):
     for i, (varlen, layout, backend, dtype, kw, shapes, cu) in enumerate(_cases(world)):
         if backend == "cudnn" and not varlen and (world > 1 or layout == "zigzag") and not package_available("cudnn"):
@@ -96,6 +107,8 @@ def _run_cases(world):
     for i, (layout, backend, dtype, kw, shapes, cu_q, cu_k) in enumerate(_distinct_cases(world)):
         _check_case(varlen=True, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu_q,
                     seed=100 + i, cu_k=cu_k)
+    for i, (layout, backend, dtype, kw, shapes) in enumerate(_dense_distinct_cases(world)):
+        _check_case(varlen=False, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, seed=200 + i)
 
 
 @pytest.fixture(scope="module")

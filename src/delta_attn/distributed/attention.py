@@ -14,6 +14,7 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    running past the chunk end, when it needs a shifted window, is a call of its own. With
    cu_seqlens_k != cu_seqlens_q the diagonal of sequence s is j = i + Sk_s - Sq_s: the same rule with
    key positions offset by Sk_s - Sq_s (q and k are sharded separately; the keys are gathered whole).
+   Dense is planned as a packed batch of one sequence of Sq queries and Sk keys (every batch row alike).
 3. ALiBi needs the local diagonal to be the global one (the op's bias is ``slope * |i + Sk - Sq - j|``).
    That holds for every call above except keys past the chunk end without a causal mask; there the keys
    are split: the lower part [.., qe) is an aligned call with right bound 0, the upper part (j > i) is a
@@ -29,7 +30,7 @@ Scheme: all-gather of K/V, then exact single-GPU calls.
    differentiates is differentiated here; dK/dV of the gathered keys go back to their owners by a
    reduce-scatter (sum over ranks).
 
-Communication per rank and call (W ranks, local tokens Tl, batch B, key heads Hk, element size e):
+Communication per rank and call (W ranks, local keys Tl, batch B, key heads Hk, element size e):
 the forward's all-gather of K and V sends and receives (W - 1) * B * Tl * Hk * (D + Dv) * e bytes (NCCL's
 ring all-gather); the backward's reduce-scatter of dK, dV moves the same volume again (gloo, which has no
 reduce-scatter here, all-reduces: about twice that). Nothing else crosses ranks: Q, O and dO stay local.
@@ -114,14 +115,11 @@ def _span_calls(p0: int, p1: int, sq: int, sk: int, wl: int, wr: int, alibi: boo
     return [_Call(rows, (key0 + a, key0 + p1 + off), (wl, 0), seqs=(seq, seq + 1)), upper]
 
 
-def plan_dense(chunks: Sequence[Tuple[int, int]], t: int, window: Tuple[int, int], alibi: bool) -> List[List[_Call]]:
-    """Row blocks (one per chunk, in local order) for dense attention over a sequence of t tokens."""
-    blocks, row = [], 0
-    for qs, qe in chunks:
-        if qe > qs:
-            blocks.append(_span_calls(qs, qe, t, t, *window, alibi, row - qs, 0, 0))
-        row += qe - qs
-    return blocks
+def plan_dense(chunks: Sequence[Tuple[int, int]], sq: int, sk: int, window: Tuple[int, int],
+               alibi: bool) -> List[List[_Call]]:
+    """Row blocks (one per chunk, in local order) for dense attention of sq queries over sk keys: every batch
+    row is one sequence, so this is the packed plan of one sequence (its calls' ``cu`` unused)."""
+    return plan_varlen(chunks, (0, sq), (0, sk), window, alibi)
 
 
 def plan_varlen(chunks: Sequence[Tuple[int, int]], cu_q: Sequence[int], cu_k: Sequence[int],
@@ -411,11 +409,6 @@ def _refuse_dropout(dropout_p) -> None:
                          f"got {dropout_p}")
 
 
-def _merges(alibi, window, world) -> bool:
-    """Whether some rank splits its keys at the diagonal for ALiBi (a dense plan with a two-call block)."""
-    return alibi is not None and window[1] != 0 and world > 1
-
-
 def _order(t_local: int, world: int, layout: str) -> Tuple[Tuple[int, int, int], ...]:
     """(source rank, local start, length) of every global chunk, in global order."""
     pieces = []
@@ -427,17 +420,45 @@ def _order(t_local: int, world: int, layout: str) -> Tuple[Tuple[int, int, int],
     return tuple((r, s, n) for _, r, s, n in sorted(pieces))
 
 
+def _global_lengths(tq: int, tk: int, world: int, layout: str, what_q: str, what_k: str) -> Tuple[int, int]:
+    """(W tq, W tk): every rank holds tq queries and tk keys, W tq and W tk divisible by W (contiguous) or 2W
+    (zigzag); ValueError naming ``what_q`` / ``what_k`` otherwise."""
+    return tuple(local_length(t * world, world, layout, f"{what} (local {t} x world size {world})") * world
+                 for t, what in ((tq, what_q), (tk, what_k)))
+
+
+def _apply(q, k, v, alibi_slopes, plan, tq: int, tk: int, layout: str, *, tdim: int, hdim: int,
+           varlen_layout: Optional[str], softmax_scale: float, softcap: float, return_lse: bool,
+           deterministic: bool, backend: str, group, rank: int, world: int):
+    """Plan every rank's calls (a refusal is raised on every rank alike, before any collective), then run
+    this rank's. ``plan(chunks)``: the row blocks of the query chunks ``chunks``; keys are sharded by
+    ``layout`` too, tk per rank."""
+    plans = [plan(chunk_ranges(tq, r, world, layout)) for r in range(world)]
+    spec = _Spec(tdim=tdim, hdim=hdim, varlen_layout=varlen_layout, blocks=tuple(tuple(b) for b in plans[rank]),
+                 order=_order(tk, world, layout), softmax_scale=softmax_scale, softcap=softcap,
+                 deterministic=deterministic, backend=backend, group=group, rank=rank, world=world,
+                 merges=any(len(b) > 1 for p in plans for b in p))
+    out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
+    return (out, lse, None) if return_lse else out
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, group=None,
                     layout="contiguous", backend="auto"):
-    """Context-parallel ``da.flash_attn_func``: q, k, v are this rank's shards (B, T_local, H, D) of a
-    sequence of T = W * T_local tokens (W ranks of ``group``, default the world group), laid out by
-    ``layout`` ("contiguous": rank r holds tokens [r T_local, (r + 1) T_local); "zigzag": chunks r and
-    2W - 1 - r of 2W, which balances causal work). Sq == Sk == T: q, k and v shards have the same length.
+    """Context-parallel ``da.flash_attn_func``: q (B, Sq_local, Hq, D) is this rank's shard of the Sq =
+    W * Sq_local queries and k, v (B, Sk_local, Hk, D / Dv) its shards of the Sk = W * Sk_local keys (W ranks
+    of ``group``, default the world group), all three laid out by ``layout`` ("contiguous": rank r holds
+    positions [r S_local, (r + 1) S_local); "zigzag": chunks r and 2W - 1 - r of 2W, which balances causal
+    work when Sq == Sk), i.e. ``dd.shard(q)``, ``dd.shard(k)``, ``dd.shard(v)`` with that layout.
 
-    Masks and ALiBi refer to global positions. Returns this rank's out (B, T_local, Hq, Dv), or
-    ``(out, lse (B, Hq, T_local), None)`` with ``return_attn_probs``. Every option of
-    ``da.flash_attn_func`` but dropout (refused: per-rank masks cannot match the single-GPU op's).
+    Sq may differ from Sk (both layouts): masks and ALiBi are the single-GPU op's, on global positions and
+    aligned bottom-right (query i sees key j when i + Sk - Sq - wl <= j <= i + Sk - Sq + wr); rows that see
+    no key return zeros and lse = +inf. Sq_local and Sk_local must be >= 1 (even for zigzag). Returns this
+    rank's out (B, Sq_local, Hq, Dv), or ``(out, lse (B, Hq, Sq_local), None)`` with ``return_attn_probs``.
+    Every option of ``da.flash_attn_func`` but dropout (refused: per-rank masks cannot match the single-GPU
+    op's). ALiBi with keys after the diagonal (causal=False, right window bound != 0) may be refused when
+    Sq >= Sk + 2 (ValueError on every rank, as in ``flash_attn_varlen_func``): where a query chunk that starts
+    before query Sq - Sk - 1 sees keys past the diagonal of its last row.
 
     >>> import delta_attn.distributed as dd      # doctest: +SKIP
     >>> o = dd.flash_attn_func(dd.shard(q), dd.shard(k), dd.shard(v), causal=True)   # doctest: +SKIP
@@ -446,19 +467,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     check_layout(layout)
     args = flash_api.validate_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                     alibi_slopes, deterministic, return_attn_probs)
-    C.dim_equal("local sequence length (context parallelism needs Sq == Sk)", "k", k.shape[1], "q", q.shape[1])
     _refuse_dropout(args.dropout_p)
-    t_local = q.shape[1]
-    local_length(t_local * world, world, layout, f"the global sequence length (q.shape[1] x world size = "
-                                                 f"{t_local} x {world})")
-    chunks = chunk_ranges(t_local, rank, world, layout)
-    blocks = plan_dense(chunks, t_local * world, args.window, alibi_slopes is not None)
-    spec = _Spec(tdim=1, hdim=2, varlen_layout=None, blocks=tuple(tuple(b) for b in blocks),
-                 order=_order(t_local, world, layout), softmax_scale=args.softmax_scale, softcap=args.softcap,
-                 deterministic=deterministic, backend=backend, group=group, rank=rank, world=world,
-                 merges=_merges(alibi_slopes, args.window, world))
-    out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
-    return (out, lse, None) if return_attn_probs else out
+    tq, tk = q.shape[1], k.shape[1]
+    C.positive_dim("q local sequence length (q.shape[1])", tq)
+    C.positive_dim("k local sequence length (k.shape[1])", tk)
+    sq, sk = _global_lengths(tq, tk, world, layout, "the global query length Sq", "the global key length Sk")
+    alibi = alibi_slopes is not None
+    return _apply(q, k, v, alibi_slopes, lambda chunks: plan_dense(chunks, sq, sk, args.window, alibi), tq, tk,
+                  layout, tdim=1, hdim=2, varlen_layout=None, softmax_scale=args.softmax_scale, softcap=args.softcap,
+                  return_lse=args.return_lse, deterministic=deterministic, backend=backend, group=group, rank=rank,
+                  world=world)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -486,10 +504,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     C.dim_equal("local token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
     tq, tk = q.shape[tdim], k.shape[tdim]
-    total_q = local_length(tq * world, world, shard_layout,
-                           f"the packed query count (local {tq} x world size {world})") * world
-    total_k = local_length(tk * world, world, shard_layout,
-                           f"the packed key count (local {tk} x world size {world})") * world
+    total_q, total_k = _global_lengths(tq, tk, world, shard_layout, "the packed query count", "the packed key count")
     _, _, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, q.device)
     values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
     cu_q, cu_k = values[:n + 1], values[n + 1:]
@@ -498,15 +513,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     common = flash_api._common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
                                window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     _refuse_dropout(common["dropout_p"])
-    plans = [plan_varlen(chunk_ranges(tq, r, world, shard_layout), cu_q, cu_k, common["window"],
-                         alibi_slopes is not None) for r in range(world)]
-    blocks = plans[rank]
-    spec = _Spec(tdim=tdim, hdim=hdim, varlen_layout=layout, blocks=tuple(tuple(b) for b in blocks),
-                 order=_order(tk, world, shard_layout), softmax_scale=common["softmax_scale"],
-                 softcap=common["softcap"], deterministic=deterministic, backend=backend, group=group, rank=rank,
-                 world=world, merges=any(len(b) > 1 for p in plans for b in p))
-    out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
-    return (out, lse, None) if return_attn_probs else out
+    alibi = alibi_slopes is not None
+    return _apply(q, k, v, alibi_slopes, lambda chunks: plan_varlen(chunks, cu_q, cu_k, common["window"], alibi), tq,
+                  tk, shard_layout, tdim=tdim, hdim=hdim, varlen_layout=layout,
+                  softmax_scale=common["softmax_scale"], softcap=common["softcap"], return_lse=common["return_lse"],
+                  deterministic=deterministic, backend=backend, group=group, rank=rank, world=world)
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "ContextParallelAttnFunction", "PIPELINE_GROUPS"]
