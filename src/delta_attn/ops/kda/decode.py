@@ -28,16 +28,17 @@ def _kda_step_token(q, k, v, g, beta, S, idx, O, st, a, bias, bi, hv, h, t, kk, 
     """Token t of sequence bi on the state block ``st`` (fp32, K x BV columns ``vv`` of value head hv): stores
     its output (and, with (B, T) slots, the state after it); returns the updated block."""
     row = bi * T + t
+    # 0. the token's inputs, all issued before any arithmetic waits on one of them
     qv = tl.load(q + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
     kv = tl.load(k + (row * H + h) * K + kk, mask=mk, other=0.0).to(tl.float32)
+    x = tl.load(g + (row * HV + hv) * K + kk, mask=mk, other=0.0).to(tl.float32) + bias
+    b = tl.load(beta + row * HV + hv).to(tl.float32)
+    vt = _ld(v + (row * HV + hv) * V + vv, mv, EVEN).to(tl.float32)
     if L2NORM:
         qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + 1e-6)
         kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + 1e-6)
     qv = qv * scale
-    x = tl.load(g + (row * HV + hv) * K + kk, mask=mk, other=0.0).to(tl.float32) + bias
     d = _kda_gate(x, a, lower_bound, GATE)
-    b = tl.load(beta + row * HV + hv).to(tl.float32)
-    vt = _ld(v + (row * HV + hv) * V + vv, mv, EVEN).to(tl.float32)
     # 1. decay; 2. both reductions over K; 3. correction and read-out; 4. delta-rule write
     st = st * tl.exp(d)[:, None]
     p = tl.sum(st * kv[:, None], 0)
