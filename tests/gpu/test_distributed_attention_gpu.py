@@ -13,12 +13,15 @@ from delta_attn import reference
 from delta_attn.backends import package_available
 from delta_attn.testing import assert_close
 from distributed_harness import run_ranks
+from pinned_tuning import pin_flash_tuning
 
 
 def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0, cu_k=None):
     """Full inputs on every rank (same seed), the op on this rank's shard, the reference on the full inputs.
     ``cu_k``: the keys' boundaries when they differ from ``cu`` (q and k sharded separately)."""
     cu_k = cu if cu_k is None else cu_k
+    cu, cu_k = (None if c is None else c.cuda() for c in (cu, cu_k))
+    kw = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(s, device="cuda", generator=g, dtype=torch.float32).to(dtype) for s in shapes)
     tdim = 0 if varlen else 1
@@ -49,11 +52,11 @@ def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0, 
 
 
 def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)     # moved by _check_case
 
 
 def _alibi(h):
-    return torch.rand(h, device="cuda") * 0.3
+    return torch.rand(h, generator=torch.Generator().manual_seed(h)) * 0.3
 
 
 # (varlen, layout, backend, dtype, options, shapes, cu): T = 2048 dense, 1536 packed, GQA 8 / 2
@@ -99,16 +102,24 @@ def _dense_distinct_cases(world):
     ]
 
 
-def _run_cases(world):
+def _checks(world):
+    """(id, keyword arguments of _check_case) of every case at this world size."""
+    out = []
     for i, (varlen, layout, backend, dtype, kw, shapes, cu) in enumerate(_cases(world)):
         if backend == "cudnn" and not varlen and (world > 1 or layout == "zigzag") and not package_available("cudnn"):
             continue        # causal with Sq != Sk (a rank's keys reach past its queries) needs cudnn-frontend graphs
-        _check_case(varlen=varlen, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu, seed=i)
+        out.append((f"{'varlen' if varlen else 'dense'}-{i}-{backend}",
+                    dict(varlen=varlen, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu, seed=i)))
     for i, (layout, backend, dtype, kw, shapes, cu_q, cu_k) in enumerate(_distinct_cases(world)):
-        _check_case(varlen=True, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, cu=cu_q,
-                    seed=100 + i, cu_k=cu_k)
+        out.append((f"varlen-distinct-{i}-{backend}", dict(varlen=True, layout=layout, backend=backend, dtype=dtype,
+                                                           kw=kw, shapes=shapes, cu=cu_q, seed=100 + i, cu_k=cu_k)))
     for i, (layout, backend, dtype, kw, shapes) in enumerate(_dense_distinct_cases(world)):
-        _check_case(varlen=False, layout=layout, backend=backend, dtype=dtype, kw=kw, shapes=shapes, seed=200 + i)
+        out.append((f"dense-distinct-{i}-{backend}", dict(varlen=False, layout=layout, backend=backend, dtype=dtype,
+                                                          kw=kw, shapes=shapes, seed=200 + i)))
+    return out
+
+
+_ONE_RANK = _checks(1)
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +132,17 @@ def nccl_world_of_one():
             dist.destroy_process_group()
 
 
-def test_one_rank_nccl_matches_reference(nccl_world_of_one):
-    _run_cases(1)
+@pytest.mark.parametrize("case", [kw for _, kw in _ONE_RANK], ids=[name for name, _ in _ONE_RANK])
+def test_one_rank_nccl_matches_reference(nccl_world_of_one, case, monkeypatch):
+    """One case per test (they spread over xdist workers); the Triton flash kernels run one tuning entry each, in
+    rotation, as in the property suite (autotuning every case's kernels took over 400 s)."""
+    pin_flash_tuning(monkeypatch, case["seed"])
+    _check_case(**case)
 
 
 def _body(rank, world):
-    _run_cases(world)
+    for _, case in _checks(world):
+        _check_case(**case)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -16,7 +16,7 @@ import os
 import pytest
 
 import properties as P
-from delta_attn.ops.flash import triton_impl
+from pinned_tuning import pin_flash_tuning
 
 DEV = "cuda"
 SEED0 = 100_000                  # GPU seeds are their own draws (the CPU suite uses 0, 1, ...)
@@ -34,20 +34,6 @@ def _params():
             for op, n in COUNTS.items() for backend in BACKENDS[op] for seed in range(n)]
 
 
-def _pin_flash_tuning(monkeypatch, entry: int) -> None:
-    """The Triton flash launches run entry (``entry`` mod the table's length) of each tuning table untuned, through
-    the launcher's ``config=`` (the sweeps' path): seeds rotate over every entry autotuning may pick, at one
-    compilation per kernel where autotuning compiles them all (24 s a test against 8 s on the H200)."""
-    tables = {"fwd": triton_impl._FWD_CONFIGS, "dkdv": triton_impl._DKDV_CONFIGS, "dq": triton_impl._DQ_CONFIGS}
-    launch = triton_impl._launch
-
-    def pinned(kind, d, grid_m, rows, grid_b, args, kwargs, config=None):
-        table = tables[kind][triton_impl._dclass(d)]
-        return launch(kind, d, grid_m, rows, grid_b, args, kwargs, config or table[entry % len(table)])
-
-    monkeypatch.setattr(triton_impl, "_launch", pinned)
-
-
 @pytest.mark.parametrize("op,backend,seed", _params())
 def test_property_gpu(op, backend, seed, request, monkeypatch):
     case = P.draw(op, SEED0 + seed, "gpu")
@@ -57,7 +43,7 @@ def test_property_gpu(op, backend, seed, request, monkeypatch):
         if reason:
             request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
         if backend == "triton":
-            _pin_flash_tuning(monkeypatch, seed)
+            pin_flash_tuning(monkeypatch, seed)
         checker.check(backend)
     except Exception as e:      # noqa: BLE001
         if "illegal memory access" in str(e) or "unspecified launch failure" in str(e):
