@@ -131,6 +131,14 @@ def test_strong_decay_is_declared(fake_gpu, monkeypatch):
     assert not CK.log_decay_out_of_range(as_cuda, torch.zeros(1))           # the A_log gate: g is not a decay
     ok = types.SimpleNamespace(numel=g.numel, device=torch.device("cuda"), amin=lambda: torch.tensor(-4.0))
     assert not CK.log_decay_out_of_range(ok, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not CK.log_decay_out_of_range(as_cuda, None)                     # traced by torch.compile: skipped
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setenv("DELTA_ATTN_SKIP_VALUE_CHECKS", "1")
+    assert not CK.log_decay_out_of_range(as_cuda, None)                     # the user skips value checks
+    monkeypatch.delenv("DELTA_ATTN_SKIP_VALUE_CHECKS")
+    assert CK.log_decay_out_of_range(as_cuda, None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not CK.log_decay_out_of_range(as_cuda, None)                     # under capture: skipped (documented)
 

@@ -2,7 +2,7 @@
 
 | variable | default | effect |
 | --- | --- | --- |
-| ``DELTA_ATTN_SKIP_VALUE_CHECKS`` | off | skip the checks that read ``cu_seqlens`` / ``state_indices`` values on the host (one device-to-host copy per call), keeping launches asynchronous |
+| ``DELTA_ATTN_SKIP_VALUE_CHECKS`` | off | skip the checks that read ``cu_seqlens`` / ``state_indices`` values (and g, for an explicit cuDNN KDA call) on the host (one device-to-host copy per call), keeping launches asynchronous |
 | ``DELTA_ATTN_POISON_OUTPUTS`` | off | fill every floating kernel output with NaN before the kernel runs (what ``delta_attn.testing.poison_outputs()`` does for a block), so an element a kernel forgot to write shows |
 | ``TRITON_INTERPRET`` | off | Triton's own switch of its CPU interpreter, read with Triton's rule; while on, ``backend="triton"`` runs on CPU tensors |
 

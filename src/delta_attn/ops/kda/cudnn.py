@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from ... import _checks as C
 from ... import backends as B
 from ...backends import Call, UnsupportedError
 
@@ -120,8 +121,9 @@ def toolchain_error() -> Optional[str]:
 
 def log_decay_out_of_range(g: torch.Tensor, A_log: Optional[torch.Tensor]) -> bool:
     """Whether a raw log decay g (no A_log gate) goes below MIN_LOG_DECAY: read from the values, one host
-    synchronisation; skipped (False) under CUDA-graph capture, where the caller must keep g in range."""
-    if A_log is not None or g.numel() == 0 or g.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    synchronisation; skipped (False) wherever value checks are (``_checks.value_checks_enabled``: CUDA-graph
+    capture, torch.compile tracing, DELTA_ATTN_SKIP_VALUE_CHECKS=1), where the caller must keep g in range."""
+    if A_log is not None or g.numel() == 0 or g.device.type != "cuda" or not C.value_checks_enabled():
         return False
     return bool(g.amin() < MIN_LOG_DECAY)
 
