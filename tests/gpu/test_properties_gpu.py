@@ -57,7 +57,10 @@ def test_gpu_draws_cover_the_edges():
     cases = {op: [P.draw(op, SEED0 + s, "gpu") for s in range(n)] for op, n in COUNTS.items()}
     assert sum(COUNTS.values()) >= 1000
     assert {c.dtype for cs in cases.values() for c in cs} == {"bf16", "fp16"}
-    assert sum(c.grad for cs in cases.values() for c in cs) >= 0.25 * sum(COUNTS.values()) * 0.8
+    # gradients on a third of the differentiable ops' configurations (drawn with p = 1/3; 295 of 900 here); the
+    # decode steps have no backward (their few gradient draws check the refusal)
+    trained = [c for op in ("flash", "flash_varlen", "kda", "diag") for c in cases[op]]
+    assert sum(c.grad for c in trained) >= 0.3 * len(trained)
     dense = cases["flash"]
     assert any(c.p["sq"] == 2936 and c.p["sk"] == 257 and c.p["window"] == (126, -1) for c in dense)
     assert any(c.p["sq"] == 17 and c.p["sk"] == 1 for c in dense)
