@@ -250,3 +250,21 @@ def test_torch_compile_fullgraph_forward_and_backward():
         assert torch.equal(a, b)
     with torch.no_grad():             # the inference op (another pipeline: compared with its own eager run)
         assert torch.equal(compiled(*leaves), f(*leaves))
+
+
+def test_decode_step_gluon_layout_and_choice(monkeypatch):
+    """On CUDA the decode step runs the Gluon kernel (explicit layout: 16-byte vectors along V, the remaining
+    lanes and the warps along K); on CPU, under the interpreter or without Gluon, the Triton kernel."""
+    from delta_attn.ops import _gluon
+    from delta_attn.ops.kda import decode
+    assert not _gluon.available(torch.device("cpu"))
+    if _gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon (older than 3.6)")
+    gl = _gluon.gl
+    assert decode.step_layout(64, 4, 4) == gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    assert decode.step_layout(32, 2, 8) == gl.BlockedLayout([1, 2], [2, 16], [2, 1], [1, 0])
+    assert decode.step_layout(4, 1, 4) == gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
+    monkeypatch.setattr(_gluon.settings, "triton_interpreter", lambda: False)
+    assert _gluon.available(torch.device("cuda"))
+    monkeypatch.setattr(_gluon.settings, "triton_interpreter", lambda: True)
+    assert not _gluon.available(torch.device("cuda"))

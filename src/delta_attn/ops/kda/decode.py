@@ -1,4 +1,5 @@
-"""Decode stage of KDA (Triton): a few new tokens per sequence from a state pool, updated in place.
+"""Decode stage of KDA (Triton, and Gluon on CUDA): a few new tokens per sequence from a state pool, updated
+in place.
 
 One program per (V block, sequence, value head): the fp32 state block S (K x BV) is read once from its
 start slot (``ops/_slots.py``: ``state_indices`` (B,) or, speculative, (B, T) with ``num_accepted_tokens``)
@@ -10,12 +11,18 @@ and kept in registers while the program walks the T tokens; per token:
   4. write ``S <- S + k u^T``, stored to the token's slot with (B, T) indices.
 Without (B, T) indices S is stored once, to the start slot, after the last token. Plain fp32 FMA
 arithmetic: fp32-accurate for every input dtype. ``EVEN`` (K == KP and V % BV == 0) drops the masks.
+
+Two kernels run the one program (``_kda_step_program``): the Gluon kernel on CUDA gives the block an explicit
+register layout in which q, k, g and v load straight into the slices the step broadcasts and reduces along
+(7 % faster at 64 sequences on the H200, 3 % at 256-1024); the Triton kernel lets Triton choose, for the CPU
+interpreter and Tritons without Gluon (``ops/_gluon.py``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .._gluon import gl, gluon
 from .._slots import _start_slot, _token_slot
 from ..diag.kernels import _ld, _st
 from .gate import _kda_gate
@@ -53,17 +60,16 @@ def _kda_step_token(q, k, v, g, beta, S, idx, O, st, a, bias, bi, hv, h, t, kk, 
 
 
 @triton.jit
-def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
-                     scale, lower_bound, T, H, HV,
-                     K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-                     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                     IDX: tl.constexpr, HAS_NAT: tl.constexpr, EVEN: tl.constexpr):
+def _kda_step_program(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O, scale, lower_bound, T, H, HV, kk, vv,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                      HAS_DT_BIAS: tl.constexpr, IDX: tl.constexpr, HAS_NAT: tl.constexpr, EVEN: tl.constexpr):
+    """One program: the state block's rows ``kk`` (0 .. KP) and columns ``vv`` (0 .. BV, before the block
+    offset), in whichever register layout the kernel gave them; every tensor of the step derives from them."""
     iv = tl.program_id(0)
     bi = tl.program_id(1).to(tl.int64)
     hv = tl.program_id(2).to(tl.int64)
     h = hv // (HV // H)
-    kk = tl.arange(0, KP)
-    vv = iv * BV + tl.arange(0, BV)
+    vv = iv * BV + vv
     mk = kk < K
     mv = vv < V
     ms = mk[:, None] & mv[None, :]
@@ -74,7 +80,7 @@ def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
     a = 1.0
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    bias = tl.zeros([KP], tl.float32)
+    bias = kk.to(tl.float32) * 0.0
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias + hv * K + kk, mask=mk, other=0.0).to(tl.float32)
     for t in range(0, T):
@@ -82,3 +88,43 @@ def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
                              scale, lower_bound, T, H, HV, K, V, L2NORM, GATE, IDX, EVEN)
     if IDX != 2:
         _st(s_start, st.to(S.dtype.element_ty), ms, EVEN)
+
+
+@triton.jit
+def _kda_step_kernel(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
+                     scale, lower_bound, T, H, HV,
+                     K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+                     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                     IDX: tl.constexpr, HAS_NAT: tl.constexpr, EVEN: tl.constexpr):
+    """Triton lays out the registers (the CPU interpreter, and GPUs without Gluon)."""
+    _kda_step_program(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O, scale, lower_bound, T, H, HV,
+                      tl.arange(0, KP), tl.arange(0, BV), K, V, BV, L2NORM, GATE, HAS_DT_BIAS, IDX, HAS_NAT, EVEN)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _kda_step_kernel_gluon(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O,
+                               scale, lower_bound, T, H, HV,
+                               K: gl.constexpr, V: gl.constexpr, KP: gl.constexpr, BV: gl.constexpr,
+                               L2NORM: gl.constexpr, GATE: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+                               IDX: gl.constexpr, HAS_NAT: gl.constexpr, EVEN: gl.constexpr, LAYOUT: gl.constexpr):
+        """The same program with the state block in ``LAYOUT`` (:func:`step_layout`) and q, k, g, v loaded
+        straight into its row / column slices: no register layout conversion between the loads and the
+        reductions (Triton's own choice converts q, k, the decay and v through shared memory)."""
+        _kda_step_program(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O, scale, lower_bound, T, H, HV,
+                          gl.arange(0, KP, layout=gl.SliceLayout(1, LAYOUT)),
+                          gl.arange(0, BV, layout=gl.SliceLayout(0, LAYOUT)),
+                          K, V, BV, L2NORM, GATE, HAS_DT_BIAS, IDX, HAS_NAT, EVEN)
+
+
+else:
+    _kda_step_kernel_gluon = None
+
+
+def step_layout(BV: int, num_warps: int, state_bytes: int):
+    """The state block's register layout for the Gluon kernel: 16-byte vectors along V (the contiguous axis),
+    the warp's remaining lanes along K, warps along K (Triton's own choice for this block, measured fastest
+    of 8 layouts on the H200 at 64-1024 sequences)."""
+    vec = max(1, min(16 // state_bytes, BV))
+    lanes_v = min(BV // vec, 32)
+    return gl.BlockedLayout([1, vec], [32 // lanes_v, lanes_v], [num_warps, 1], [1, 0])

@@ -21,9 +21,10 @@ import torch
 import triton
 
 from ..._outputs import empty
+from .._gluon import available as gluon_available
 from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, param, sm_count, tiles
 from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
-from .decode import _kda_step_kernel
+from .decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .gate import DECAY_FLOOR
 from .intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
 from .scan import _kda_fwd_scan_kernel
@@ -358,11 +359,22 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
         KP = _pow2(K)
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
         idx_mode = 0 if state_indices is None else state_indices.dim()
-        launch(_kda_step_kernel, lambda t: (cdiv(V, t.get("BV")), B, HV),
+        candidates = halving(config, ("BV",))
+        kernel = _kda_step_kernel
+        if gluon_available(q.device):      # the same program with an explicit layout per block size
+            kernel = _kda_step_kernel_gluon
+            candidates = _with_layouts(candidates, state.element_size())
+        launch(kernel, lambda t: (cdiv(V, t.get("BV")), B, HV),
                (q, k, v, g, beta) + gate_ptrs + (state, optional(state_indices, q),
                                                  optional(num_accepted_tokens, q), o,
                                                  float(scale), float(lower_bound or 0.0), T, H, HV),
                dict(K=K, V=V, KP=KP, L2NORM=use_qk_l2norm, IDX=idx_mode, HAS_NAT=num_accepted_tokens is not None,
                     EVEN=KP == K and V % config.get("BV") == 0, **gate_kw),
-               halving(config, ("BV",)))
+               candidates)
     return o
+
+
+@functools.lru_cache(maxsize=64)
+def _with_layouts(candidates, state_bytes: int):
+    """Each decode-step candidate with its Gluon register layout (``decode.step_layout``) as the LAYOUT constexpr."""
+    return tuple(t.with_(LAYOUT=step_layout(t.get("BV"), t.num_warps, state_bytes)) for t in candidates)
