@@ -80,7 +80,7 @@ def _kda_step_program(q, k, v, g, beta, A_log, dt_bias, S, idx, nat, O, scale, l
     a = 1.0
     if GATE != 0:
         a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    bias = kk.to(tl.float32) * 0.0
+    bias = kk.to(tl.float32) * 0.0                            # zeros, in the layout of kk
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias + hv * K + kk, mask=mk, other=0.0).to(tl.float32)
     for t in range(0, T):
@@ -115,8 +115,6 @@ if gluon is not None:
                           gl.arange(0, KP, layout=gl.SliceLayout(1, LAYOUT)),
                           gl.arange(0, BV, layout=gl.SliceLayout(0, LAYOUT)),
                           K, V, BV, L2NORM, GATE, HAS_DT_BIAS, IDX, HAS_NAT, EVEN)
-
-
 else:
     _kda_step_kernel_gluon = None
 

@@ -172,7 +172,6 @@ def bwd_intra_tiles(K: int, V: int):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def step_tiles(K: int, V: int) -> Tiles:
     """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs) and warps.
     ``KP`` (K to a power of two) is fixed by the shape."""
