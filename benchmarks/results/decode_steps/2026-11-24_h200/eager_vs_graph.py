@@ -8,6 +8,7 @@ B sequences, cache 8192 (contiguous), Hq=32, Hk=8, D=128, one new token written.
 import json, os, sys, time
 import torch
 import delta_attn as da
+from steps_vs_copy_common import capture
 
 dev = torch.device("cuda")
 
@@ -27,15 +28,7 @@ def per_call_us(fn, n=300):
 
 
 def graph_us(fn, n=300):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return per_call_us(g.replay, n)
+    return per_call_us(capture(fn).replay, n)
 
 
 def main():

@@ -4,7 +4,8 @@ from delta_attn.bench.timer import measure
 dev = torch.device("cuda")
 
 
-def graph_ms(fn):
+def capture(fn):
+    """fn warmed up on a side stream (three calls), then captured in a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -14,6 +15,11 @@ def graph_ms(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_ms(fn):
+    g = capture(fn)
     g.replay(); torch.cuda.synchronize()
     return measure(g.replay, dev, rep_ms=200, max_reps=400).median_ms
 
