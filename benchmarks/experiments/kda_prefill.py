@@ -1,0 +1,115 @@
+"""KDA inference prefill against cuDNN frontend's native KDA, one process (bf16, H = 16, K = V = 128).
+
+python benchmarks/experiments/kda_prefill.py [--sweep] [--shapes 64x1024,8x4096]
+Prints one row per (shape, decay regime): ours ms, cuDNN-FE ms, ratio (cuDNN / ours), fraction of the memory floor,
+and the max |ours - cuDNN| relative to max |o|.
+"""
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+import delta_attn as da
+from delta_attn.ops.kda import pipeline
+
+SHAPES = [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]
+H, D = 16, 128
+
+
+def inputs(B, T, regime, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).bfloat16() for _ in range(3))
+    shift = 4.0 if regime == "long" else 0.0
+    g = torch.nn.functional.logsigmoid(r(B, T, H, D) + shift).float()
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).float()
+    return q, k, v, g, beta
+
+
+def copy_bandwidth():
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), rep=200)
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def cudnn_fn(q, k, v, g, beta):
+    from cudnn.linear_attention import kimi_delta_attention
+    B, T = q.shape[:2]
+    cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * T
+    qt, kt, vt = (x.reshape(B * T, H, D) for x in (q, k, v))
+    gt, bt = g.reshape(B * T, H, D), beta.reshape(B * T, H)
+
+    def fn():
+        return kimi_delta_attention(qt, kt, vt, gt, bt, cu, use_qk_l2norm_in_kernel=True)
+    return fn
+
+
+def ours_fn(q, k, v, g, beta):
+    def fn():
+        with torch.no_grad():
+            return da.kda(q, k, v, g, beta, use_qk_l2norm=True, backend="triton")[0]
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--shapes", default=None)
+    ap.add_argument("--regimes", default="long,strong")
+    args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()} copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for B, T in shapes:
+        for regime in args.regimes.split(","):
+            x = inputs(B, T, regime)
+            nbytes = sum(t.numel() * t.element_size() for t in x) + x[2].numel() * 2
+            floor_ms = nbytes / bw * 1e3
+            o = ours_fn(*x)()
+            t0 = time.time()
+            try:
+                ref = cudnn_fn(*x)()
+                ref = ref[0] if isinstance(ref, tuple) else ref
+                diff = float((o.float() - ref.reshape(o.shape).float()).abs().max() / ref.float().abs().max())
+                t_c = bench(cudnn_fn(*x))
+            except Exception as e:  # noqa: BLE001
+                print("cudnn failed", type(e).__name__, str(e)[:300])
+                diff, t_c = float("nan"), float("nan")
+            configs = [None]
+            if args.sweep:
+                configs += [(bv, w, s) for bv in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
+            for cfg in configs:
+                if cfg is not None:
+                    bv, w, s = cfg
+                    t = pipeline.tiles("sweep", num_warps=w, num_stages=s, BT=16, BK=16, BV=bv)
+                    orig = pipeline.prefill_tiles
+                    pipeline.prefill_tiles = lambda *a, t=t: (t,)
+                try:
+                    t_o = bench(ours_fn(*x))
+                except Exception as e:  # noqa: BLE001
+                    t_o = float("nan")
+                    print("ours failed", cfg, type(e).__name__, str(e)[:200])
+                finally:
+                    if cfg is not None:
+                        pipeline.prefill_tiles = orig
+                row = dict(B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
+                           floor_frac=floor_ms / t_o, rel_diff=diff)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print("\n| B x T | decays | config | ours ms | cuDNN-FE ms | cuDNN/ours | floor frac | rel diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']}x{r['T']} | {r['regime']} | {r['cfg']} | {r['ours_ms']:.3f} | {r['cudnn_ms']:.3f} | "
+              f"{r['ratio']:.2f} | {r['floor_frac']:.2f} | {r['rel_diff']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
