@@ -58,6 +58,17 @@ def ours_fn(q, k, v, g, beta):
     return fn
 
 
+def _stats():
+    """Registers, spills and shared memory of the prefill kernel compiled last."""
+    try:
+        caches = pipeline._kda_prefill_kernel.device_caches
+        cache = next(iter(caches.values()))[0]
+        k = list(cache.values())[-1]
+        return dict(regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
+    except Exception as e:  # noqa: BLE001
+        return repr(e)[:80]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -85,11 +96,11 @@ def main():
                 diff, t_c = float("nan"), float("nan")
             configs = [None]
             if args.sweep:
-                configs += [(bv, w, s) for bv in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
+                configs += [(bt, bv, w, 1) for bt in (16, 32) for bv in (32, 64, 128) for w in (4, 8)] + [(64, 64, 4, 1)]
             for cfg in configs:
                 if cfg is not None:
-                    bv, w, s = cfg
-                    t = pipeline.tiles("sweep", num_warps=w, num_stages=s, BT=16, BK=16, BV=bv)
+                    bt, bv, w, s = cfg
+                    t = pipeline.tiles("sweep", num_warps=w, num_stages=s, BT=bt, BK=max(4, 4096 // (bt * bt)), BV=bv)
                     orig = pipeline.prefill_tiles
                     pipeline.prefill_tiles = lambda *a, t=t: (t,)
                 try:
@@ -100,15 +111,17 @@ def main():
                 finally:
                     if cfg is not None:
                         pipeline.prefill_tiles = orig
-                row = dict(B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
+                row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
                            floor_frac=floor_ms / t_o, rel_diff=diff)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| B x T | decays | config | ours ms | cuDNN-FE ms | cuDNN/ours | floor frac | rel diff |")
-    print("|---|---|---|---|---|---|---|---|")
+                if t_o != t_o:
+                    break
+    print("\n| B x T | decays | config | ours ms | cuDNN-FE ms | cuDNN/ours | floor frac | rel diff | stats |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['B']}x{r['T']} | {r['regime']} | {r['cfg']} | {r['ours_ms']:.3f} | {r['cudnn_ms']:.3f} | "
-              f"{r['ratio']:.2f} | {r['floor_frac']:.2f} | {r['rel_diff']:.1e} |")
+              f"{r['ratio']:.2f} | {r['floor_frac']:.2f} | {r['rel_diff']:.1e} | {r['stats']} |")
 
 
 if __name__ == "__main__":
