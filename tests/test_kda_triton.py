@@ -34,11 +34,11 @@ def _case(seed, **over):
     return properties.KDACase(**{**c.__dict__, **over})
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("decay", [None, -1e4, float("-inf")])
-def test_prefill_partial_chunks_and_resets(decay):
-    """The fused prefill over 77 tokens (four full 16-token chunks and a partial one) with resets planted at
-    15 % of the (token, channel) pairs: the pairwise products of a strongly decaying chunk, and the state carried
-    across chunk boundaries."""
+def test_inference_chunk_lengths(monkeypatch, chunk, decay):
+    """The inference chunk length is chosen by shape (16, or 32 for few long sequences): force each."""
+    monkeypatch.setattr(pipeline, "infer_chunk", lambda *a: chunk)
     c = _case(7, T=77, cu=None, B=2, K=48, V=32, decay=decay, gate=None, grad=False, h0=True, final=True,
               dtype="fp16")
     assert not properties.kda_check(c)

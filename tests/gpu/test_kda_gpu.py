@@ -35,17 +35,12 @@ def test_long_sequence_bf16(T, grad):
     assert not bad, "; ".join(bad)
 
 
-@pytest.mark.parametrize("factor_max", [-1.0, None])
-@pytest.mark.parametrize("decay", [None, -1e4])
-def test_prefill_bf16(monkeypatch, factor_max, decay):
-    """The fused prefill in bf16 (bf16 tensor-core products) over 777 tokens with the factored intra-chunk
-    products, and with every chunk forced to the pairwise path (FACTOR_MAX < 0)."""
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_inference_chunk_lengths_bf16(monkeypatch, chunk):
     from delta_attn.ops.kda import pipeline
-    if factor_max is not None:
-        monkeypatch.setattr(pipeline, "FACTOR_MAX", factor_max)
-    c = properties.KDACase(seed=2, B=2, T=777, cu=None, H=2, HV=4, K=128, V=128, dtype="bf16",
-                           gate="softplus" if decay is None else None, l2=True, h0=True, final=True, decay=decay,
-                           scale=None, fp32_gb=False, grad=False)
+    monkeypatch.setattr(pipeline, "infer_chunk", lambda *a: chunk)
+    c = properties.KDACase(seed=2, B=2, T=777, cu=None, H=2, HV=4, K=128, V=128, dtype="bf16", gate="softplus",
+                       l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=False, grad=False)
     assert not properties.kda_check(c, DEV)
 
 

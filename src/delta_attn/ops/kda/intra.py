@@ -10,12 +10,17 @@ Per chunk (parallel over chunks x value heads), with G the chunk-local cumulativ
 3. ``U = T (beta v)``, ``W = T (beta exp(G) k)``, ``qg = exp(G) q``, ``kd = exp(G_last - G) k`` and
    ``exp(G_last)``.
 
-``_kda_train_intra_kernel`` (training, 64-token chunks of 4 sub-chunks of 16): factored at the chunk's
-middle token when every |G - G_mid| <= FACTOR_MAX, else off-diagonal 16x16 blocks factored at the
-sub-chunk boundary (both exponents <= 0) and diagonal blocks pairwise; T by block forward substitution,
-stored for the backward. ``_kda_tri_inverse_dots`` (T as the product ``(I - A)(I + A^2)(I + A^4)...``, A
-nilpotent: a few small dots instead of BT dependent substitution steps) serves the fused prefill
-(``prefill.py``).
+Two kernels, one per use:
+
+* ``_kda_infer_intra_kernel`` (inference prefill, 16- or 32-token chunks): two launches. ``EXACT=False``
+  (every chunk) forms the factored products only, with the strong-decay code compiled out, and flags a
+  chunk whose cumulative decay exceeds ``FACTOR_MAX``; ``EXACT=True`` returns at once for unflagged chunks
+  and redoes the flagged ones pairwise. T is the product ``(I - A)(I + A^2)(I + A^4)...`` (A is nilpotent),
+  a few small dots instead of BT dependent substitution steps; T is not stored.
+* ``_kda_train_intra_kernel`` (training, 64-token chunks of 4 sub-chunks of 16): factored at the chunk's
+  middle token when every |G - G_mid| <= FACTOR_MAX, else off-diagonal 16x16 blocks factored at the
+  sub-chunk boundary (both exponents <= 0) and diagonal blocks pairwise; T by block forward substitution,
+  stored for the backward.
 """
 from __future__ import annotations
 
@@ -87,6 +92,96 @@ def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_
                                          HAS_DT_BIAS, FLOOR, TWO_FLOAT)
         w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
         tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
+                              W, U, QG, KD, AQK, GC, FLAGS,
+                              scale, lower_bound, H, HV,
+                              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                              BV: tl.constexpr, KS: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+                              HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
+                              DOT_PREC: tl.constexpr, EXACT: tl.constexpr, INV_PREC: tl.constexpr,
+                              TWO_FLOAT: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    if EXACT:
+        if tl.load(FLAGS + c * HV + hv) == 0:
+            return
+    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
+                                                                   BT, GATE)
+    tril = i[:, None] >= i[None, :]
+    # 1. row norms of q and k, K slice by K slice (KS = KP: one slice); the scale is folded into rq
+    sq = tl.zeros([BT], tl.float32)
+    sk = tl.zeros([BT], tl.float32)
+    if L2NORM:
+        for k0 in range(0, K, KS):
+            cols = k0 + tl.arange(0, KS)
+            m = mr[:, None] & (cols[None, :] < K)
+            qx = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kx = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            sq += tl.sum(qx * qx, 1)
+            sk += tl.sum(kx * kx, 1)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        rq = scale / tl.sqrt(sq + 1e-6)
+    else:
+        rk = tl.full([BT], 1.0, tl.float32)
+        rq = tl.full([BT], 1.0, tl.float32) * scale
+    # 2. intra-chunk products with per-channel decays exp(G_i - G_j), i >= j; G = the floored log
+    #    decays cumulated inside the chunk (per K slice: a cumulative sum over rows only)
+    akk = tl.zeros([BT, BT], tl.float32)
+    aqk = tl.zeros([BT, BT], tl.float32)
+    if EXACT:
+        # 2x. exact pairwise products, K slice by K slice (BK)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            m = mr[:, None] & (cols[None, :] < K)
+            qs_ = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks_ = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K,
+                                               GATE, HAS_DT_BIAS, FLOOR, TWO_FLOAT)
+            G_last = _kda_row_at(G, i, L - 1)
+            Gij = _kda_gdiff(G[:, None, :], Gl[:, None, :], G[None, :, :], Gl[None, :, :], TWO_FLOAT)
+            E = tl.exp(tl.where(tril[:, :, None], Gij, float("-inf")))
+            akk += tl.sum(ks_[:, None, :] * ks_[None, :, :] * E, 2)
+            aqk += tl.sum(qs_[:, None, :] * ks_[None, :, :] * E, 2)
+            tl.store(QG + g_off + cols[None, :], (qs_ * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks_ * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+                     .to(KD.dtype.element_ty), mask=m)
+            tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
+    else:
+        # 2f. factored products exp(G_i) exp(-G_j), valid when every |G| of the chunk is <= FACTOR_MAX;
+        #     otherwise the chunk is flagged (what this launch wrote for it is overwritten by EXACT)
+        bad = 0.0
+        for k0 in range(0, K, KS):
+            cols = k0 + tl.arange(0, KS)
+            m = mr[:, None] & (cols[None, :] < K)
+            qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K,
+                                               GATE, HAS_DT_BIAS, FLOOR, TWO_FLOAT)
+            bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
+            eP = tl.exp(G)
+            kn = ks * tl.exp(-G)
+            akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
+            aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
+            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
+            tl.store(QG + g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+                     .to(KD.dtype.element_ty), mask=m)
+            tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
+        fast = bad <= FACTOR_MAX
+        tl.store(FLAGS + c * HV + hv, tl.where(fast, 0, 1).to(tl.int32))
+        if not fast:
+            return
+    # 3. UT transform: T = (I + strictly_lower(beta_i k_i D_ij k_j))^-1; Aqk stored (i >= j)
+    akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
+    aqk = tl.where(tril, aqk, 0.0)
+    T = _kda_tri_inverse_dots(akk, BT, INV_PREC)
+    tl.store(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
+    # 4. U = T (beta v), W = T (beta exp(G) k)
+    _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, KS, GATE,
+                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)
 
 
 @triton.jit

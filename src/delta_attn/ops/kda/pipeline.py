@@ -3,8 +3,8 @@
 * **training**: ``train_forward`` (intra-chunk stage on 64-token chunks keeping T, then the state scan
   keeping the chunk-start states and u) and ``train_backward`` (reverse scan, per-chunk operand
   gradients, intra-chunk backward);
-* **inference prefill**: ``infer_forward`` (one fused kernel per (sequence, value head, V block) chain with
-  the state on chip, ``prefill.py``);
+* **inference prefill**: ``infer_forward`` (intra-chunk stage on 16- or 32-token chunks, factored launch
+  plus an exact launch for strongly decaying chunks, then the state scan);
 * **decode**: ``decode_step`` (token by token from a state pool, in place).
 
 Tiles are frozen :class:`~delta_attn.ops._launch.Tiles` chosen by shape in the ``*_tiles`` functions below,
@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
-import triton.language as tl
 
 from ..._outputs import empty
 from .._gluon import available as gluon_available
@@ -27,8 +26,7 @@ from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, 
 from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .gate import DECAY_FLOOR
-from .intra import _kda_train_intra_kernel
-from .prefill import _kda_prefill_kernel
+from .intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
 from .scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
@@ -71,28 +69,6 @@ def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False)
         return Precision(torch.float32, "ieee", "ieee", "tf32x3" if x3_ok else "ieee", False)
     p = "tf32" if allow_tf32 and tf32_ok else "ieee"
     return Precision(torch.float32, p, p, p, p == "ieee")
-
-
-class PrefillPrecision(NamedTuple):
-    """Operand dtype and dot precisions of the fused prefill kernel (``prefill.py``)."""
-    op: tl.dtype           # operand dtype of the intra-chunk products and the state dots
-    prec: str              # input precision of those dots when ``op`` is fp32
-    inv: str               # input precision of the UT transform and its application (fp32 tiles)
-    two_float: bool        # cumulative log decays in two floats (exact dots: gate._kda_cumsum)
-
-
-def prefill_precision(dtype: torch.dtype, allow_tf32: bool, K: int) -> PrefillPrecision:
-    """bf16: bf16 operands (bf16 tensor-core products, fp32 accumulation) as cuDNN's and FLA's KDA use; the
-    16 x 16 UT transform in tf32 on fp32 tiles. fp16: fp32 operands in 3xTF32 (fp16's range cannot hold the
-    factored exp(+-G) operands, and tf32 alone doubles fp16's rounding: ``precision``), IEEE for K > 128 as
-    there. fp32: IEEE (two-float decays) unless ``allow_tf32`` (tf32 for K <= 128)."""
-    if dtype == torch.bfloat16:
-        return PrefillPrecision(tl.bfloat16, "tf32", "tf32", False)
-    if dtype == torch.float16:
-        p = "tf32x3" if K <= 128 else "ieee"
-        return PrefillPrecision(tl.float32, p, p, False)
-    p = "tf32" if allow_tf32 and K <= 128 else "ieee"
-    return PrefillPrecision(tl.float32, p, p, p == "ieee")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,18 +119,19 @@ def _state_block(K: int, V: int, chains: int, min_programs: int) -> int:
     return bv
 
 
-PREFILL_CHUNK = 16     # tokens per chunk of the fused prefill (tensor-core sized; the UT transform is 16 x 16)
+def infer_chunk(chains: int, K: int, V: int, device) -> int:
+    """Inference chunk length: 32 when the scan has fewer programs than the GPU has SMs (few long sequences:
+    half the sequential steps), else 16 (measured faster at 8 x 4096 on an H200, docs/PERFORMANCE.md)."""
+    bv = _state_block(K, V, chains, 256)
+    return 32 if chains * triton.cdiv(V, bv) < sm_count(device) else 16
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_tiles(K: int, V: int, chains: int, min_programs: int) -> Tuple[Tiles, ...]:
-    """The state block K x BV in registers, BV narrowed until the grid has ``min_programs`` programs; the
-    pairwise (strong-decay) products in BT x BT x BK tiles."""
-    bt = PREFILL_CHUNK
-    first = tiles("state block K x BV on chip; BV narrowed until the grid fills the GPU", num_warps=4,
-                  num_stages=1, BT=bt, BK=min(16 * 256 // (bt * bt), _pow2(K)),
-                  BV=_state_block(K, V, chains, min_programs))
-    return halving(first, ("BV",))
+def infer_intra_tiles(K: int, V: int, bt: int):
+    KP = _pow2(K)
+    first = tiles("K slices of 32 for the factored dots; exact pairwise tiles of bt x bt x BK", num_warps=4,
+                  KS=max(16, min(32, KP)), BK=min(16 * 256 // (bt * bt), KP), BV=min(64, _pow2(V)))
+    return halving(first, ("KS", "BV"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,78 +200,75 @@ class Saved(NamedTuple):
     VNEW: torch.Tensor
 
 
-def _operands(q, v, nc_alloc: int, work: torch.dtype):
+def _operands(q, v, nc_alloc: int, bt: int, work: torch.dtype, train: bool):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    R, dev, bt = B * T, q.device, TRAIN_CHUNK
+    R, dev = B * T, q.device
     W = torch.empty(R, HV, K, dtype=work, device=dev)
     QG, KD = torch.empty_like(W), torch.empty_like(W)
     U = torch.empty(R, HV, V, dtype=work, device=dev)
     AQK = torch.empty(R, HV, bt, dtype=work, device=dev)
     GC = torch.empty(nc_alloc, HV, K, dtype=torch.float32, device=dev)
-    TM = torch.empty(R, HV, bt, dtype=torch.float32, device=dev)
+    TM = torch.empty(R, HV, bt, dtype=torch.float32, device=dev) if train else None
     return W, QG, KD, U, AQK, GC, TM
 
 
-def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-                  output_final_state, allow_tf32):
-    """Inference prefill: (o, final_state or None), one fused launch (``prefill.py``)."""
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+             output_final_state, allow_tf32, train: bool):
     q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    prec = precision(q.dtype, allow_tf32, q.shape[-1], train)
+    bt = TRAIN_CHUNK if train else infer_chunk(N * HV, K, V, q.device)
+    ch = chunk_tables(B, T, cu_seqlens, q.device, bt)
+    NC = ch.chunk_t.shape[0]
+    nc_alloc = max_chunks(B, T, N, cu_seqlens is not None) if train else NC
+    W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
+    gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
+    common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
+    fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
+                 DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
+    # 1. intra-chunk stage
+    if NC > 0 and train:
+        launch(_kda_train_intra_kernel, lambda t: (NC, HV),
+               common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
+               dict(fixed, BC=16, INV_PREC=prec.dot), train_intra_tiles(K, V))
+    elif NC > 0:
+        flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
+        for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
+            launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
+                   common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
+                   dict(fixed, EXACT=exact, INV_PREC=prec.dot), infer_intra_tiles(K, V, bt))
+    # 2. state scan and output
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
+    HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device) if train else None
+    VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device) if train else None
     if N > 0:
-        prec = prefill_precision(q.dtype, allow_tf32, K)
-        seq_t = chunk_tables(B, T, cu_seqlens, q.device, PREFILL_CHUNK).seq_t
-        gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
-        min_programs = 2 * sm_count(q.device) if q.device.type == "cuda" else 1
-        launch(_kda_prefill_kernel, lambda t: (cdiv(V, t.get("BV")), N, HV),
-               (q, k, v, g, beta) + gate_ptrs + (optional(initial_state, q), seq_t, o, optional(final, q),
-                                                 float(scale), float(lower_bound or 0.0), H, HV),
-               dict(K=K, V=V, KP=_pow2(K), L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                    USE_H0=initial_state is not None, STORE_FINAL=final is not None, OP=prec.op, PREC=prec.prec,
-                    INV_PREC=prec.inv, TWO_FLOAT=prec.two_float, **gate_kw),
-               prefill_tiles(K, V, N * HV, min_programs))
+        cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
+        launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
+               (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, optional(VNEW, q), optional(HS, q),
+                optional(final, q), HV, ch.ncmax),
+               dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
+                    STORE_H=train, PREC=prec.fwd_scan), cand)
+    saved = Saved(W, QG, KD, AQK, TM, GC, HS, VNEW) if train else None
+    return o, final, saved
+
+
+def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+                  output_final_state, allow_tf32):
+    """Inference prefill: (o, final_state or None)."""
+    o, final, _ = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                           use_qk_l2norm, output_final_state, allow_tf32, train=False)
     return o, final
 
 
 def train_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                   output_final_state, allow_tf32):
-    """Training forward: (o, final_state or None, Saved): the intra-chunk stage on 64-token chunks keeping T,
-    then the state scan keeping the chunk-start states and u."""
-    q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    prec = precision(q.dtype, allow_tf32, q.shape[-1], True)
-    bt = TRAIN_CHUNK
-    ch = chunk_tables(B, T, cu_seqlens, q.device, bt)
-    NC = ch.chunk_t.shape[0]
-    nc_alloc = max_chunks(B, T, N, cu_seqlens is not None)
-    W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, prec.work)
-    gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
-    # 1. intra-chunk stage
-    if NC > 0:
-        launch(_kda_train_intra_kernel, lambda t: (NC, HV),
-               (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, W, U, QG, KD, AQK, GC, TM, float(scale),
-                                                 float(lower_bound or 0.0), H, HV),
-               dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                    DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, BC=16, INV_PREC=prec.dot, **gate_kw),
-               train_intra_tiles(K, V))
-    # 2. state scan and output, keeping the chunk-start states and u
-    o = empty((B, T, HV, V), v.dtype, q.device)
-    final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
-    HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device)
-    VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device)
-    if N > 0:
-        launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
-               (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, VNEW, HS, optional(final, q), HV,
-                ch.ncmax),
-               dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
-                    STORE_H=True, PREC=prec.fwd_scan), scan_tiles(K, V, N * HV, bt, 256, 4, 2))
-    return o, final, Saved(W, QG, KD, AQK, TM, GC, HS, VNEW)
+    """Training forward: (o, final_state or None, Saved)."""
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                    use_qk_l2norm, output_final_state, allow_tf32, train=True)
 
 
 # ------------------------------------------------------------------------------------------------
