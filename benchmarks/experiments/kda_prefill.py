@@ -1,15 +1,17 @@
-"""KDA inference prefill against cuDNN frontend's native KDA, one process (bf16, H = 16, K = V = 128).
+"""KDA inference prefill (bf16 intra-chunk operands, and with --sweep the tf32 ones) against cuDNN frontend's native KDA, one process (bf16, H = 16, K = V = 128).
 
 python benchmarks/experiments/kda_prefill.py [--sweep] [--shapes 64x1024,8x4096]
 Prints one row per (shape, decay regime): ours ms, cuDNN-FE ms, ratio (cuDNN / ours), fraction of the memory floor,
 and the max |ours - cuDNN| relative to max |o|.
 """
 import argparse
+import dataclasses
 import json
 import time
 
 import torch
 import triton
+import triton.language as tl
 
 import delta_attn as da
 from delta_attn.ops.kda import pipeline
@@ -59,9 +61,9 @@ def ours_fn(q, k, v, g, beta):
 
 
 def _stats():
-    """Registers, spills and shared memory of the prefill kernel compiled last."""
+    """Registers, spills and shared memory of the inference intra-chunk kernel compiled last."""
     try:
-        caches = pipeline._kda_prefill_kernel.device_caches
+        caches = pipeline._kda_infer_intra_kernel.device_caches
         cache = next(iter(caches.values()))[0]
         k = list(cache.values())[-1]
         return dict(regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--regimes", default="long,strong")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of ours (torch.profiler)")
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     bw = copy_bandwidth()
@@ -85,6 +88,14 @@ def main():
             nbytes = sum(t.numel() * t.element_size() for t in x) + x[2].numel() * 2
             floor_ms = nbytes / bw * 1e3
             o = ours_fn(*x)()
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        ours_fn(*x)()
+                    torch.cuda.synchronize()
+                print(f"## profile {B}x{T} {regime} (5 calls)")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=40))
             t0 = time.time()
             try:
                 ref = cudnn_fn(*x)()
@@ -96,13 +107,11 @@ def main():
                 diff, t_c = float("nan"), float("nan")
             configs = [None]
             if args.sweep:
-                configs += [(bt, bv, w, 1) for bt in (16, 32) for bv in (32, 64, 128) for w in (4, 8)] + [(64, 64, 4, 1)]
+                configs += ["tf32"]
             for cfg in configs:
-                if cfg is not None:
-                    bt, bv, w, s = cfg
-                    t = pipeline.tiles("sweep", num_warps=w, num_stages=s, BT=bt, BK=max(4, 4096 // (bt * bt)), BV=bv)
-                    orig = pipeline.prefill_tiles
-                    pipeline.prefill_tiles = lambda *a, t=t: (t,)
+                if cfg is not None:      # the inference intra-chunk dots on fp32 operands in tf32
+                    orig = pipeline.precision
+                    pipeline.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), infer_op=tl.float32)
                 try:
                     t_o = bench(ours_fn(*x))
                 except Exception as e:  # noqa: BLE001
@@ -110,7 +119,7 @@ def main():
                     print("ours failed", cfg, type(e).__name__, str(e)[:200])
                 finally:
                     if cfg is not None:
-                        pipeline.prefill_tiles = orig
+                        pipeline.precision = orig
                 row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
                            floor_frac=floor_ms / t_o, rel_diff=diff)
                 rows.append(row)

@@ -51,7 +51,8 @@ def _cmd_bench(args) -> int:
     dtypes = tuple(args.dtype) if args.dtype else (("fp16",) if device == "cpu" else
                                                    (("fp16", "bf16") if args.suite == "matrix" else ("bf16",)))
     s = Settings(device=device, tiny=tiny, quick=args.quick, dtypes=dtypes, seed=args.seed,
-                 impls=tuple(args.impls or ()), directions=tuple(args.directions or ()), gate=not args.no_gate,
+                 impls=tuple(args.impls or ()), ops=tuple(args.ops or ()), directions=tuple(args.directions or ()),
+                 gate=not args.no_gate,
                  tokens=min(args.tokens or CROSSOVER_TOKENS, 32) if tiny else (args.tokens or CROSSOVER_TOKENS),
                  heads=args.heads if not tiny else 2,
                  head_dim=args.head_dim if not tiny else 16, max_seq=args.max_seq, max_linear_seq=args.max_linear_seq,
@@ -118,6 +119,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32"),
                    help="repeatable (default bf16; matrix: fp16 and bf16; CPU: fp16)")
     b.add_argument("--impls", nargs="+", metavar="SUBSTR", help="only implementations whose name contains one of these")
+    b.add_argument("--ops", nargs="+", choices=("kda", "kda_decode", "flash", "flash_varlen", "flash_decode", "diag",
+                                                "diag_decode"), help="kernels suite: only these operators")
     b.add_argument("--directions", nargs="+", choices=("fwd", "bwd", "fwd+bwd"))
     b.add_argument("--tokens", type=int, help="crossover: tokens per batch (default 64K); scaling: tokens in all "
                                                 "for strong scaling (default 1M)")

@@ -42,7 +42,8 @@ def label(case: Dict) -> str:
         if case.get("Hk", case["H"]) != case["H"]:
             s += f"/{case['Hk']}"
         return s + f" D={case['D']}" + (" causal" if case.get("causal", True) else "")
-    return s + f" D={case['D']}"
+    # the default (long-memory) decays are unlabelled; strong ones are a case of their own
+    return s + f" D={case['D']}" + (" strong decays" if case.get("decays") == "strong" else "")
 
 
 def tokens(case: Dict) -> int:
@@ -69,8 +70,10 @@ def make_inputs(case: Dict, device: torch.device, dtype: torch.dtype, seed: int 
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dt)
 
     def decay(*shape, dt):
-        # log decays around -0.02 (a long memory), as a trained gate produces; a few strong ones
-        return F.logsigmoid(torch.randn(*shape, generator=gen, device=device) + 4.0).to(dt)
+        # log decays around -0.02 (a long memory), as a trained gate produces; with case["decays"] == "strong",
+        # logsigmoid(N(0, 1)) (about -0.8 per token), where a peer's speed depends on the decays
+        shift = 0.0 if case.get("decays") == "strong" else 4.0
+        return F.logsigmoid(torch.randn(*shape, generator=gen, device=device) + shift).to(dt)
 
     if op in ("flash", "flash_decode"):
         b, h, hk, d = case["B"], case["H"], case.get("Hk", case["H"]), case["D"]

@@ -495,6 +495,49 @@ def _causal_only(case):
 # the catalogue
 # ---------------------------------------------------------------------------------------------
 
+CUDNN_KDA_NATIVE = "cuDNN-FE kimi_delta_attention (native)"
+
+
+def _cudnn_kda_native_why_not(case, device, dtype, grad):
+    from ..ops.kda import cudnn as kc
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    why = kc.frontend_error() or kc.toolchain_error()
+    if why:
+        return why
+    if torch.cuda.get_device_capability(device) != kc.SM90:
+        return "the frontend's KDA engine declared here is the sm_90 one (Hopper)"
+    if dtype not in kc.DTYPES:
+        return f"cuDNN KDA takes bf16 q/k/v, got {dtype}"
+    return kc.head_dims((case["D"], case["D"]))
+
+
+def _cudnn_kda_native_bind(case, t):
+    """cuDNN frontend's ``kimi_delta_attention`` as its users call it, every input in its own form made once outside
+    the timed call: q, k, v as THD views, g and beta in float32, ``cu_seqlens`` on the device. q and k are
+    L2-normalised here once, as its backward needs (it has no in-kernel norm); the forward (no autograd) still
+    asks for the in-kernel norm, a no-op on unit rows up to rounding, so its forward does the work ours does."""
+    from ..ops.kda import cudnn as kc
+    kc.frontend_error()
+    fe = kc._FE["kda"]
+    b, s, h, d = t["q"].shape
+    q, k = (_leaf(kc.prenorm(t[n]).reshape(b * s, h, d)) for n in ("q", "k"))
+    v = _leaf(t["v"].reshape(b * s, h, d))
+    g = _leaf(t["g"].float().reshape(b * s, h, d))
+    beta = _leaf(t["beta"].float().reshape(b * s, h))
+    cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * s
+
+    def fn():
+        out = fe(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=not torch.is_grad_enabled())
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def spec(L, upcast):
+        L = [x.reshape(b, s, h, -1) if x.dim() == 3 else x.reshape(b, s, h) for x in L]
+        return reference.kda(*L, use_qk_l2norm=False, upcast=upcast)[0].reshape(b * s, h, d)
+
+    return Bound(fn=fn, leaves=[q, k, v, g, beta], spec=spec, inputs=[q, k, v, g, beta])
+
+
 def peers(op: str, device: torch.device) -> List[Impl]:
     p: List[Impl] = []
     if op in ("flash", "flash_decode"):
@@ -521,6 +564,8 @@ def peers(op: str, device: torch.device) -> List[Impl]:
                       _sdpa_varlen_bind("cuDNN", True), _sdpa_why_not("cuDNN (SDPA)")))
     elif op == "kda":
         p.append(Impl("FLA chunk_kda", op, "linear", "fla-core", _fla_kda_bind, _fla_why_not()))
+        p.append(Impl(CUDNN_KDA_NATIVE, op, "linear", "nvidia-cudnn-frontend", _cudnn_kda_native_bind,
+                      _cudnn_kda_native_why_not))
     elif op == "diag":
         p.append(Impl("FLA chunk_hgrn", op, "linear", "fla-core", _fla_hgrn_bind("chunk_hgrn"), _fla_why_not()))
         p.append(Impl("FLA fused_recurrent_hgrn", op, "linear", "fla-core", _fla_hgrn_bind("fused_recurrent_hgrn"),

@@ -15,6 +15,7 @@ from collections import OrderedDict, defaultdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import anchors
+from .impls import CUDNN_KDA_NATIVE
 
 SCHEMA_VERSION = 1
 CSV_FIELDS = ["suite", "op", "impl", "provider", "family", "direction", "dtype", "label", "tokens", "status",
@@ -411,8 +412,21 @@ def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None) -
                 line.append(f"{old / r['ms']:.2f}x" if old else "-")
             lines.append(line)
         out.append(_table(hdr, lines) if lines else "_no row ran_")
+        if op == "kda" and any(r["impl"] == CUDNN_KDA_NATIVE for r in rs):
+            out += ["", CUDNN_ROWS_NOTE]
         out.append("")
     return "\n".join(out)
+
+
+CUDNN_ROWS_NOTE = (
+    f"The cuDNN KDA rows: `{CUDNN_KDA_NATIVE}` is the frontend called as its users call it, q / k / v as THD views, "
+    "g and beta in float32 and `cu_seqlens` made once outside the timed call; its forward normalises q and k in "
+    "the kernel, and its backward rows take q and k normalised once beforehand (that backward has no in-kernel "
+    "norm). `delta-attn cudnn` is our adapter around the same engine: each call also casts g and beta to "
+    "float32, reads g on the host for the strong-decay refusal (the engine returns NaN below about -5) and "
+    "transposes states, so it is slower than the native row by that work and refuses calls with decays below "
+    "-5. `delta-attn cudnn (q/k normed in torch)` adds the L2 norm of q and k in PyTorch inside the timed call. "
+    "The native row is the peer to beat; the other two measure what our API adds around it.")
 
 
 def matrix_section(rows: List[Dict]) -> str:

@@ -36,6 +36,7 @@ class Settings:
     max_call_ms: float = 2500.0      # a row whose predicted single call exceeds this is skipped
     seed: int = 0
     impls: Tuple[str, ...] = ()      # substrings; empty = all
+    ops: Tuple[str, ...] = ()        # kernels suite: only these operators (kda, flash, ...); empty = all
     directions: Tuple[str, ...] = ()  # empty = the suite's default
     tokens: int = 65536
     heads: int = 16

@@ -143,11 +143,11 @@ def kernel_cases(s: Settings) -> Dict[str, List[Dict]]:
     flash = [(128, 4096, True), (128, 16384, False)] if s.quick else [
         (128, 1024, False), (128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
         (128, 32768, True), (64, 4096, False), (64, 16384, True)]
-    kda = [(8, 4096), (1, 32768)] if s.quick else [(8, 4096), (1, 32768), (64, 1024), (1, 131072)]
+    kda = [(8, 4096), (1, 32768)] if s.quick else [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]
     diag = [(8, 4096)] if s.quick else [(8, 4096), (1, 32768)]
     # KDA first; the slow starters (FLA) run last (slow_starters_last); the report orders the tables by operator
     return {
-        "kda": [dict(B=b, S=t, H=16, D=128) for b, t in kda],
+        "kda": [dict(B=b, S=t, H=16, D=128, decays=r) for b, t in kda for r in ("long", "strong")],
         "kda_decode": [dict(B=64, H=16, D=128)],
         "flash": [dict(B=32768 // S, S=S, H=2048 // D, Hk=2048 // D, D=D, causal=c) for D, S, c in flash],
         "flash_varlen": [dict(seqlens=list(VARLEN_SEQLENS), H=16, D=128, causal=True)],
@@ -162,6 +162,8 @@ def kernels(s: Settings) -> List[Task]:
     for dname in s.dtypes:
         dt = DTYPES[dname]
         for op, cs in kernel_cases(s).items():
+            if s.ops and op not in s.ops:
+                continue
             dirs = ("fwd",) if op.endswith("decode") else _dirs(s, ("fwd", "bwd", "fwd+bwd"))
             for c in cs:
                 c = dict(c, op=op)

@@ -76,13 +76,16 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
 @triton.jit
 def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                  HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr, TWO_FLOAT: tl.constexpr):
-    """The UT transform applied: U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice."""
+                  HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr, TWO_FLOAT: tl.constexpr,
+                  OP: tl.constexpr):
+    """The UT transform applied: U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice, the dots on
+    ``OP`` operands (``DOT_PREC`` for fp32 ones)."""
+    To = T.to(OP)
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
         m = mr[:, None] & (vc[None, :] < V)
         vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(T, b[:, None] * vs, input_precision=DOT_PREC)
+        u = tl.dot(To, (b[:, None] * vs).to(OP), input_precision=DOT_PREC)
         tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -90,7 +93,7 @@ def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_
         ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         x_, d, G, Gl_ = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
                                          HAS_DT_BIAS, FLOOR, TWO_FLOAT)
-        w = tl.dot(T, b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
+        w = tl.dot(To, (b[:, None] * ks * tl.exp(G)).to(OP), input_precision=DOT_PREC)
         tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
 
 
@@ -102,7 +105,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                               BV: tl.constexpr, KS: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                               HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
                               DOT_PREC: tl.constexpr, EXACT: tl.constexpr, INV_PREC: tl.constexpr,
-                              TWO_FLOAT: tl.constexpr):
+                              TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     if EXACT:
@@ -163,8 +166,9 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
             eP = tl.exp(G)
             kn = ks * tl.exp(-G)
-            akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
-            aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
+            kn = kn.to(OP)
+            akk += tl.dot((ks * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
+            aqk += tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
             G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
             tl.store(QG + g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
             tl.store(KD + g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
@@ -181,7 +185,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     tl.store(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
     # 4. U = T (beta v), W = T (beta exp(G) k)
     _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, KS, GATE,
-                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)
+                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)
 
 
 @triton.jit
@@ -275,4 +279,4 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     tl.store(TM + a_off, T, mask=mr[:, None])          # kept for the backward
     # 3. U = T (beta v), W = T (beta exp(G) k)
     _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, BK, GATE,
-                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)
+                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, tl.float32)

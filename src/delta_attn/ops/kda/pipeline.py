@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import triton
+import triton.language as tl
 
 from ..._outputs import empty
 from .._gluon import available as gluon_available
@@ -45,10 +46,12 @@ class Precision:
     scan: str              # dots of the backward state scan and of the per-chunk operand gradients
     fwd_scan: str          # dots of the forward state scan (they make the output)
     two_float: bool        # cumulative log decays in two floats (fp32 with exact dots: gate._kda_cumsum)
+    infer_op: tl.dtype     # operand dtype of the inference intra-chunk products and UT transform
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
-    """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's). fp16: exact per-chunk
+    """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's); the inference intra-chunk
+    products and UT transform on bf16 operands (bf16 tensor-core rate; their results are stored in bf16). fp16: exact per-chunk
     dots (fp16's range is too narrow for the UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles
     fp16's rounding (H200 property seeds: output 8 % over the rule with a tf32 forward scan, dbeta 60 % over with
     tf32 backward scans), so fp16 scans run 3xTF32 or IEEE: the inference forward scan in 3xTF32 for K <= 128;
@@ -63,12 +66,12 @@ def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False)
     measured at K = 144 and 192) and lost accuracy where they ran; IEEE dots are exact there."""
     tf32_ok = K <= 128
     if dtype == torch.bfloat16:
-        return Precision(torch.bfloat16, "tf32", "tf32", "tf32", False)
+        return Precision(torch.bfloat16, "tf32", "tf32", "tf32", False, tl.bfloat16)
     if dtype == torch.float16:
         x3_ok = K <= (64 if train else 128)
-        return Precision(torch.float32, "ieee", "ieee", "tf32x3" if x3_ok else "ieee", False)
+        return Precision(torch.float32, "ieee", "ieee", "tf32x3" if x3_ok else "ieee", False, tl.float32)
     p = "tf32" if allow_tf32 and tf32_ok else "ieee"
-    return Precision(torch.float32, p, p, p, p == "ieee")
+    return Precision(torch.float32, p, p, p, p == "ieee", tl.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +242,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
         for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
             launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
                    common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
-                   dict(fixed, EXACT=exact, INV_PREC=prec.dot), infer_intra_tiles(K, V, bt))
+                   dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.infer_op), infer_intra_tiles(K, V, bt))
     # 2. state scan and output
     o = empty((B, T, HV, V), v.dtype, q.device)
     final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
