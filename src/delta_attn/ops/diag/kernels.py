@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .._slots import _start_slot, _token_slot
+from .._triton_helpers import _ld, _st
 
 # a published word with the valid bit set, A bits 0 (stop) and B = 0: "state 0, nothing before matters"
 INCL_ZERO = -(1 << 63)
@@ -119,23 +120,6 @@ def _seq_info(rows, cu, T_seq, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
         start = pos == 0
         end = pos == T_seq - 1
     return seq, start, end
-
-
-@triton.jit
-def _ld(ptr, m, EVEN: tl.constexpr):
-    if EVEN:
-        x = tl.load(ptr)
-    else:
-        x = tl.load(ptr, mask=m, other=0.0)
-    return x
-
-
-@triton.jit
-def _st(ptr, x, m, EVEN: tl.constexpr):
-    if EVEN:
-        tl.store(ptr, x)
-    else:
-        tl.store(ptr, x, mask=m)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .._gluon import gl, gluon
 from .._slots import _start_slot, _token_slot
-from ..diag.kernels import _ld, _st
+from .._triton_helpers import _ld, _st
 from .gate import _kda_gate
 
 
