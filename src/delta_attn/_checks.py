@@ -14,7 +14,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from . import settings
-from .ops._prepare import index
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -196,9 +195,11 @@ def cu_seqlens_values(name: str, values: List[int], total: int, max_seqlen: Opti
                          f"got {max_seqlen}")
 
 
-# The form every backend receives: a contiguous int32 tensor (``cu`` itself when it already is one; call after
-# the values are checked, an int64 value beyond int32 would wrap). The launch layer's preparation of index tensors.
-as_int32 = index
+def as_int32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The form every backend receives an index tensor in (``cu_seqlens``, ``state_indices``, chunk tables):
+    contiguous int32, ``t`` itself when it already is. Call after the values are checked (an int64 value
+    beyond int32 would wrap). The launch layer prepares index tensors with it (``ops._prepare.index``)."""
+    return None if t is None else t.to(torch.int32).contiguous()
 
 
 def max_seqlen(name: str, value) -> None:

@@ -4,7 +4,7 @@ Kernels address index and parameter tensors as ``ptr + i`` (unit stride) and nev
 an absent optional input. Every launcher hands them its tensors through these helpers, so a strided
 view of ``cu_seqlens``, ``state_indices``, ``A_log``, ``alibi_slopes``, a state... can never reach a
 kernel as it is. Each returns its argument itself when it already has the required form (no copy).
-Plain torch: importing this imports no Triton (``_checks`` uses :func:`index`).
+Plain torch: importing this imports no Triton.
 """
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .._checks import as_int32
+
 Tensor = torch.Tensor
 
 
-def index(t: Optional[Tensor]) -> Optional[Tensor]:
-    """An index tensor (``cu_seqlens``, ``state_indices``, chunk tables) as contiguous int32 (call after its
-    values are checked: an int64 value beyond int32 would wrap)."""
-    return None if t is None else t.to(torch.int32).contiguous()
+# an index tensor (``cu_seqlens``, ``state_indices``, chunk tables) as contiguous int32: the form validation
+# hands to backends (call after its values are checked: an int64 value beyond int32 would wrap)
+index = as_int32
 
 
 def param(t: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
