@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 import delta_attn as da  # noqa: E402
 from delta_attn.ops import _launch  # noqa: E402
-from delta_attn.ops.diag import triton_impl as diag_triton  # noqa: E402
-from delta_attn.ops.flash import decode as flash_decode  # noqa: E402
+from delta_attn.ops.diag import launch as diag_launch  # noqa: E402
+from delta_attn.ops.flash import launch as flash_launch  # noqa: E402
 from delta_attn.ops.kda import pipeline as kda_pipeline  # noqa: E402
 
 
@@ -47,8 +47,8 @@ class NoLaunch:
 
 
 def stub_kernels() -> None:
-    for module, names in ((kda_pipeline, ("_kda_step_kernel",)), (diag_triton, ("_diag_step_kernel",)),
-                          (flash_decode, ("_kvcache_append_kernel", "_kvcache_attn_kernel",
+    for module, names in ((kda_pipeline, ("_kda_step_kernel",)), (diag_launch, ("_diag_step_kernel",)),
+                          (flash_launch, ("_kvcache_append_kernel", "_kvcache_attn_kernel",
                                           "_kvcache_merge_kernel"))):
         for name in names:
             setattr(module, name, NoLaunch(name))
@@ -91,11 +91,11 @@ def per_call_us(fn, calls: int) -> float:
 
 def launch_key_us(calls: int) -> float:
     """The CUDA-only part of ``launch``: the fitted-tiles key of the kvcache attention kernel's last launch."""
-    kernel = flash_decode._kvcache_attn_kernel
+    kernel = flash_launch._kvcache_attn_kernel
     _, args, meta = kernel.last
-    tile_names = {n for n, _ in flash_decode._attn_tiles(128, False)[0].meta}
+    tile_names = {n for n, _ in flash_launch._attn_tiles(128, False)[0].meta}
     fixed = {n: x for n, x in meta.items() if n not in tile_names and n not in ("num_warps", "num_stages")}
-    candidates = flash_decode._attn_tiles(128, False)
+    candidates = flash_launch._attn_tiles(128, False)
     t0 = time.perf_counter()
     for _ in range(calls):
         _launch._fitted_key(kernel, args, fixed, candidates, 0)

@@ -42,7 +42,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
         # torch.distributed.tensor: torch.testing.assert_close imports it (seconds) once a process group exists
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "pytest",
                                     "delta_attn.distributed", "delta_attn.ops.kda.autograd",
-                                    "delta_attn.ops.diag.triton_impl"])
+                                    "delta_attn.ops.diag.autograd"])
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "pg_init")

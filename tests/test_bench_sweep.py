@@ -5,7 +5,7 @@ import torch
 import delta_attn as da
 from delta_attn.bench.runner import Settings
 from delta_attn.bench.sweep import sweep
-from delta_attn.ops.diag import triton_impl as ti
+from delta_attn.ops.diag import launch as ti
 
 SPEED_KEYS = ("ms", "ms_mean", "ms_std", "gbps", "frac_copy", "tokens_per_s")
 CASE = dict(op="diag", B=1, S=32, H=2, D=16)

@@ -24,7 +24,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(B, "device_capability", lambda dev: state["cc"] if dev.type == "cuda" else None)
     real = B.package_available
     monkeypatch.setattr(B, "package_available", lambda m: state["frontend"] if m == "cudnn" else real(m))
-    monkeypatch.setattr(C, "_torch_cudnn_version", lambda: 91900)
+    monkeypatch.setattr(C, "torch_cudnn_version", lambda: 91900)
     monkeypatch.setattr(C, "frontend_error", lambda: None)
     return state
 
@@ -165,7 +165,7 @@ def test_env_renders_install_hint_without_frontend():
 
 
 def test_policy_reads_the_measured_table_per_training(fake_gpu, monkeypatch):
-    monkeypatch.setitem(C.SM90_ORDER, ("flash_varlen", True), ("sdpa", "cudnn", "triton", "torch"))
+    monkeypatch.setitem(B.ATTENTION_SM90_ORDER, ("flash_varlen", True), ("sdpa", "cudnn", "triton", "torch"))
     assert auto_order(_call("flash_varlen", feats={"varlen"}, grad=True))[:2] == ("sdpa", "cudnn")
     assert auto_order(_call("flash_varlen", feats={"varlen"}, grad=False))[0] == "cudnn"
     assert "forward+backward" in str(explain_call(_call("flash_varlen", feats={"varlen"}, grad=True)))

@@ -9,9 +9,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import delta_attn  # noqa: F401  (registers the custom ops)
-from delta_attn.ops.diag import triton_impl as diag_impl  # noqa: F401
-from delta_attn.ops.flash import decode as kvcache_impl  # noqa: F401
-from delta_attn.ops.flash import triton_impl as flash_impl  # noqa: F401
+from delta_attn.ops.diag import autograd as diag_ops  # noqa: F401
+from delta_attn.ops.flash import autograd as flash_ops  # noqa: F401
 from delta_attn.ops.kda import autograd as kda_ops  # noqa: F401
 
 

@@ -261,7 +261,7 @@ def test_explicit_launch_configs_match_the_reference(which, dims, config):
     """The launchers take their config as an argument (the sweep's candidates): each gives the reference
     result with (B, T) slots and accepted counts."""
     from delta_attn.ops._launch import tiles
-    from delta_attn.ops.diag.triton_impl import diag_step
+    from delta_attn.ops.diag.launch import diag_step
     from delta_attn.ops.kda.pipeline import decode_step
     op = Op(which, B=2, T=3, seed=11)
     if which == "kda":

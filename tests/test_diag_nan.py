@@ -21,7 +21,7 @@ import triton.language as tl
 
 import delta_attn as da
 from delta_attn import reference
-from delta_attn.ops.diag import kernels as K
+from delta_attn.ops.diag import kernels_scan as K
 from delta_attn.testing import assert_close, poison_outputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +75,7 @@ def public_with_grads(backend):
 
 def launchers_with_grads(fwd_config, bwd_config, training=False):
     """run(...) through the launchers with explicit kernel configs (e.g. the GPU's under the interpreter)."""
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
 
     def run(q, k, v, g, h0, cu, do, dht):
         with poison_outputs():
@@ -178,7 +178,7 @@ def test_gpu_configs_nan():
     # interpreter: a varlen batch whose sequences end mid-tile and mid-segment, an empty one between, the
     # NaN sequence (1) followed by full decays; and a fixed-length batch of one tile per sequence (the
     # EVEN path), the NaN in row 1 reaching neither row 2 (forward) nor row 0 (backward)
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     run = launchers_with_grads(ti.FWD_CONFIG, ti.BWD_CONFIG, training=True)
     lens, nan_at = [40, 70, 0, 9, 81], [(1, 20)]
     q, k, v, g, h0, cu = nan_case(lens, 1, 8, torch.float32, nan_at=nan_at, full_decay=30, lo=-0.1)

@@ -13,7 +13,7 @@ import delta_attn as da
 from delta_attn import reference
 from delta_attn.testing import assert_close
 from delta_attn.ops import _launch  # noqa: F401  (applies the interpreter fixes: a probe kernel below is launched directly)
-from delta_attn.ops.diag import kernels as K
+from delta_attn.ops.diag import kernels_scan as K
 
 pytestmark = pytest.mark.skipif(not da.backends.triton_interpreter_on() and not torch.cuda.is_available(),
                                 reason="needs the Triton interpreter or a GPU")
@@ -193,7 +193,7 @@ def test_dispatch_and_compile():
 
 def test_custom_op_fakes():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     q, k, v, g = _inputs(1, 13, 2, 20, torch.float16, torch.float32)
     h0 = torch.randn(1, 2, 20, device=DEV)
     real = torch.ops.delta_attn.diag_fwd(q, k, v, g, h0, None, True)
@@ -228,7 +228,7 @@ def test_scan_reference_matches_spec():
 def _fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg):
     """The training forward with ``fcfg`` (o, final state, carries every segment_rows rows) and the
     backward with ``bcfg`` on its carries."""
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     o, ht, ws = ti.diag_fwd(q, k, v, g, h0, cu, True, config=fcfg, training=True)
     assert ws.shape[0] == triton.cdiv(q.shape[0] * q.shape[1], fcfg.bt) * fcfg.split
     grads = ti.diag_bwd(q, k, v, g, do, ws, h0, dht, cu, config=bcfg, fwd_bt=fcfg.segment_rows)
@@ -238,7 +238,7 @@ def _fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg):
 def _check_fwd_bwd(q, k, v, g, h0, cu, fcfg, bcfg):
     """The training forward and the backward with explicit configs against the float64 reference; the
     inference forward (no carries) gives the same o and final state."""
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     n = cu.shape[0] - 1 if cu is not None else q.shape[0]
     do, dht = torch.randn_like(q), torch.randn(n, q.shape[2], q.shape[3], device=DEV)
     o, ht, grads = _fwd_bwd(q, k, v, g, h0, cu, do, dht, fcfg, bcfg)
@@ -261,7 +261,7 @@ def test_gpu_configs(poisoned, t, d):
     # the GPU's configs (forward: 64-row tiles walked as 4 segments, window 4; backward: 16-row tiles on
     # the forward's 16-row carries, window 8) run by the interpreter, 2-3 forward tiles per sequence. T = 128,
     # H * D = 32: the mask-free EVEN path; T = 133, H * D = 40: masked rows and channels
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32, decay_scale=0.1)
     _check_fwd_bwd(q, k, v, g, torch.randn(2, 2, d, device=DEV), None, ti.FWD_CONFIG, ti.BWD_CONFIG)
 
@@ -271,14 +271,14 @@ def test_tile_sizes_against_float64(poisoned, t, d, bt, split):
     # other tile sizes of the same kernels: segments of 4 rows, a 16-row backward on 4-row carries; odd
     # length (masked rows, a channel block straddling the two heads: H * D = 40) and the EVEN path
     # (T % BT == 0, H * D % BD == 0); fp16 inputs with fp32 decays; initial and final states
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     q, k, v, g = _inputs(2, t, 2, d, torch.float16, torch.float32)
     _check_fwd_bwd(q, k, v, g, torch.randn(2, 2, d, device=DEV), None, ti.FwdConfig(bt, 16, 2, 2, split),
                    ti.BwdConfig(16, 16, 2, 1))
 
 
 def test_configs_are_validated():
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     for split in (1, 3, 16):
         with pytest.raises(ValueError, match="split"):
             ti.FwdConfig(8, 16, 2, 2, split)
@@ -291,7 +291,7 @@ def test_configs_are_validated():
 def test_varlen_zero_length_and_extreme_decays_split_segments(poisoned):
     # varlen with zero-length sequences (first, middle, last), a length-1 sequence, tiles and segments
     # straddling sequences; decays down to -1e4 including a fully decayed tile
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     cu = torch.tensor([0, 0, 5, 5, 22, 23, 40, 40], dtype=torch.int32, device=DEV)
     q, k, v, g = _inputs(1, 40, 2, 20, torch.float32)
     g = torch.where(torch.rand_like(g) < 0.3, torch.full_like(g, -1e4), g)

@@ -90,11 +90,11 @@ def test_forward_loop_variants(pipe, monkeypatch, poisoned):
     # the two forward loops (plain FA2 order / software-pipelined by one key block) the GPU
     # autotuner chooses between; every key-block range non-empty: window left edge, unmasked
     # middle, diagonal; Sq != Sk, GQA, odd lengths, dropout
-    from delta_attn.ops.flash import triton_impl
-    monkeypatch.setitem(triton_impl._INTERP_FWD, "PIPE", pipe)
+    from delta_attn.ops.flash import launch
+    monkeypatch.setitem(launch._INTERP_FWD, "PIPE", pipe)
     q, k, v = _inputs([(1, 45, 2, 16), (1, 71, 1, 16), (1, 71, 1, 16)])
     _compare_dense(q, k, v, causal=True, window_size=(37, -1))
-    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    from delta_attn.ops.flash.launch import dropout_keep_mask
     mask = dropout_keep_mask(_seed_of_next_call(7), 1, 2, 45, 71, 0.25)
     torch.manual_seed(7)
     _compare_dense(q, k, v, dropout_p=0.25, softcap=4.0, dropout_mask=mask)
@@ -151,13 +151,13 @@ def test_varlen_window_noncausal_equals_per_sequence_loop(poisoned):
 
 
 def _seed_of_next_call(seed_value):
-    from delta_attn.ops.flash.triton_impl import draw_dropout_seed
+    from delta_attn.ops.flash.launch import draw_dropout_seed
     torch.manual_seed(seed_value)
     return draw_dropout_seed("cpu")
 
 
 def test_dropout_matches_reference_with_regenerated_mask(poisoned):
-    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    from delta_attn.ops.flash.launch import dropout_keep_mask
     b, sq, sk, hq, hk, d, p = 2, 17, 40, 4, 1, 32, 0.3
     q, k, v = _inputs([(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)])
     mask = dropout_keep_mask(_seed_of_next_call(11), b, hq, sq, sk, p)
@@ -175,7 +175,7 @@ def test_dropout_matches_reference_with_regenerated_mask(poisoned):
 
 
 def test_dropout_varlen(poisoned):
-    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    from delta_attn.ops.flash.launch import dropout_keep_mask
     lq, lk, p, hq = [5, 0, 18], [9, 4, 18], 0.2, 2
     cu_q = torch.tensor([0, 5, 5, 23], dtype=torch.int32)
     cu_k = torch.tensor([0, 9, 13, 31], dtype=torch.int32)
@@ -246,7 +246,7 @@ def test_fake_impl_shapes():
 def test_autotune_keys_bucket_sequence_lengths():
     """Issue bar: a varlen training loop must not re-tune every step. The autotune keys hold only the
     length buckets (powers of two in [64, 16384]) and flags, never a raw length."""
-    from delta_attn.ops.flash import triton_impl as ti
+    from delta_attn.ops.flash import launch as ti
     for kind in ("fwd", "dkdv", "dq"):
         keys = ti._tuned.__wrapped__(kind, 128).keys
         assert {"SQ_BUCKET", "SK_BUCKET"} <= set(keys), kind
@@ -281,7 +281,7 @@ LSE_GRAD_CASES = [
 
 @pytest.mark.parametrize("case", LSE_GRAD_CASES, ids=lambda c: f"Sq{c[1]}-Sk{c[2]}-{c[6]}-lse_only={c[7]}")
 def test_lse_gradient_dense(case, poisoned):
-    from delta_attn.ops.flash.triton_impl import dropout_keep_mask
+    from delta_attn.ops.flash.launch import dropout_keep_mask
     b, sq, sk, hq, hk, d, kw, lse_only = case
     kw = dict(kw)
     if "alibi_slopes" in kw:

@@ -176,13 +176,13 @@ def test_triton_hoisted_masks_against_reference(name, poisoned):
     """The launcher's explicit config with HOIST=1 (unmasked interior tiles, masked edge tiles) == the
     float64 reference by the error rule, over windows, splits, pages, left padding and empty rows."""
     from delta_attn.ops._launch import tiles
-    from delta_attn.ops.flash import decode
-    from delta_attn.ops.flash.kvcache import validate
+    from delta_attn.ops.flash import autograd
+    from delta_attn.ops.flash.api import validate_kvcache as validate
     opts = dict(HOIST_CASES[name])
     num_splits = opts.pop("num_splits", 0)
     tensors, kw = make_case(11, **opts)
     a = validate(*(_clone(t) for t in tensors), num_splits=num_splits, return_softmax_lse=True, **kw)
-    out, lse = decode.kvcache(a, config=tiles("test", BLOCK_N=16, HOIST=1))
+    out, lse = autograd.kvcache(a, config=tiles("test", BLOCK_N=16, HOIST=1))
     o64, l64, _, _ = _ref(tensors, kw, dtype_to=torch.float64)
     olp, llp, _, _ = _ref(tensors, kw, upcast=False)
     assert_close(out, o64, olp, name="out")
@@ -193,8 +193,8 @@ def test_triton_hoisted_window_edges():
     """HOIST=1 at the edge tiles: seeded windows (both bounds, one, none) and cache lengths chosen so that the
     unmasked interior's bounds land on and next to tile edges (an off-by-one there shows), three queries."""
     from delta_attn.ops._launch import tiles
-    from delta_attn.ops.flash import decode
-    from delta_attn.ops.flash.kvcache import validate
+    from delta_attn.ops.flash import autograd
+    from delta_attn.ops.flash.api import validate_kvcache as validate
     import random
     rnd = random.Random(5)
     combos = [(30, 29, -1), (40, 12, 2), (60, 20, 10), (48, -1, 0), (40, 14, 0), (50, 13, 1), (31, -1, 1)]
@@ -204,7 +204,7 @@ def test_triton_hoisted_window_edges():
         tensors, kw = make_case(n0, b=1, sq=3, hk=1, group=1, s_cache=80, window=(wl, wr), causal=False)
         kw["cache_seqlens"] = torch.tensor([n0], dtype=torch.int32)
         a = validate(*(_clone(t) for t in tensors), return_softmax_lse=True, **kw)
-        out, lse = decode.kvcache(a, config=tiles("test", BLOCK_N=16, HOIST=1))
+        out, lse = autograd.kvcache(a, config=tiles("test", BLOCK_N=16, HOIST=1))
         o64, l64, _, _ = _ref(tensors, kw, dtype_to=torch.float64)
         olp, llp, _, _ = _ref(tensors, kw, upcast=False)
         assert_close(out, o64, olp, name=f"out n0={n0} window=({wl}, {wr})")
@@ -219,12 +219,12 @@ def test_triton_hoisted_window_edges():
 ])
 def test_triton_config_rejected(config, err, match):
     from delta_attn.ops._launch import tiles
-    from delta_attn.ops.flash import decode
-    from delta_attn.ops.flash.kvcache import validate
+    from delta_attn.ops.flash import autograd
+    from delta_attn.ops.flash.api import validate_kvcache as validate
     tensors, kw = make_case(0)
     a = validate(*tensors, **kw)
     with pytest.raises(err, match=match):
-        decode.kvcache(a, config=tiles("test", **config) if isinstance(config, dict) else config)
+        autograd.kvcache(a, config=tiles("test", **config) if isinstance(config, dict) else config)
 
 
 def test_triton_splits_agree():
@@ -238,7 +238,7 @@ def test_triton_splits_agree():
 
 
 def test_split_rule_uses_shapes_only():
-    from delta_attn.ops.flash.decode import choose_splits
+    from delta_attn.ops.flash.launch import choose_splits
     assert choose_splits(64 * 8, 8192, 132) == 1                        # the GPU is full: no merge pass
     assert choose_splits(8, 1 << 16, 132) == triton_cdiv(2 * 132, 8)    # few programs: split to fill the SMs
     assert choose_splits(8, 300, 132) == 2                              # but not below 256 keys per split
@@ -395,18 +395,18 @@ def test_value_checks_are_skipped_under_capture(monkeypatch):
     leaves the value checks to the caller (documented)."""
     tensors, kw = _base()
     kw["cache_leftpad"] = kw["cache_seqlens"] + 1
-    from delta_attn.ops.flash import kvcache
+    from delta_attn.ops.flash.api import validate_kvcache
     with pytest.raises(ValueError, match="cache_leftpad"):
-        kvcache.validate(*tensors, **kw)
+        validate_kvcache(*tensors, **kw)
     monkeypatch.setattr(_checks, "_capturing", lambda: True)
-    kvcache.validate(*tensors, **kw)
+    validate_kvcache(*tensors, **kw)
     with pytest.raises(ValueError, match="k_cache head dim"):
-        kvcache.validate(tensors[0][..., :8], *tensors[1:], **kw)
+        validate_kvcache(tensors[0][..., :8], *tensors[1:], **kw)
 
 
 def test_custom_op_fake_matches_real():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from delta_attn.ops.flash import decode  # noqa: F401  (registers the op)
+    from delta_attn.ops.flash import autograd  # noqa: F401  (registers the op)
     tensors, kw = make_case(0)
     q, kc, vc, k, v = tensors
     args = (q, kc, vc, k, v, None, None, kw["cache_seqlens"], None, None, None, None, 0.25, -1, 0, 0.0, True, True, 2)

@@ -96,7 +96,7 @@ def test_flash_dense_alibi_and_operands():
 
 
 def test_flash_launchers_take_strided_cu_seqlens():
-    from delta_attn.ops.flash import triton_impl as ti
+    from delta_attn.ops.flash import launch as ti
     lq = [5, 0, 9]
     q, k, v = _flash_inputs(lq, lq)
     cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32, device=DEV)
@@ -231,7 +231,7 @@ def test_gated_diag_step_speculative_slots_and_accepted_tokens():
 
 
 def test_diag_launchers_take_strided_cu_seqlens_and_states():
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     q, k, v, g = _diag_inputs(1, 21)
     cu = torch.tensor([0, 9, 9, 21], dtype=torch.int32, device=DEV)
     h0 = torch.randn(3, 2, 16, device=DEV)

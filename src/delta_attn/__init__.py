@@ -11,8 +11,7 @@ from __future__ import annotations
 from . import reference
 from .backends import Explanation, ReferenceFallbackWarning, UnsupportedError
 from .ops.diag.api import gated_diag_attn, gated_diag_step
-from .ops.flash.api import flash_attn_func, flash_attn_varlen_func
-from .ops.flash.kvcache import flash_attn_with_kvcache
+from .ops.flash.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops.kda.api import kda, kda_step
 
 __version__ = "0.1.0"

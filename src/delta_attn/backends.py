@@ -250,9 +250,10 @@ def register(backend: str, op: str, capability: Capability, device_type: Optiona
 
 # Default preference per operator, fastest first. The measurements behind each order are in
 # docs/DISPATCH.md; an operator may install a finer policy with set_auto_policy. The attention policy
-# (ops/flash/cudnn.py) orders CUDA calls by its measurements and takes this order for the others (CPU tensors):
-# PyTorch SDPA's CPU kernel first (forward 4-18x faster than the reference at S = 256-2048, DISPATCH.md),
-# the Triton kernels next (CPU tensors only under TRITON_INTERPRET=1, the test mode), the reference last.
+# (attention_policy, below) orders CUDA calls by its measurements and takes this order for the others (CPU
+# tensors): PyTorch SDPA's CPU kernel first (forward 4-18x faster than the reference at S = 256-2048,
+# DISPATCH.md), the Triton kernels next (CPU tensors only under TRITON_INTERPRET=1, the test mode), the
+# reference last.
 _DEFAULT_ORDER: Dict[str, Tuple[str, ...]] = {
     "flash": ("sdpa", "triton", "cudnn", "torch"),
     "flash_varlen": ("sdpa", "triton", "cudnn", "torch"),
@@ -263,7 +264,47 @@ _DEFAULT_ORDER: Dict[str, Tuple[str, ...]] = {
     "diag": ("triton", "torch"),
     "diag_step": ("triton", "torch"),
 }
-_POLICIES: Dict[str, Callable[[Call], Sequence[str]]] = {}
+
+# The attention order on sm90+ per (operator, training): training = some input requires grad, so the backward
+# follows and forward+backward time decides; otherwise the forward time decides (docs/DISPATCH.md).
+ATTENTION_SM90_ORDER = {
+    ("flash", False): ("cudnn", "triton", "sdpa", "torch"),
+    ("flash", True): ("cudnn", "triton", "sdpa", "torch"),
+    ("flash_varlen", False): ("cudnn", "triton", "sdpa", "torch"),
+    ("flash_varlen", True): ("cudnn", "triton", "sdpa", "torch"),
+}
+ATTENTION_SM90_WHY = {
+    ("flash", False): "dense forward: cuDNN fastest on every H200 benchmark shape",
+    ("flash", True): "dense forward+backward: cuDNN fastest on every H200 benchmark shape",
+    ("flash_varlen", False): "varlen forward: the cuDNN ragged graph is fastest on the H200 mixed batch",
+    ("flash_varlen", True): "varlen forward+backward: the cuDNN ragged graphs are fastest on the H200 mixed batch",
+}
+
+
+def attention_policy(call: Call) -> Tuple[str, ...]:
+    """``auto`` for ``flash`` / ``flash_varlen``: the measured order on sm90+, cuDNN first elsewhere on CUDA,
+    the default order for other devices."""
+    cc = device_capability(call.device) if call.device.type == "cuda" else None
+    if cc is None:
+        return _DEFAULT_ORDER[call.op]
+    if cc >= (9, 0):
+        return ATTENTION_SM90_ORDER[(call.op, call.needs_grad)]
+    # Ampere / Ada: not measured by us; cuDNN and FA2 are close there, ours last among fused paths
+    return ("cudnn", "sdpa", "triton", "torch")
+
+
+def _attention_policy_note(call: Call) -> str:
+    cc = device_capability(call.device) if call.device.type == "cuda" else None
+    if cc is None:
+        return "not a CUDA call: default order"
+    if cc >= (9, 0):
+        return f"sm90+, {ATTENTION_SM90_WHY[(call.op, call.needs_grad)]} (docs/DISPATCH.md)"
+    return f"sm{cc[0]}{cc[1]}: cudnn > sdpa > triton (not measured on this architecture)"
+
+
+attention_policy.describe = _attention_policy_note
+# op -> policy(call) -> backend names, preferred first (set_auto_policy); operators without one use _DEFAULT_ORDER
+_POLICIES: Dict[str, Callable[[Call], Sequence[str]]] = {"flash": attention_policy, "flash_varlen": attention_policy}
 # what explain() says about the default order of an operator on CPU tensors
 _CPU_WHY: Dict[str, str] = {
     op: "cpu: PyTorch SDPA's CPU kernel first (4-18x faster than the reference, docs/DISPATCH.md), the Triton "

@@ -159,7 +159,7 @@ def test_eager_value_checks_are_the_only_host_sync():
     with pytest.raises(RuntimeError, match="synchroniz"):
         with _no_sync():
             step(xs, step.pool, state_indices=idx)
-    from delta_attn.ops.diag.triton_impl import diag_step
+    from delta_attn.ops.diag.launch import diag_step
     with _no_sync():
         diag_step(*xs, step.pool, idx)
     torch.cuda.synchronize()

@@ -171,7 +171,7 @@ def _shrunk_cases():
 def _assert_blocks_shrink(q):
     """The case really runs shrunk forward blocks (the launcher's choice on this GPU)."""
     import triton
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
     total, hd, bd = q.shape[0] * q.shape[1], q.shape[2] * q.shape[3], ti.FWD_CONFIG.bd
     assert ti._block_hd(bd, triton.cdiv(total, ti.FWD_CONFIG.bt), hd, q.device) < min(bd, triton.next_power_of_2(hd))
 

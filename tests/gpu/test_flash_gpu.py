@@ -5,7 +5,7 @@ import torch
 
 import delta_attn as da
 from delta_attn import reference
-from delta_attn.ops.flash import triton_impl
+from delta_attn.ops.flash import launch
 from delta_attn.testing import assert_close
 
 DEV = "cuda"
@@ -73,7 +73,7 @@ def test_dense(case, poisoned):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dropout(dtype, poisoned):
-    from delta_attn.ops.flash.triton_impl import draw_dropout_seed, dropout_keep_mask
+    from delta_attn.ops.flash.launch import draw_dropout_seed, dropout_keep_mask
     b, s, hq, hk, d, p = 1, 1031, 4, 2, 128, 0.15
     torch.manual_seed(21)
     mask = dropout_keep_mask(draw_dropout_seed(DEV), b, hq, s, s, p)
@@ -125,7 +125,7 @@ def test_strided_unaligned_views_take_the_pointer_path(poisoned):
     b, s, h, d = 2, 777, 4, 64
     buf = [torch.randn(b, s, h, d + 8, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
     q, k, v = (x[..., 1:d + 1].requires_grad_() for x in buf)
-    from delta_attn.ops.flash.triton_impl import _tma_ok
+    from delta_attn.ops.flash.launch import _tma_ok
     assert not _tma_ok(k, v)
     out, lse, _ = da.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, backend="triton")
     do = torch.randn_like(out)
@@ -138,7 +138,7 @@ def _fwd_ids(cfg):
                                                       if on)
 
 
-@pytest.mark.parametrize("cfg", triton_impl._FWD_CONFIGS[128], ids=_fwd_ids)
+@pytest.mark.parametrize("cfg", launch._FWD_CONFIGS[128], ids=_fwd_ids)
 def test_every_d128_forward_config_varlen_window(cfg, poisoned):
     # each forward configuration the D=128 autotuner may pick (pipelined loop, TMA descriptors per
     # sequence) on a packed batch with empty / length-1 / long sequences, GQA, a sliding window
@@ -149,7 +149,7 @@ def test_every_d128_forward_config_varlen_window(cfg, poisoned):
     q, k, v = _inputs([(sum(lq), hq, d), (sum(lk), hk, d), (sum(lk), hk, d)], torch.bfloat16)
     kw = dict(window_size=(700, 300))
     with torch.no_grad():     # the launcher with this configuration, untuned
-        out, lse = triton_impl.flash_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), "thd", d ** -0.5, 700, 300,
+        out, lse = launch.flash_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), "thd", d ** -0.5, 700, 300,
                                          config=cfg)
         for name, dt, up in (("64", torch.float64, True), ("low", torch.bfloat16, False)):
             ys = [t.detach().to(dt) for t in (q, k, v)]
@@ -236,7 +236,7 @@ def test_varlen_zero_and_one_length_sequences_very_negative_scores(dtype, causal
     _check((out, lse, *grads), res)
 
 
-@pytest.mark.parametrize("cfgs", list(zip(triton_impl._DKDV_CONFIGS[128], triton_impl._DQ_CONFIGS[128])),
+@pytest.mark.parametrize("cfgs", list(zip(launch._DKDV_CONFIGS[128], launch._DQ_CONFIGS[128])),
                          ids=lambda c: "dkdv" + "-".join(map(str, c[0])) + "_dq" + "-".join(map(str, c[1])))
 def test_every_d128_backward_config_short_key_tile(cfgs, poisoned):
     # each backward configuration the D=128 autotuner may pick, with one key past a 64- or 128-key tile:
@@ -245,7 +245,7 @@ def test_every_d128_backward_config_short_key_tile(cfgs, poisoned):
         q, k, v = _aligned([(1, 200, 4, 128), (1, sk, 1, 128), (1, sk, 1, 128)], torch.float16)
         scale = 128 ** -0.5
         with torch.no_grad():
-            out, lse = triton_impl.flash_fwd(q, k, v, scale=scale)
+            out, lse = launch.flash_fwd(q, k, v, scale=scale)
             do = torch.randn_like(out)
-            grads = triton_impl.flash_bwd(do, q, k, v, out, lse, scale=scale, dkdv_config=cfgs[0], dq_config=cfgs[1])
+            grads = launch.flash_bwd(do, q, k, v, out, lse, scale=scale, dkdv_config=cfgs[0], dq_config=cfgs[1])
         _check((out, lse, *grads), _ref(reference.attention, (q, k, v), do))

@@ -12,7 +12,7 @@ global. Example: the gated diagonal forward's tiles (``diag_fwd(config=...)``) o
 
     from delta_attn.bench.runner import Settings
     from delta_attn.bench.sweep import sweep
-    from delta_attn.ops.diag import triton_impl as ti
+    from delta_attn.ops.diag import launch as ti
 
     configs = [ti.FWD_CONFIG, ti.FwdConfig(bt=64, bd=64, w=8, warps=4, split=4),
                ti.FwdConfig(bt=32, bd=64, w=4, warps=2, split=2)]

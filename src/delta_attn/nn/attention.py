@@ -6,8 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..ops.flash.api import flash_attn_func, flash_attn_varlen_func
-from ..ops.flash.kvcache import flash_attn_with_kvcache
+from ..ops.flash.api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ._utils import Packing, RotaryEmbedding, make_packing, packing_from_mask
 from .cache import CrossAttentionCache, KVCache, PagedKVCache
 

@@ -1,38 +1,15 @@
-"""Public gated diagonal attention entry points (``gated_diag_attn``, ``gated_diag_step``)."""
-from __future__ import annotations
+"""Gated diagonal attention's public functions (``gated_diag_attn``, ``gated_diag_step``) and their validation.
 
-from dataclasses import dataclass
-from typing import Optional
+Each validates every argument before anything runs, builds a :class:`~delta_attn.ops.diag.args.DiagArgs` and hands
+it to the backend the registry selects (``register.py`` declares what each backend supports).
+"""
+from __future__ import annotations
 
 import torch
 
 from ... import _checks as C
-from ...backends import Call, Capability, explain_call, recurrent_features, register, select
-
-
-@dataclass(frozen=True)
-class DiagArgs:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    initial_state: Optional[torch.Tensor]
-    output_final_state: bool
-    cu_seqlens: Optional[torch.Tensor]
-    num_seqs: int
-    state: Optional[torch.Tensor] = None            # gated_diag_step: the state pool, updated in place
-    state_indices: Optional[torch.Tensor] = None    # slot of each sequence (B,) or token (B, T)
-    num_accepted_tokens: Optional[torch.Tensor] = None   # with (B, T) slots: start slot column + 1
-
-    def call(self, op: str) -> Call:
-        feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
-        return Call(op=op, device=self.q.device, dtype=self.q.dtype, head_dims=(self.q.shape[-1],),
-                    features=frozenset(feats), needs_grad=self.needs_grad())
-
-    def needs_grad(self) -> bool:
-        """Grad mode on and a differentiable input (q, k, v, g, initial_state) requires grad."""
-        return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.g, self.initial_state))
+from ...backends import explain_call, select
+from .args import DiagArgs
 
 
 def _validate_qkvg(q, k, v, g):
@@ -134,15 +111,3 @@ def gated_diag_step(q, k, v, g, state, *, state_indices=None, num_accepted_token
 gated_diag_attn.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call("diag"), backend)
 gated_diag_step.plan = lambda *a, backend="auto", **kw: explain_call(
     validate_step(*a, **kw).call("diag_step"), backend)
-
-_FEATURES = frozenset({"varlen", "initial_state", "final_state", "state_indices", "speculative"})
-_ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
-register("torch", "diag", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag", **_ANY))
-register("torch", "diag_step", Capability(impl="delta_attn.ops.diag.torch_impl:gated_diag_step", backward=False,
-                                          **_ANY))
-
-_TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
-               features=_FEATURES, requires=("triton",), install_hint="pip install triton")
-register("triton", "diag", Capability(impl="delta_attn.ops.diag.triton_impl:gated_diag", **_TRITON))
-register("triton", "diag_step", Capability(impl="delta_attn.ops.diag.triton_impl:gated_diag_step", backward=False,
-                                           **_TRITON))

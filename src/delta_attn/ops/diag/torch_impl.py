@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ... import reference
 from .._state import step_on_pool
-from .api import DiagArgs
+from .args import DiagArgs
 
 
 def gated_diag(a: DiagArgs):

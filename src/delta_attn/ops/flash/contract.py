@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .api import AttnArgs
+from .args import AttnArgs
 
 INF = float("inf")
 

@@ -1,4 +1,4 @@
-"""cuDNN and PyTorch-SDPA backends for attention, and the measured ``auto`` policy.
+"""``backend="cudnn"`` for attention: SDPA's cuDNN kernel and cudnn-frontend graphs.
 
 ``backend="cudnn"``
   * dense calls that PyTorch's SDPA cuDNN backend can run as they are (no window, no GQA,
@@ -16,8 +16,8 @@ totals to a power of two; "htd" graphs need the exact token totals, which are th
 with their plans; the workspace is one growing buffer per device. A training loop whose
 ``cu_seqlens`` change every step therefore reuses a handful of graphs (:func:`graph_cache_stats`).
 
-``backend="sdpa"`` lives in :mod:`delta_attn.ops.flash.sdpa`, which registers itself; this module registers
-``cudnn`` and installs the attention ``auto`` policy. Both are imported by ``ops/flash/api.py``.
+What ``cudnn`` supports is declared in ``register.py`` (from the probes below); the attention ``auto`` policy
+that prefers it on sm90+ is in ``delta_attn/backends.py``.
 
 Nothing here imports ``cudnn`` (the frontend) at ``import delta_attn`` time.
 """
@@ -33,11 +33,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ... import _outputs
-from ... import backends as B
-from ...backends import Call, Capability, register, set_auto_policy
-
-CUDNN_FRONTEND_HINT = ("pip install 'delta-attn[cudnn]' (nvidia-cudnn-frontend; its classic graph API also works "
-                       "installed with --no-deps, see docs/DISPATCH.md)")
+from ...backends import UnsupportedError
+from .args import AttnArgs
+from .contract import prepare
 
 # cuDNN's diagonal band: key j is visible from query i when
 #   i + Sk - Sq - left_bound < j <= i + Sk - Sq + right_bound   (BOTTOM_RIGHT alignment)
@@ -54,21 +52,14 @@ HEUR_MODES = ("A", "FALLBACK")
 HTD_MAX_TOTALS = 4
 
 # ---------------------------------------------------------------------------------------------
-# capability declarations
+# what the registry asks (register.py): the library's version, whether the frontend imports, which dense calls
+# need frontend graphs
 # ---------------------------------------------------------------------------------------------
-
-_MAX_HEAD_DIM = 128     # declared (and tested) for cuDNN 9.x on sm90; larger dims are not claimed
-
-
-def _cudnn_head_dims(dims: Tuple[int, ...]) -> Optional[str]:
-    bad = [d for d in dims if d % 8 != 0 or d > _MAX_HEAD_DIM]
-    if bad:
-        return f"head dims must be multiples of 8 and at most {_MAX_HEAD_DIM} for cuDNN fused attention, got {'x'.join(map(str, dims))}"
-    return None
 
 
 @lru_cache(maxsize=None)
-def _torch_cudnn_version() -> Optional[int]:
+def torch_cudnn_version() -> Optional[int]:
+    """The cuDNN version PyTorch loads (None: no cuDNN)."""
     try:
         return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except Exception:   # noqa: BLE001 — a broken cuDNN install is just "not available"
@@ -77,20 +68,11 @@ def _torch_cudnn_version() -> Optional[int]:
 
 # features of a dense call that the SDPA cuDNN path cannot take and that need cudnn-frontend graphs
 # (single_token: PyTorch's cuDNN SDPA raises "s_q = s_kv = 1 is not supported"; the graphs bucket lengths to 64)
-_NEEDS_GRAPH = frozenset({"window", "gqa", "deterministic", "head_dim_v", "single_token"})
+NEEDS_GRAPH = frozenset({"window", "gqa", "deterministic", "head_dim_v", "single_token"})
 
 
 def dense_needs_graph(features) -> bool:
-    return bool(features & _NEEDS_GRAPH) or ("causal" in features and "sq_ne_sk" in features)
-
-
-def _cudnn_library_reasons(min_version: int) -> List[str]:
-    ver = _torch_cudnn_version()
-    if ver is None:
-        return ["PyTorch has no cuDNN library here"]
-    if ver < min_version:
-        return [f"needs cuDNN >= {min_version // 10000}.{min_version // 100 % 100}, PyTorch loads {ver}"]
-    return []
+    return bool(features & NEEDS_GRAPH) or ("causal" in features and "sq_ne_sk" in features)
 
 
 _frontend_error: List[Optional[str]] = []
@@ -106,91 +88,6 @@ def frontend_error() -> Optional[str]:
             _frontend_error.append(f"cudnn-frontend is installed but does not import ({type(e).__name__}: {e})")
     return _frontend_error[0]
 
-
-def _check_cudnn_dense(call: Call) -> List[str]:
-    if call.device.type != "cuda":
-        return []
-    reasons = _cudnn_library_reasons(90000)
-    if dense_needs_graph(call.features):
-        what = sorted(call.features & _NEEDS_GRAPH) or ["causal with Sq != Sk"]
-        if call.compiling:
-            reasons.append(f"{', '.join(what)} on dense calls run cudnn-frontend graphs from Python, which "
-                           f"torch.compile cannot trace")
-        if not B.package_available("cudnn"):
-            reasons.append(f"{', '.join(what)} on dense calls need cudnn-frontend graphs: nvidia-cudnn-frontend not "
-                           f"installed — {CUDNN_FRONTEND_HINT}")
-        elif frontend_error():
-            reasons.append(frontend_error())
-        cc = B.device_capability(call.device)
-        if cc is not None and cc < (9, 0):
-            reasons.append(f"{', '.join(what)} on dense calls use ragged cuDNN graphs, which need compute "
-                           f"capability >= 9.0, device has {cc[0]}.{cc[1]}")
-    return reasons
-
-
-def _check_cudnn_varlen(call: Call) -> List[str]:
-    if call.device.type != "cuda":
-        return []
-    reasons = _cudnn_library_reasons(90600)
-    if B.package_available("cudnn") and frontend_error():
-        reasons.append(frontend_error())
-    return reasons
-
-
-_FP = (torch.float16, torch.bfloat16)
-register("cudnn", "flash", Capability(
-    impl="delta_attn.ops.flash.cudnn:attention", dtypes=_FP, min_compute_capability=(8, 0),
-    features=frozenset({"causal", "sq_ne_sk"}) | _NEEDS_GRAPH, head_dims=_cudnn_head_dims,
-    check=_check_cudnn_dense, install_hint=CUDNN_FRONTEND_HINT))
-register("cudnn", "flash_varlen", Capability(
-    impl="delta_attn.ops.flash.cudnn:attention", dtypes=_FP, min_compute_capability=(9, 0),
-    features=frozenset({"causal", "window", "gqa", "deterministic", "head_dim_v", "varlen", "layout_htd"}),
-    requires=("cudnn",), install_hint=CUDNN_FRONTEND_HINT, head_dims=_cudnn_head_dims, check=_check_cudnn_varlen,
-    traceable=False))    # cudnn-frontend graphs are executed from Python
-
-# ---------------------------------------------------------------------------------------------
-# auto policy (measurements: docs/DISPATCH.md)
-# ---------------------------------------------------------------------------------------------
-
-
-# The order on sm90+ per (operator, training): training = some input requires grad, so the backward
-# follows and forward+backward time decides; otherwise the forward time decides.
-SM90_ORDER = {
-    ("flash", False): ("cudnn", "triton", "sdpa", "torch"),
-    ("flash", True): ("cudnn", "triton", "sdpa", "torch"),
-    ("flash_varlen", False): ("cudnn", "triton", "sdpa", "torch"),
-    ("flash_varlen", True): ("cudnn", "triton", "sdpa", "torch"),
-}
-SM90_WHY = {
-    ("flash", False): "dense forward: cuDNN fastest on every H200 benchmark shape",
-    ("flash", True): "dense forward+backward: cuDNN fastest on every H200 benchmark shape",
-    ("flash_varlen", False): "varlen forward: the cuDNN ragged graph is fastest on the H200 mixed batch",
-    ("flash_varlen", True): "varlen forward+backward: the cuDNN ragged graphs are fastest on the H200 mixed batch",
-}
-
-
-def _flash_policy(call: Call) -> Tuple[str, ...]:
-    cc = B.device_capability(call.device) if call.device.type == "cuda" else None
-    if cc is None:
-        return B._DEFAULT_ORDER[call.op]
-    if cc >= (9, 0):
-        return SM90_ORDER[(call.op, call.needs_grad)]
-    # Ampere / Ada: not measured by us; cuDNN and FA2 are close there, ours last among fused paths
-    return ("cudnn", "sdpa", "triton", "torch")
-
-
-def _policy_note(call: Call) -> str:
-    cc = B.device_capability(call.device) if call.device.type == "cuda" else None
-    if cc is None:
-        return "not a CUDA call: default order"
-    if cc >= (9, 0):
-        return f"sm90+, {SM90_WHY[(call.op, call.needs_grad)]} (docs/DISPATCH.md)"
-    return f"sm{cc[0]}{cc[1]}: cudnn > sdpa > triton (not measured on this architecture)"
-
-
-_flash_policy.describe = _policy_note
-set_auto_policy("flash", _flash_policy)
-set_auto_policy("flash_varlen", _flash_policy)
 
 # ---------------------------------------------------------------------------------------------
 # dense path through PyTorch SDPA's cuDNN backend
@@ -386,7 +283,7 @@ def _graph(spec: _Spec) -> _Graph:
     try:
         built = _build(spec)
     except Exception as e:   # noqa: BLE001 — surface cuDNN's refusal as our error type
-        raise B.UnsupportedError(f"cuDNN could not build an attention graph for {spec}: {e}") from e
+        raise UnsupportedError(f"cuDNN could not build an attention graph for {spec}: {e}") from e
     with _lock:
         _stats["builds"] += 1
         _stats["build_seconds"] += time.perf_counter() - t0
@@ -681,6 +578,3 @@ def attention(a: "AttnArgs"):
         return _dense_graph(a)
     return _dense_sdpa_cudnn(a)
 
-
-from .api import AttnArgs  # noqa: E402  (type used above; api imports this module at its end)
-from .contract import prepare  # noqa: E402

@@ -1,6 +1,6 @@
 """``backend="sdpa"``: PyTorch's own attention kernels behind the flash-attn 2 API.
 
-CUDA (capabilities declared below):
+CUDA (capabilities declared in ``register.py``):
 
 * fp16 / bf16, dense and varlen: the FlashAttention-2 kernel PyTorch ships
   (``aten::_flash_attention_forward`` / ``_flash_attention_backward``, the kernel behind
@@ -11,7 +11,7 @@ CUDA (capabilities declared below):
 * float32, dense: the memory-efficient kernel (``aten::_scaled_dot_product_efficient_attention``),
   which PyTorch aligns causal masks top-left: it runs causal only when Sq == Sk, no window, no GQA.
 
-CPU (capabilities declared below, for CPU tensors): ``aten::_scaled_dot_product_flash_attention_for_cpu``, the
+CPU (capabilities declared in ``register.py``, for CPU tensors): ``aten::_scaled_dot_product_flash_attention_for_cpu``, the
 kernel ``F.scaled_dot_product_attention`` runs on CPU tensors: every float dtype (fp16 / bf16 inputs run
 in float32, out and gradients rounded once), any head dim (v's equal to q's), GQA, an additive mask, the LSE and a backward. Causal with
 Sq == Sk runs its ``is_causal`` (top-left and bottom-right are the same mask there); any other causal or
@@ -39,24 +39,23 @@ What the wrapper adds so that every path computes the contract (DESIGN.md) exact
   exact in every dtype; autograd carries the sign to dq); a zero scale becomes ``(0 * q, 1)``, uniform
   weights over the visible keys.
 
-No softcap, ALiBi, dropout or ``head_dim_v != head_dim`` (declared in the capabilities).
+No softcap, ALiBi, dropout or ``head_dim_v != head_dim`` (declared in ``register.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from ... import reference
-from ...backends import Call, Capability, UnsupportedError, register
-from .api import AttnArgs
-
+from ...backends import UnsupportedError
+from .args import AttnArgs
 from .contract import INF as _INF, lse_dtype as _lse_dtype, no_keys, prepare
 
 # ---------------------------------------------------------------------------------------------
-# capabilities (pure Python: registering imports no kernel)
+# what the registry asks (register.py declares the capabilities): which kernels this PyTorch exposes
 # ---------------------------------------------------------------------------------------------
 
 
@@ -80,61 +79,6 @@ def cpu_op_available() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return "attn_mask" in {a.name for a in schema.arguments}
-
-
-def cpu_reasons(call: Call) -> List[str]:
-    """Extra reasons for the CPU capability."""
-    if not cpu_op_available():
-        return [f"this PyTorch ({torch.__version__}) lacks aten::_scaled_dot_product_flash_attention_for_cpu "
-                f"with attn_mask"]
-    return []
-
-
-def _head_dims(dims: Tuple[int, ...]) -> Optional[str]:
-    d, dv = dims
-    if d != dv:
-        return f"needs equal q/k and v head dims, got {d} and {dv}"
-    if d % 8 != 0 or d > 256:
-        return f"head dim must be a multiple of 8 and at most 256 (FlashAttention-2), got {d}"
-    return None
-
-
-def _cuda_reasons(call: Call) -> List[str]:
-    reasons = []
-    if not flash_op_available():
-        reasons.append(f"this PyTorch ({torch.__version__}) lacks aten::_flash_attention_forward with window bounds")
-    if call.dtype == torch.float32:
-        if call.op == "flash_varlen":
-            reasons.append("float32 varlen has no PyTorch fused kernel (FlashAttention-2 is fp16/bf16 only)")
-        else:
-            bad = sorted(call.features & {"window", "gqa"})
-            if bad:
-                reasons.append(f"float32 runs on the memory-efficient kernel, which has no {', '.join(bad)}")
-            if "causal" in call.features and "sq_ne_sk" in call.features:
-                reasons.append("float32 runs on the memory-efficient kernel, whose causal mask is top-left "
-                               "aligned: causal with Sq != Sk would differ from the bottom-right semantics")
-    return reasons
-
-
-# CUDA: FlashAttention-2 (fp16 / bf16) and the memory-efficient kernel (float32 dense)
-_FP = (torch.float16, torch.bfloat16)
-_IMPL = "delta_attn.ops.flash.sdpa:attention"
-register("sdpa", "flash", Capability(
-    impl=_IMPL, dtypes=_FP + (torch.float32,), min_compute_capability=(8, 0),
-    features=frozenset({"causal", "window", "gqa", "sq_ne_sk", "single_token"}), head_dims=_head_dims, check=_cuda_reasons))
-register("sdpa", "flash_varlen", Capability(
-    impl=_IMPL, dtypes=_FP, min_compute_capability=(8, 0),
-    features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}), head_dims=_head_dims,
-    check=_cuda_reasons))
-# CPU tensors: PyTorch's CPU flash kernel, any head dim (q/k and v equal), GQA, every float dtype, an additive
-# mask built here for causal / windows aligned bottom-right; the varlen path loops over the sequences on the
-# host (cu_seqlens read once), which torch.compile cannot trace
-_CPU = dict(impl=_IMPL, device_types=("cpu",), dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-            check=cpu_reasons)
-register("sdpa", "flash", Capability(features=frozenset({"causal", "window", "gqa", "sq_ne_sk", "single_token"}), **_CPU),
-         device_type="cpu")
-register("sdpa", "flash_varlen", Capability(features=frozenset({"causal", "window", "gqa", "varlen", "layout_htd"}),
-                                            traceable=False, **_CPU), device_type="cpu")
 
 
 def empty_top_rows(sq: int, sk: int, wr: int) -> int:
@@ -335,7 +279,7 @@ def _efficient(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     if n == sq or b == 0:
         return _no_keys(a.q, a.k, a.v)
     m = sq - n
-    # declared in the capabilities (above); the kernel's causal mask is top-left aligned
+    # declared in the capabilities (register.py); the kernel's causal mask is top-left aligned
     if a.window != ((-1, 0) if a.causal else (-1, -1)) or hq != a.k.shape[2] or (a.causal and m != sk):
         raise UnsupportedError("sdpa's float32 CUDA path (memory-efficient kernel) has no window, GQA or "
                                "causal with Sq < Sk")

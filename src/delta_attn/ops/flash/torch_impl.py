@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ... import reference
-from .api import AttnArgs
+from .args import AttnArgs
 
 
 def _keep_mask(shape, p: float, device) -> torch.Tensor:
@@ -30,7 +30,7 @@ def attention(a: AttnArgs):
 
 
 def kvcache(a):
-    """``flash_attn_with_kvcache`` on the reference (a :class:`~delta_attn.ops.flash.kvcache.KVCacheArgs`).
+    """``flash_attn_with_kvcache`` on the reference (a :class:`~delta_attn.ops.flash.args.KVCacheArgs`).
     Reads the cache lengths on the host: not capturable in a CUDA graph (the Triton backend is)."""
     with torch.no_grad():
         return reference.attention_with_kvcache(

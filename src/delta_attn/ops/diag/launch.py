@@ -1,19 +1,17 @@
-"""``backend="triton"`` for gated diagonal attention: launchers, torch.library custom ops, autograd.
+"""Host launchers of the gated diagonal kernels (``backend="triton"``): configs, grids, what each kernel
+receives.
 
-``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` with the
+``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels_scan.py`` with the
 configs chosen below (:data:`FWD_CONFIG`, :data:`BWD_CONFIG`: measured fastest, docs/PERFORMANCE.md);
-``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
-ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them),
-:class:`GatedDiagFunction` ties forward and backward together, and the backend entries take the
-Function when a gradient is needed, else the op's body in eager mode (the op while traced). The
-forward returns, besides ``o`` and the final states, its workspace: the state at the end of every time
-tile (of every segment for a training forward), which the backward uses as carries (int64 words, 8 bytes
-per channel every ``bt`` or, training, every ``bt / split`` tokens).
+``diag_step`` launches the decode step of ``kernels_decode.py``. The forward returns, besides ``o`` and the final
+states, its workspace: the state at the end of every time tile (of every segment for a training forward),
+which the backward uses as carries (int64 words, 8 bytes per channel every ``bt`` or, training, every
+``bt / split`` tokens). The custom ops, the autograd Function and the backend entries over these launchers are
+in ``autograd.py``.
 """
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -23,9 +21,9 @@ import triton
 
 from ... import settings
 from ..._outputs import empty
-from .._launch import Tiles, cdiv, eager_or_op, index, launch, next_pow2, optional, param, sm_count, tiles
-from .api import DiagArgs
-from .kernels import _diag_bwd_rows_kernel, _diag_fwd_rows_kernel, _diag_step_kernel
+from .._launch import Tiles, cdiv, index, launch, next_pow2, optional, param, sm_count, tiles
+from .kernels_decode import _diag_step_kernel
+from .kernels_scan import _diag_bwd_rows_kernel, _diag_fwd_rows_kernel
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,6 @@ STEP_WIDE_CHANNELS = 2 ** 21     # B * H * D from which the step takes 2048-chan
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def step_tiles(hd: int, wide: bool) -> Tiles:
     """The decode step's launch config: BD channels of the flattened H * D axis per program (B x HD / BD
     programs) and warps; ``wide``: B * HD >= STEP_WIDE_CHANNELS (H200 sweep, bf16, H * D = 2048, graph
@@ -222,88 +219,3 @@ def diag_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None, c
                 EVEN=(h * d) % config.get("BD") == 0),
            (config,))
     return o
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.library custom ops (fake implementations give shapes for torch.compile)
-# ---------------------------------------------------------------------------------------------
-
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-         output_final_state: bool, training: bool = False
-         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=training)
-
-
-_diag_fwd_op = torch.library.custom_op("delta_attn::diag_fwd", _fwd, mutates_args=())
-
-
-@_diag_fwd_op.register_fake
-def _(q, k, v, g, initial_state, cu_seqlens, output_final_state, training=False):
-    total, _, n, h, d = _shape(q, cu_seqlens)
-    words = _carry_words(_configs()[0], total, training)
-    final = q.new_empty((n, h, d) if output_final_state else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), final, q.new_empty((words, h, d), dtype=torch.int64)
-
-
-def _bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
-         ws: torch.Tensor, initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
-         cu_seqlens: Optional[torch.Tensor]
-         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return diag_bwd(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
-
-
-_diag_bwd_op = torch.library.custom_op("delta_attn::diag_bwd", _bwd, mutates_args=())
-
-
-@_diag_bwd_op.register_fake
-def _(q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens):
-    # contiguous, as the real op's outputs (empty_like would copy the inputs' strides)
-    dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
-           else q.new_empty((0,), dtype=torch.float32))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
-
-
-def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
-          state_indices: Optional[torch.Tensor], num_accepted_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return diag_step(q, k, v, g, state, state_indices, num_accepted_tokens)
-
-
-_diag_step_op = torch.library.custom_op("delta_attn::diag_step", _step, mutates_args=("state",))
-
-
-@_diag_step_op.register_fake
-def _(q, k, v, g, state, state_indices, num_accepted_tokens=None):
-    return q.new_empty(q.shape)
-
-
-class GatedDiagFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, cu_seqlens, output_final_state):
-        o, final, ws = torch.ops.delta_attn.diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state,
-                                                     True)
-        ctx.save_for_backward(q, k, v, g, ws, initial_state, cu_seqlens)
-        ctx.mark_non_differentiable(ws)
-        return o, final
-
-    @staticmethod
-    def backward(ctx, do, dfinal):
-        q, k, v, g, ws, initial_state, cu_seqlens = ctx.saved_tensors
-        if dfinal is not None and dfinal.numel() == 0:
-            dfinal = None
-        dq, dk, dv, dg, dh0 = torch.ops.delta_attn.diag_bwd(
-            q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
-        return dq, dk, dv, dg, (dh0 if initial_state is not None else None), None, None
-
-
-def gated_diag(a: DiagArgs):
-    args = (a.q, a.k, a.v, a.g, a.initial_state, a.cu_seqlens, a.output_final_state)
-    if a.needs_grad():
-        o, final = GatedDiagFunction.apply(*args)
-    else:
-        o, final, _ = eager_or_op(_fwd, _diag_fwd_op)(*args)
-    return o, (final if a.output_final_state else None)
-
-
-def gated_diag_step(a: DiagArgs):
-    return eager_or_op(_step, _diag_step_op)(a.q, a.k, a.v, a.g, a.state, a.state_indices, a.num_accepted_tokens)

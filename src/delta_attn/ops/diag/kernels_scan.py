@@ -1,4 +1,5 @@
-"""Triton kernels of gated diagonal attention: ``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t``.
+"""Triton kernels of gated diagonal attention, the forward and backward scans:
+``s_t = exp(g_t) * s_{t-1} + k_t * v_t``, ``o_t = q_t * s_t`` (the decode step: ``kernels_decode.py``).
 
 Layout: q, k, v, g, o are packed ``(total, H, D)`` (a fixed batch ``(B, T, H, D)`` is the packed batch
 of B sequences of T tokens), so every channel of the flattened H * D axis is one *chain* along the packed
@@ -36,16 +37,12 @@ Backward (``_diag_bwd_rows_kernel``), the same scheme run from the last tile to 
   with look-back to the right; the states ``s_t`` are recomputed from the forward's carries; then
   ``dq = do s``, ``dk = ds v``, ``dv = ds k``, ``dg = ds (s_t - k_t v_t) = ds exp(g_t) s_{t-1}`` and
   ``d s0 = exp(g_first) ds_first``.
-
-Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place; a program owns a
-block of the flattened H * D channels of one sequence (``ops/_slots.py`` gives its slots).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .._slots import _start_slot, _token_slot
 from .._triton_helpers import _ld, _st
 
 # a published word with the valid bit set, A bits 0 (stop) and B = 0: "state 0, nothing before matters"
@@ -468,30 +465,3 @@ def _diag_bwd_rows_kernel(q, k, v, g, do, dq, dk, dv, dg, h0, dht, dh0, ws_f, ws
             # zero-length sequences pass the final state's gradient straight through
             if j == 0:
                 _empty_sequences_pass_through(dht, dh0, cu, N, chan, cmask, HD, HAS_DHT, BD)
-
-
-@triton.jit
-def _diag_step_kernel(q, k, v, g, o, state, idx, nat, T, HD,
-                      IDX: tl.constexpr, HAS_NAT: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
-    # one program per (sequence, block of BD channels of the flattened H * D axis): the state block is read
-    # from its start slot (ops/_slots.py), walked over the new tokens in registers and written back (to each
-    # token's slot with (B, T) indices, else once to the start slot)
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    cmask = cols < HD
-    s_start = state + _start_slot(idx, nat, b, T, IDX, HAS_NAT) * HD + cols
-    s = _ld(s_start, cmask, EVEN).to(tl.float32)
-    t = 0
-    while t < T:   # (a while loop: the interpreter cannot range() over a runtime int)
-        off = (b * T + t) * HD + cols
-        gt = _ld(g + off, cmask, EVEN).to(tl.float32)
-        kt = _ld(k + off, cmask, EVEN).to(tl.float32)
-        vt = _ld(v + off, cmask, EVEN).to(tl.float32)
-        qt = _ld(q + off, cmask, EVEN).to(tl.float32)
-        s = tl.exp(gt) * s + kt * vt
-        _st(o + off, (qt * s).to(o.dtype.element_ty), cmask, EVEN)
-        if IDX == 2:
-            _st(state + _token_slot(idx, b, T, t) * HD + cols, s.to(state.dtype.element_ty), cmask, EVEN)
-        t += 1
-    if IDX != 2:
-        _st(s_start, s.to(state.dtype.element_ty), cmask, EVEN)

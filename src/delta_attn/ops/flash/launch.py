@@ -1,39 +1,41 @@
-"""``backend="triton"`` for attention: launchers, ``torch.library`` custom ops, autograd.
+"""Host launchers of the Triton attention kernels (``backend="triton"``): what each kernel receives, its tiles,
+its grid.
 
-Layers, bottom up (the pattern of every op, docs/ARCHITECTURE.md):
-- :func:`flash_fwd` / :func:`flash_bwd` launch the kernels of ``kernels_fwd`` / ``kernels_bwd`` on a
-  dense (B, S, H, D) batch or a packed one ("thd" (total, H, D) / "htd" (H, total, D), addressed
-  through strides, never copied);
-- ``delta_attn::flash_attn_fwd`` / ``delta_attn::flash_attn_bwd`` are ``torch.library`` custom ops
-  with fake implementations, so ``torch.compile(fullgraph=True)`` traces through them;
-- :class:`FlashAttnFunction` ties them together for autograd; :func:`attention` is the backend
-  entry point that receives the validated :class:`~delta_attn.ops.flash.api.AttnArgs`: the Function
-  when a gradient is needed, else the forward op's body in eager mode (the op while traced).
+Attention (``kernels_fwd.py``, ``kernels_bwd.py``): :func:`flash_fwd` / :func:`flash_bwd` on a dense
+(B, S, H, D) batch or a packed one ("thd" (total, H, D) / "htd" (H, total, D), addressed through strides,
+never copied); :func:`dropout_keep_mask` materialises the dropout mask of a seed.
 
-Determinism: the backward never uses atomics (dK/dV and dQ are separate passes and GQA groups are
-summed in registers), so gradients are bit-identical across runs whether or not
-``deterministic=True`` (the flag is accepted and changes nothing).
+* Determinism: the backward never uses atomics (dK/dV and dQ are separate passes and GQA groups are summed in
+  registers), so gradients are bit-identical across runs whether or not ``deterministic=True`` (the flag is
+  accepted and changes nothing).
+* Dropout: a Philox counter stream keyed by a seed drawn from torch's generator of the device at forward time
+  (``torch.manual_seed`` makes it reproducible) and by (batch, head); the backward regenerates the same mask
+  from the saved seed.
+* Autotuning (GPU only): keys are the head dim, the feature flags and power-of-two *buckets* of the sequence
+  lengths, never the raw lengths, so a varlen loop does not re-tune every step. Under ``TRITON_INTERPRET=1``
+  one small fixed configuration runs instead.
 
-Dropout: a Philox counter stream keyed by a seed drawn from torch's generator of the device at
-forward time (``torch.manual_seed`` makes it reproducible) and by (batch, head); the backward
-regenerates the same mask from the saved seed. :func:`dropout_keep_mask` materialises it.
+KV-cache decode (``kernels_decode.py``): :func:`kvcache_fwd` is at most three launches on one stream, none of
+which reads a value on the host, so a call can be captured in a CUDA graph: the append kernel (new keys /
+values into the cache, rotary on the keys), the split-KV attention kernel, and, when the keys are split, the
+merge kernel. The number of splits comes from the shapes only (:func:`choose_splits`), never from
+``cache_seqlens``.
 
-Autotuning (GPU only): keys are the head dim, the feature flags and power-of-two *buckets* of the
-sequence lengths, never the raw lengths, so a varlen loop does not re-tune every step. Under
-``TRITON_INTERPRET=1`` one small fixed configuration runs instead.
+The custom ops, the autograd Function and the backend entries over these launchers are in ``autograd.py``.
 """
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import triton
 
 from ... import _outputs, settings
-from .._launch import eager_or_op, index, optional, unit_last
-from .api import AttnArgs
+from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, param, sm_count, tiles, unit_last
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
+from .kernels_decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_merge_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
 
 Tensor = torch.Tensor
@@ -300,91 +302,159 @@ def dropout_keep_mask(seed: Tensor, batch: int, heads: int, seqlen_q: int, seqle
             BLOCK_M=bm, BLOCK_N=bn)
     return mask.bool()
 
-
 # ---------------------------------------------------------------------------------------------
-# custom ops (torch.compile sees these as opaque nodes with fake implementations)
+# KV-cache decode (flash_attn_with_kvcache)
 # ---------------------------------------------------------------------------------------------
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-         max_seqlen_q: int, max_seqlen_k: int, layout: str, softmax_scale: float, window_left: int,
-         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float
-         ) -> Tuple[Tensor, Tensor, Tensor]:
-    seed = draw_dropout_seed(q.device) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64, device=q.device)
-    out, lse = flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, softmax_scale,
-                         window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
-    return out, lse, seed
+@dataclass(frozen=True)
+class SplitRule:
+    """How many programs share one sequence's keys when ``num_splits=0``."""
+    # FA2's rule: once the (batch, key head, row block) programs fill 80 % of the SMs, splitting only adds
+    # the merge pass
+    fill: float = 0.8
+    # otherwise aim at two programs per SM (each streams its key range: more in flight hides latency)
+    programs_per_sm: int = 2
+    # a split below this many keys costs more in its fixed work (q load, partial write) than it saves
+    min_keys: int = 256
+    max_splits: int = 64
 
 
-_fwd_op = torch.library.custom_op("delta_attn::flash_attn_fwd", _fwd, mutates_args=())
+SPLITS = SplitRule()
 
 
-@_fwd_op.register_fake
-def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, softmax_scale,
-              window_left, window_right, softcap, alibi_slopes, dropout_p):
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32)
-    return out, lse, q.new_empty((1,), dtype=torch.int64)
+def choose_splits(programs: int, capacity: int, sms: int, rule: SplitRule = SPLITS) -> int:
+    """Splits of the key range per program from the shapes: ``programs`` (batch x key heads x row blocks),
+    ``capacity`` (cache positions per sequence) and the SM count."""
+    if programs >= rule.fill * sms:
+        return 1
+    want = cdiv(rule.programs_per_sm * sms, max(programs, 1))
+    return max(1, min(want, cdiv(capacity, rule.min_keys), rule.max_splits))
 
 
-def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
-         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-         layout: str, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-         alibi_slopes: Optional[Tensor], dropout_p: float, dlse: Optional[Tensor] = None
-         ) -> Tuple[Tensor, Tensor, Tensor]:
-    return flash_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout,
-                     softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, dlse=dlse)
+def _attn_tiles(d: int, paged: bool):
+    """Key tiles of the attention kernel, by layout (measured on the H200 at B = 64, cache 8K, Hq 32, Hk 8,
+    D = 128, bf16, graph replay; docs/PERFORMANCE.md): a contiguous cache streams 128-key tiles in 2 stages
+    with only the edge tiles masked (492 µs, 1.016x cuDNN SDPA; 561 µs with the paged tiles); a paged cache
+    keeps 64-key tiles in 3 stages, every tile masked (507 µs, 1.031x cuDNN paged; 691 µs with edge-only
+    masks). Halved when shared memory is short. One small tile under the interpreter (CPU tests cover
+    several tiles and splits)."""
+    if settings.triton_interpreter():
+        return _INTERP_ATTN_TILES
+    return _device_attn_tiles(d, paged)
 
 
-_bwd_op = torch.library.custom_op("delta_attn::flash_attn_bwd", _bwd, mutates_args=())
+_INTERP_ATTN_TILES = (tiles("interpreter: small tiles", num_warps=4, num_stages=1, BLOCK_N=16, HOIST=0),)
 
 
-@_bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout,
-              softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, dlse=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-class FlashAttnFunction(torch.autograd.Function):
-    """Autograd of the Triton flash attention: forward and backward custom ops; out and lse are both
-    differentiable (gradients not materialised: an unused lse costs the backward nothing)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p):
-        out, lse, seed = torch.ops.delta_attn.flash_attn_fwd(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale,
-                                                             wl, wr, softcap, alibi, dropout_p)
-        ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, alibi)
-        ctx.params = (max_sq, max_sk, layout, scale, wl, wr, softcap, dropout_p)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, seed, cu_q, cu_k, alibi = ctx.saved_tensors
-        max_sq, max_sk, layout, scale, wl, wr, softcap, dropout_p = ctx.params
-        if dout is None:            # only lse reached the loss
-            dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.delta_attn.flash_attn_bwd(dout, q, k, v, out, lse, seed, cu_q, cu_k, max_sq, max_sk,
-                                                         layout, scale, wl, wr, softcap, alibi, dropout_p, dlse)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
-
-
-def attention(a: AttnArgs):
-    """Backend entry point (flash and flash_varlen): ``(out, lse)``."""
-    wl, wr = a.window
-    if a.varlen is None:
-        cu_q = cu_k = None
-        max_sq, max_sk, layout = a.q.shape[1], a.k.shape[1], "bshd"
+@functools.lru_cache(maxsize=None)
+def _device_attn_tiles(d: int, paged: bool) -> Tuple[Tiles, ...]:
+    if paged:
+        first = tiles("paged: 64-key tiles, 3 stages, every tile masked", num_warps=4, num_stages=3,
+                      BLOCK_N=64 if d <= 128 else 32, HOIST=0)
     else:
-        vl = a.varlen
-        cu_q, cu_k, max_sq, max_sk, layout = vl.cu_seqlens_q, vl.cu_seqlens_k, vl.max_seqlen_q, vl.max_seqlen_k, vl.layout
-    args = (a.q, a.k, a.v, cu_q, cu_k, int(max_sq), int(max_sk), layout, float(a.softmax_scale), int(wl), int(wr),
-            float(a.softcap), a.alibi_slopes, float(a.dropout_p))
-    if a.needs_grad():
-        return FlashAttnFunction.apply(*args)
-    out, lse, _ = eager_or_op(_fwd, _fwd_op)(*args)
+        first = tiles("contiguous: 128-key tiles, 2 stages, edge tiles masked", num_warps=4, num_stages=2,
+                      BLOCK_N=128 if d <= 128 else 64, HOIST=1)
+    return halving(first, ("BLOCK_N",))
+
+
+ATTN_META = ("BLOCK_N", "HOIST")
+
+
+def check_attn_config(config: Tiles) -> None:
+    """An explicit attention-kernel config: :class:`Tiles` with ``BLOCK_N`` (keys per tile, a power of two
+    >= 16) and ``HOIST`` (1: only the tiles at the edges of the visible range are masked; 0: every tile)."""
+    if not isinstance(config, Tiles):
+        raise TypeError(f"config must be a delta_attn.ops._launch.Tiles or None, got {type(config).__name__}")
+    meta = dict(config.meta)
+    if sorted(meta) != sorted(ATTN_META):
+        raise ValueError(f"config.meta must name exactly {ATTN_META}, got {tuple(sorted(meta))}")
+    n = meta["BLOCK_N"]
+    if not isinstance(n, int) or n < 16 or n & (n - 1):
+        raise ValueError(f"config BLOCK_N must be a power of two >= 16, got {n!r}")
+    if meta["HOIST"] not in (0, 1):
+        raise ValueError(f"config HOIST must be 0 or 1, got {meta['HOIST']!r}")
+    if config.num_warps not in (1, 2, 4, 8, 16) or not 1 <= config.num_stages <= 8:
+        raise ValueError(f"config num_warps must be a power of two <= 16 and num_stages in [1, 8], got "
+                         f"num_warps={config.num_warps}, num_stages={config.num_stages}")
+
+
+def _row_block(rows: int) -> int:
+    """Query rows (query x q head of one group) per program: all of them up to 64 (tl.dot needs >= 16)."""
+    return max(16, min(64, next_pow2(max(rows, 1))))
+
+
+def _s4(t: Optional[Tensor]) -> Tuple[int, ...]:
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
+def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, alibi_slopes, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                rotary_interleaved: bool, rotary_per_query: bool, num_splits: int,
+                config: Optional[Tiles] = None) -> Tuple[Tensor, Tensor]:
+    """Append ``k`` / ``v`` to the caches (in place), then attend. Returns ``(out (B, Sq, Hq, D),
+    lse (B, Hq, Sq) float32)``. Index tensors reach the kernels as contiguous int32 (the launch layer).
+    ``config``: the attention kernel's tiles (:func:`check_attn_config`), launched as given (no smaller
+    fallback); None: the default, fitted to the device."""
+    if config is not None:
+        check_attn_config(config)
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = map(
+        index, (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
+    b, sq, hq, d = q.shape
+    hk = k_cache.shape[2]
+    group = hq // hk
+    paged = block_table is not None
+    page = k_cache.shape[1]
+    capacity = block_table.shape[1] * page if paged else k_cache.shape[1]
+    rotary = rotary_cos is not None
+    if rotary and rotary_sin.stride() != rotary_cos.stride():
+        rotary_cos, rotary_sin = param(rotary_cos), param(rotary_sin)
+    cos, sin = optional(rotary_cos, q), optional(rotary_sin, q)
+    s_ro = tuple(rotary_cos.stride()) if rotary else (0, 0)
+    seqlen_ro = rotary_cos.shape[0] if rotary else 1
+    half = rotary_cos.shape[1] if rotary else 0
+    bt = optional(block_table, cache_seqlens)
+    s_bt = tuple(block_table.stride()) if paged else (0, 0)
+    idx = optional(cache_batch_idx, cache_seqlens)
+    block_d = max(16, next_pow2(d))
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, PAGED=paged, HAS_IDX=cache_batch_idx is not None, ROTARY=rotary,
+                  INTERLEAVED=bool(rotary_interleaved))
+
+    # 1. new keys (rotated) and values into the cache
+    snew = 0 if k is None else k.shape[1]
+    if snew > 0 and b > 0:
+        _kvcache_append_kernel[(b * snew, hk)](
+            k, v, k_cache, v_cache, cache_seqlens, idx, bt, cos, sin, *_s4(k), *_s4(v), *_s4(k_cache), *_s4(v_cache),
+            *s_bt, *s_ro, snew, page, seqlen_ro, half, **common)
+
+    out = _outputs.empty((b, sq, hq, d), q.dtype, q.device)
+    lse = _outputs.empty((b, hq, sq), torch.float32, q.device)
+    if b == 0 or sq == 0:
+        return out, lse
+    # 2. split-KV attention: programs (row block x split, batch x key head)
+    block_m = _row_block(sq * group)
+    row_blocks = cdiv(sq * group, block_m)
+    splits = num_splits or choose_splits(b * hk * row_blocks, capacity, sm_count(q.device))
+    splits = max(1, min(splits, capacity))
+    split = splits > 1
+    # the splits' partial results (unused placeholders when the keys are not split)
+    o_part = _outputs.empty((b * hq * sq * splits * d,), torch.float32, q.device) if split else optional(None, lse)
+    l_part = _outputs.empty((b * hq * sq * splits,), torch.float32, q.device) if split else optional(None, lse)
+    alibi = optional(alibi_slopes, q)
+    s_ab = (0, 0) if alibi_slopes is None else (
+        (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else tuple(alibi_slopes.stride()))
+    args = (q, k_cache, v_cache, out, lse, o_part, l_part, cache_seqlens,
+            optional(cache_leftpad, cache_seqlens), idx, bt, alibi, cos, sin,
+            *_s4(q), *_s4(k_cache), *_s4(v_cache), *_s4(out), *lse.stride(), *s_bt, *s_ab, *s_ro,
+            sq, snew, hk, group, page, seqlen_ro, half, float(softmax_scale), float(softcap), int(window_left),
+            int(window_right), splits, row_blocks)
+    fixed = dict(common, BLOCK_M=block_m, HAS_LEFTPAD=cache_leftpad is not None, SOFTCAP=softcap > 0,
+                 HAS_ALIBI=alibi_slopes is not None, HAS_WL=window_left >= 0, HAS_WR=window_right >= 0,
+                 ROTARY_PER_QUERY=bool(rotary_per_query), SPLIT=split, IEEE=q.dtype == torch.float32)
+    launch(_kvcache_attn_kernel, lambda t: (row_blocks * splits, b * hk), args, fixed,
+           _attn_tiles(d, paged) if config is None else (config,))
+    # 3. merge the splits
+    if split:
+        _kvcache_merge_kernel[(b * hq * sq,)](o_part, l_part, out, lse, *out.stride(), *lse.stride(), sq, hq, splits,
+                                              HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits))
     return out, lse
-
-
-__all__: List[str] = ["flash_fwd", "flash_bwd", "FlashAttnFunction", "attention", "dropout_keep_mask",
-                      "draw_dropout_seed"]
