@@ -176,7 +176,7 @@ def kda_run(backend: str, xs, kw, grad: bool, seed: int, **opts):
     """(o, final, grads) of a ``da.kda`` backend ("triton", "cudnn", ...) or of the reference: "ref64" (float64)
     or "ref_low" (the input dtype). The loss weights come from a CPU generator seeded with ``seed``, rounded to the
     dtypes a backend returns (o in v's dtype, the final state float32; float64 for float64 inputs)."""
-    wide = torch.float64 if xs[2].dtype == torch.float64 else torch.float32
+    wide = ref.accumulation_dtype(xs[2].dtype)
     out_dtypes = [xs[2].dtype, wide]
     if backend == "ref64":
         xs = [x.double() for x in xs]
@@ -781,7 +781,7 @@ class Checker:
         """The dtype of every output as the backends must return it: o / out in the input dtype; states and lse
         float32 (float64 for float64 inputs); pools keep their dtype."""
         dt = DTYPES[self.case.dtype]
-        wide = torch.float64 if dt == torch.float64 else torch.float32
+        wide = ref.accumulation_dtype(dt)
         want = {"out": dt, "o": dt, "lse": wide, "final_state": wide}
         want.update({n: self.prob.tensors[n].dtype for n in self.prob.pools})
         return want

@@ -102,7 +102,7 @@ def test_two_verification_rounds_match_the_accepted_prefixes(which, backend, dt,
     op = Op(which, seed=sum(map(ord, which + dt + layout)))
     B, T = op.B, op.T
     P = 2 * B * T + 3
-    pool_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    pool_dtype = reference.accumulation_dtype(dtype)
     pool = torch.full((P, *op.state_shape), 7.0, dtype=pool_dtype)
     perm = torch.randperm(P, generator=op.gen)
     table1 = perm[:B * T].view(B, T).to(torch.int32)
@@ -149,7 +149,7 @@ def test_one_column_table_equals_per_sequence_slots(which, backend, dt):
     """(B, 1) slots (a speculative table of width 1, as a non-speculative step of an engine) == (B,) slots."""
     op = Op(which, B=3, T=1, seed=5)
     dtype = DT[dt]
-    pool_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    pool_dtype = reference.accumulation_dtype(dtype)
     p1 = torch.randn(6, *op.state_shape, generator=op.gen, dtype=pool_dtype)
     p2 = p1.clone()
     slots = torch.tensor([4, 0, 2])

@@ -283,6 +283,20 @@ def state_indices(indices: Optional[torch.Tensor], batch: int, pool: int, device
         state_indices_value_checks(indices, pool, num_accepted)
 
 
+def decode_step(q: torch.Tensor, state: torch.Tensor, per_slot: Tuple[int, ...], doc: str,
+                indices: Optional[torch.Tensor], num_accepted: Optional[torch.Tensor]) -> None:
+    """The checks every decode step shares that read no device value: q (B, T, ...) with T >= 1 new tokens, the
+    float32 (or float64) state pool (P, *per_slot) on q's device (``doc`` names its axes), and the slots
+    (:func:`state_indices`; their values: :func:`state_indices_value_checks`, on every call)."""
+    b, t = q.shape[0], q.shape[1]
+    positive_dim("new tokens per sequence (q.shape[1])", t)
+    tensor("state", state, 1 + len(per_slot), (torch.float32, torch.float64), f"{doc} float32 state pool")
+    shape_equal("state", state, (state.shape[0], *per_slot), doc)
+    if state.device != q.device:
+        raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
+    state_indices(indices, b, state.shape[0], q.device, t, num_accepted, values=False)
+
+
 def state_indices_value_checks(indices: Optional[torch.Tensor], pool: int,
                                num_accepted: Optional[torch.Tensor] = None) -> None:
     """The value part of :func:`state_indices` (after its shape checks), when :func:`value_checks_enabled`."""

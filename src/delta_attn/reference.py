@@ -46,10 +46,15 @@ __all__ = [
 L2NORM_EPS = 1e-6
 
 
-def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
-    if not upcast:
-        return dtype
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision rule, written once: what a computation on ``dtype`` inputs accumulates in and returns its
+    statistics and states in (lse, recurrent states, merges of partial results): float64 for float64 inputs,
+    float32 for every other floating dtype (fp16 / bf16 / fp32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    return accumulation_dtype(dtype) if upcast else dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,7 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
             raise ValueError("reference.attention: dropout_p > 0 needs the dropout_mask it applies")
         p = p * dropout_mask.to(dt) / (1.0 - dropout_p)
     out = torch.matmul(p, vf).transpose(1, 2)
-    return out.to(q.dtype), lse.float() if dt != torch.float64 else lse
+    return out.to(q.dtype), lse.to(accumulation_dtype(dt))
 
 
 def _seq_slices(cu_seqlens: torch.Tensor):
@@ -143,7 +148,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if layout == "htd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     hq, dv = q.shape[1], v.shape[2]
-    lse_dtype = torch.float64 if _compute_dtype(q.dtype, upcast) == torch.float64 else torch.float32
+    lse_dtype = accumulation_dtype(_compute_dtype(q.dtype, upcast))
     outs, lses = [], []
     for i, ((q0, q1), (k0, k1)) in enumerate(zip(_seq_slices(cu_seqlens_q), _seq_slices(cu_seqlens_k))):
         if k1 == k0:   # no key at all: zero output, lse = +inf
@@ -331,11 +336,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         return outs, S
 
     o, final = _run_sequences(scan, b, t, cu_seqlens, vs.new_zeros(b, 0, hv, vdim))
-    return o.to(v.dtype), (final.to(_state_dtype(dt)) if output_final_state else None)
-
-
-def _state_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float64 if dt == torch.float64 else torch.float32
+    return o.to(v.dtype), (final.to(accumulation_dtype(dt)) if output_final_state else None)
 
 
 def _run_sequences(scan, b: int, t: int, cu_seqlens: Optional[torch.Tensor], empty: torch.Tensor):
@@ -382,4 +383,4 @@ def gated_diag(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         return outs, s
 
     o, final = _run_sequences(scan, b, t, cu_seqlens, qf.new_zeros(b, 0, h, d))
-    return o.to(q.dtype), (final.to(_state_dtype(dt)) if output_final_state else None)
+    return o.to(q.dtype), (final.to(accumulation_dtype(dt)) if output_final_state else None)

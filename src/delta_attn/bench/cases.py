@@ -154,10 +154,6 @@ def probe_case(case: Dict, tiny: bool = False, cap: Optional[int] = None) -> Dic
     return c
 
 
-def _state_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float64 if dt == torch.float64 else torch.float32
-
-
 def spec(op: str, case: Dict, t: Dict[str, torch.Tensor]) -> Callable[[List[torch.Tensor], bool], torch.Tensor]:
     """The reference computation as a function of the ``SPEC_INPUTS`` of ``op`` (cast by the gate).
 
@@ -179,10 +175,10 @@ def spec(op: str, case: Dict, t: Dict[str, torch.Tensor]) -> Callable[[List[torc
         return lambda L, up: reference.gated_diag(*L, upcast=up)[0]
     s0 = t["state"].detach().clone()
     if op == "kda_decode":
-        return lambda L, up: reference.kda(*L, use_qk_l2norm=True, initial_state=s0.to(_state_dtype(L[0].dtype)),
+        return lambda L, up: reference.kda(*L, use_qk_l2norm=True, initial_state=s0.to(reference.accumulation_dtype(L[0].dtype)),
                                            upcast=up)[0]
     if op == "diag_decode":
-        return lambda L, up: reference.gated_diag(*L, initial_state=s0.to(_state_dtype(L[0].dtype)), upcast=up)[0]
+        return lambda L, up: reference.gated_diag(*L, initial_state=s0.to(reference.accumulation_dtype(L[0].dtype)), upcast=up)[0]
     raise ValueError(op)
 
 

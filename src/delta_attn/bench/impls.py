@@ -479,7 +479,7 @@ def _fla_diag_decode_bind(case, t):
     def spec(leaves, upcast):
         xx, gg = leaves
         one = torch.ones_like(xx.view(b, tt, 1, h * d))
-        st = s_init.view(b, 1, h * d).to(torch.float64 if xx.dtype == torch.float64 else torch.float32)
+        st = s_init.view(b, 1, h * d).to(reference.accumulation_dtype(xx.dtype))
         return reference.gated_diag(one, xx.view(b, tt, 1, h * d), one, gg.view(b, tt, 1, h * d),
                                     initial_state=st, upcast=upcast)[0].view(b, tt, h * d)
     return Bound(fn=fn, leaves=[x, g], spec=spec, inputs=[x, g, s0])

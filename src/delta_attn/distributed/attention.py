@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from .. import _checks as C
 from ..ops.flash import api as flash_api
+from ..reference import accumulation_dtype
 from ._comm import group_rank_world
 from .sharding import check_layout, chunk_ranges, local_length
 
@@ -235,7 +236,7 @@ def _merge(parts, spec: _Spec):
     """Merge partial (out, lse) over disjoint key sets in fp32 (fp64 for fp64): rows without any key
     (lse = +inf everywhere) get zeros and lse = +inf."""
     outs, lses = zip(*parts)
-    dt = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    dt = accumulation_dtype(outs[0].dtype)
     lse = torch.stack([torch.where(x == float("inf"), torch.full_like(x, float("-inf")), x) for x in lses]).to(dt)
     m = lse.max(0).values
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -23,13 +23,14 @@ Gradients come from autograd through the operators and the differentiable collec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from .. import _checks as C
 from ..ops.diag import api as diag_api
 from ..ops.kda import api as kda_api
+from ..reference import accumulation_dtype
 from . import _comm
 from ._comm import group_rank_world
 
@@ -111,7 +112,7 @@ class _KDA:
             o, f = self._call(t, init, cu, self.backend)
             return o, f, None, None
         n, (hv, kd, vd) = len(id_rows), self.state_shape()
-        sdt = init.dtype if init is not None else _state_dtype(self.q)
+        sdt = init.dtype if init is not None else accumulation_dtype(self.q.dtype)
         init0 = init if init is not None else self.q.new_zeros((len(id_rows), hv, kd, vd), dtype=sdt)
         eye = torch.zeros(n, hv, kd, kd, dtype=sdt, device=self.q.device)
         eye[torch.tensor(id_rows, dtype=torch.bool, device=eye.device)] = torch.eye(kd, dtype=sdt, device=eye.device)
@@ -167,7 +168,7 @@ class _Diag:
             return diag_api.gated_diag_attn(q, k, v, g, initial_state=init, output_final_state=True,
                                             cu_seqlens=cu, backend=self.backend, **self.kw) + (None, None)
         n, (h, d) = len(id_rows), self.state_shape()
-        sdt = init.dtype if init is not None else _state_dtype(q)
+        sdt = init.dtype if init is not None else accumulation_dtype(q.dtype)
         init0 = init if init is not None else q.new_zeros((n, h, d), dtype=sdt)
         ones = torch.tensor(id_rows, dtype=sdt, device=q.device).view(n, 1, 1).expand(n, h, d)
         # one launch: heads [H, 2H) run zero k, v from state one, so they hold the decay products
@@ -177,10 +178,6 @@ class _Diag:
                                         output_final_state=True, cu_seqlens=cu, backend=self.backend, **self.kw)
         n_id = sum(id_rows)
         return o[:, :, :h], f[:, :h], o[:n_id, :first_len, h:], f[:n_id, h:]
-
-
-def _state_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------

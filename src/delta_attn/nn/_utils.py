@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..reference import accumulation_dtype
+
 
 # ---------------------------------------------------------------------------------------------
 # packing
@@ -151,7 +153,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (..., T, H, D), positions (..., T) integer -> x rotated (first ``dim`` channels)."""
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        dt = accumulation_dtype(x.dtype)
         freqs = positions.to(dt).unsqueeze(-1) * self.inv_freq.to(dt)       # (..., T, dim/2)
         emb = torch.cat((freqs, freqs), -1).unsqueeze(-2)                    # (..., T, 1, dim)
         cos, sin = emb.cos(), emb.sin()

@@ -41,13 +41,7 @@ def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlen
 def _check_step(q, k, v, g, state, state_indices, num_accepted_tokens) -> None:
     """The checks of a decode step that read no device value."""
     _validate_qkvg(q, k, v, g)
-    b, t, h, d = q.shape
-    C.positive_dim("new tokens per sequence (q.shape[1])", t)
-    C.tensor("state", state, 3, (torch.float32, torch.float64), "(P, H, D) float32 state pool")
-    C.shape_equal("state", state, (state.shape[0], h, d), "(P, H, D)")
-    if state.device != q.device:
-        raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
-    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens, values=False)
+    C.decode_step(q, state, q.shape[2:], "(P, H, D)", state_indices, num_accepted_tokens)
 
 
 def validate_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=None) -> DiagArgs:

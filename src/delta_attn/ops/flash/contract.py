@@ -22,13 +22,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...reference import accumulation_dtype
 from .args import AttnArgs
 
 INF = float("inf")
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def positive_scale(q: torch.Tensor, scale: float) -> Tuple[torch.Tensor, float]:
@@ -45,7 +42,7 @@ def no_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_shape, lse_sh
     empty dimension are exact zeros: zero gradients)."""
     zero = q.reshape(-1)[:0].sum() + k.reshape(-1)[:0].sum() + v.reshape(-1)[:0].sum()
     out = zero.to(v.dtype).expand(*out_shape).contiguous()
-    return out, torch.full(lse_shape, INF, dtype=lse_dtype(q.dtype), device=q.device)
+    return out, torch.full(lse_shape, INF, dtype=accumulation_dtype(q.dtype), device=q.device)
 
 
 def trivial(a: AttnArgs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

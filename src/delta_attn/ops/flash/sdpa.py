@@ -50,9 +50,10 @@ from typing import Tuple
 import torch
 
 from ... import reference
+from ...reference import accumulation_dtype
 from ...backends import UnsupportedError
 from .args import AttnArgs
-from .contract import INF as _INF, lse_dtype as _lse_dtype, no_keys, prepare
+from .contract import INF as _INF, no_keys, prepare
 
 # ---------------------------------------------------------------------------------------------
 # what the registry asks (register.py declares the capabilities): which kernels this PyTorch exposes
@@ -164,7 +165,7 @@ def _cpu(a: AttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
         lses.append(l[0])
     hq, dv = q.shape[1], v.shape[2]
     out = torch.cat(outs, 0) if outs else q.new_zeros(0, hq, dv)
-    lse = torch.cat(lses, 1) if lses else torch.zeros(hq, 0, dtype=_lse_dtype(q.dtype), device=q.device)
+    lse = torch.cat(lses, 1) if lses else torch.zeros(hq, 0, dtype=accumulation_dtype(q.dtype), device=q.device)
     return (out.transpose(0, 1) if vl.layout == "htd" else out), lse
 
 
