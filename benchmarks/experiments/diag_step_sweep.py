@@ -5,7 +5,7 @@ import torch
 import delta_attn as da
 from delta_attn.bench.timer import measure
 from delta_attn.ops._launch import tiles
-from delta_attn.ops.diag import triton_impl as ti
+from delta_attn.ops.diag import launch as ti
 from steps_vs_copy_common import graph_ms, ceiling_tbps
 
 dev = torch.device("cuda")

@@ -8,7 +8,7 @@ launch. Triton's own launcher (its argument binding) is not included. The launch
 (the fitted-tiles look-up, :func:`delta_attn.ops._launch.launch`) is timed separately from the arguments of
 the last call. Then cProfile lists the top functions by cumulative time.
 
-    PYTHONPATH=src python benchmarks/host_overhead.py [--calls 2000] [--cache-len 256] [--profile-top 25]
+    PYTHONPATH=src python benchmarks/experiments/host_overhead.py [--calls 2000] [--cache-len 256] [--profile-top 25]
 
 The cache length does not change the host path (the caches are only addressed by the kernels): the
 default keeps the CPU memory small; ``--cache-len 8192`` is the issue's shape (2 GiB of fp16 caches).
