@@ -80,7 +80,7 @@ def ref(tensors, kw, dtype_to=None, upcast=True):
 
 
 def check_triton(tensors, kw, num_splits: int, key_tol: float, exact_uncached_keys: bool = False) -> None:
-    """The Triton backend on copies of ``tensors`` against the reference: out and lse by the DESIGN.md rule,
+    """The Triton backend on copies of ``tensors`` against the reference: out and lse by the error rule (docs/TESTING.md),
     the cache writes (values copied exactly; keys rotated in float32 and rounded once, within ``key_tol``,
     exactly when there is no rotary and ``exact_uncached_keys``)."""
     q, kc, vc, k, v = (clone(t) for t in tensors)

@@ -15,7 +15,7 @@ interpreter), ``"gpu"`` draws longer sequences from a fixed set of head dims (fe
 backend can run the call. If it cannot (the honest-capabilities check), an explicit request must raise
 ``UnsupportedError`` naming every reason and ``auto`` must pass the backend over with the same reasons. If it
 can, the call runs with poisoned outputs and every output (and, for a third of the configurations, every
-gradient) must pass DESIGN.md's rule (``delta_attn.testing.check``) against the float64 reference, with the
+gradient) must pass the error rule (docs/TESTING.md, ``delta_attn.testing.check``) against the float64 reference, with the
 same computation in the input dtype as the baseline. A planted NaN must stay in its own sequence: where the
 reference is NaN the result must be NaN, the other sequences must pass the rule.
 
@@ -196,7 +196,7 @@ def kda_run(backend: str, xs, kw, grad: bool, seed: int, **opts):
 
 
 def kda_compare(xs, kw, grad: bool, seed: int, backend: str = "triton", **opts):
-    """(failures, outputs of the backend): DESIGN.md's error rule on o, the final state (float32) and every
+    """(failures, outputs of the backend): the error rule on o, the final state (float32) and every
     gradient against the float64 reference, with the same recurrence in the input dtype as the baseline."""
     out = kda_run(backend, xs, kw, grad, seed, **opts)
     r64 = kda_run("ref64", xs, kw, grad, seed, **opts)

@@ -5,7 +5,7 @@ sequence, ``thd`` / ``htd``), Sq > Sk (rows that see no key), causal, windows (`
 GQA, head dims that are not multiples of 8, softmax scales (negative and zero included), softcap (which
 sdpa / cudnn refuse), fp32 / fp16 / bf16 / fp64. For every backend of the registry: when
 ``da.explain(..., backend=name)`` says it can run the call, its output, LSE and (for some configurations)
-gradients must pass DESIGN.md's error rule against the float64 reference (outputs poisoned); when it says
+gradients must pass the error rule (docs/TESTING.md) against the float64 reference (outputs poisoned); when it says
 it cannot, ``auto`` must pass it over with the same reasons and an explicit request must raise
 :class:`UnsupportedError` naming them.
 

@@ -3,7 +3,7 @@ device or value raises TypeError / ValueError whose message names the argument, 
 backend's implementation is replaced by one that fails the test if it is reached). Where accepting an input is
 right (int64 or strided cu_seqlens, strided or int64 state_indices, float32 gates with half inputs, empty
 sequences and batches, max_seqlen above the longest sequence), the call runs and matches the float64 reference
-by DESIGN.md's rule (tests/properties.py), on the torch and triton backends.
+by the error rule (docs/TESTING.md, tests/properties.py), on the torch and triton backends.
 """
 from __future__ import annotations
 

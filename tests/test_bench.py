@@ -172,7 +172,7 @@ def test_flop_and_byte_models():
     assert models.visible_pairs(5, 5, causal=True) == 15
     assert models.visible_pairs(3, 5, causal=True) == 3 + 4 + 5      # bottom-right aligned
     assert models.visible_pairs(6, 6, False, window=(1, 0)) == 11
-    # ANCHORS.md: 4 B H S^2 D forward, halved for causal (up to the diagonal), bwd 2.5x
+    # docs/PEERS.md: 4 B H S^2 D forward, halved for causal (up to the diagonal), bwd 2.5x
     f = models.attention_flops(2, 16, 4096, 4096, 128, causal=False)
     assert f == 4 * 2 * 16 * 4096 ** 2 * 128
     assert models.attention_flops(2, 16, 4096, 4096, 128, causal=True, direction="fwd+bwd") == pytest.approx(
@@ -186,7 +186,7 @@ def test_flop_and_byte_models():
 
 @pytest.mark.parametrize("grads", ["accumulate", "fresh"])
 def test_backward_rows_accumulate_or_reset_gradients(grads):
-    # accumulate (do_bench's default, ANCHORS.md's protocol): .grad survives between timed calls and
+    # accumulate (do_bench's default, the protocol of docs/PEERS.md): .grad survives between timed calls and
     # the sum grows; fresh: reset before every call, so it holds one call's gradient
     s = Settings(device="cpu", tiny=True, dtypes=("fp32",), warmup_ms=0, rep_ms=0, min_reps=4, max_reps=4,
                  grads=grads)

@@ -276,7 +276,7 @@ def test_linear_flop_lower_bound_and_row_roofline():
     assert rl["flops_model"] == "recurrence (lower bound)" and rl["bound"] == "memory"
     assert rl["fraction"] == pytest.approx(1e9 / 1e-3 / 1e9 / 4000)          # = fraction of the copy bandwidth
     row.update(op="flash", flops=1e12)
-    assert R.row_roofline(row, CEIL)["flops_model"] == "ANCHORS.md"
+    assert R.row_roofline(row, CEIL)["flops_model"] == "flash-attn"
     assert R.row_roofline(dict(row, status="FAILED"), CEIL) is None
 
 
@@ -487,7 +487,7 @@ def test_section_and_plot(tmp_path):
     for text in ("## Kernel resources and roofline", "sm_90 table", "`_kda_fwd_kernel`", "BT=64 BK=128 USE_G=True "
                  "warps=4 stages=2", "96.0 KiB", "264 (2.00× SMs)", "812",
                  "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "no Triton kernel was launched (1 rows: FA2",
-                 "### Roofline", "recurrence (lower bound)", "ANCHORS.md", "compute", "ridge point 200 FLOP/byte"):
+                 "### Roofline", "recurrence (lower bound)", "flash-attn", "compute", "ridge point 200 FLOP/byte"):
         assert text in md, text
     # 168 regs x 4 warps: 5376 per warp -> 3 per sub-partition -> 12 warps -> 3 blocks; 96 KiB + 1 -> 2 blocks
     assert "| 2 | shared memory |" in md

@@ -5,7 +5,7 @@ Design under test (docstrings, docs/SERVING.md): ``state_indices`` (B, T) gives 
 state after token t of sequence b goes to ``state_indices[b, t]`` and the step starts from
 ``state_indices[b, num_accepted_tokens[b] - 1]`` (column 0 when None). Two verification rounds are checked
 against the float64 reference run token by token over each sequence's accepted prefix followed by the new
-tokens (DESIGN.md's error rule, outputs poisoned), every written slot against the state after its token, and
+tokens (the error rule of docs/TESTING.md, outputs poisoned), every written slot against the state after its token, and
 the slots outside the tables untouched. Under a (patched) CUDA-graph capture the host-reading value checks
 must not run and no tensor is read on the host.
 """

@@ -2,7 +2,7 @@
 
 One spawn per world size runs every case: float64 with backend="torch" (outputs, final states and every
 gradient equal the single-process op), and backend="triton" under the interpreter (fp32, tiny shapes)
-within the DESIGN.md error rule against the float64 reference. Cases draw dense and packed (varlen)
+within the error rule (docs/TESTING.md) against the float64 reference. Cases draw dense and packed (varlen)
 batches whose sequences span ranks, start or end on a shard boundary, or are empty; GVA, l2 norm, the
 in-kernel gates, scale, with and without initial / final state; both state-passing schemes; KDA's
 two-launch path (backend that refuses V + K value columns) forced on some cases.

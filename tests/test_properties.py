@@ -1,6 +1,6 @@
 """Property-based tests on CPU: seeded random configurations of every operator on every backend this machine
 runs (torch, sdpa's CPU kernel, triton under the interpreter, auto), against the float64 reference with
-DESIGN.md's rule, outputs poisoned; a backend that cannot run a configuration must say so (explain) and refuse
+the error rule (docs/TESTING.md), outputs poisoned; a backend that cannot run a configuration must say so (explain) and refuse
 it by name (tests/properties.py says what is drawn and checked).
 
 Each test is one (operator, backend, seed); a failure prints the configuration and a one-line repro. Interpreter
@@ -65,7 +65,7 @@ def test_every_backend_runs_enough():
 
 
 def test_the_draws_cover_the_edges():
-    """The configurations drawn above hold every edge DESIGN.md and issue #15 name."""
+    """The configurations drawn above hold every edge docs/TESTING.md and issue #15 name."""
     cases = {op: [P.draw(op, s, "cpu") for s in range(max(per.values()))] for op, per in COUNTS.items()}
     fl = cases["flash"] + cases["flash_varlen"]
     dense, var = cases["flash"], cases["flash_varlen"]

@@ -144,7 +144,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--grads", choices=("accumulate", "fresh"), default="accumulate",
                    help="backward rows: gradients add into .grad from the second call on (default; do_bench's "
-                        "protocol, as ANCHORS.md) or are reset before every call (the backward kernels alone)")
+                        "protocol, as the peer figures of docs/PEERS.md) or are reset before every call (the backward kernels alone)")
     b.add_argument("--no-gate", action="store_true", help="skip the correctness gate (rows say so)")
     # per-kernel resource report (bench/resources.py)
     b.add_argument("--resources", dest="resources", action="store_const", const="full", default="auto",

@@ -1,6 +1,6 @@
 """The specification of every delta-attn operator, in plain PyTorch.
 
-These functions define what the kernels must compute (DESIGN.md, "Semantics"). They are written
+These functions define what the kernels must compute (docs/CONTRACT.md, "Semantics"). They are written
 for clarity, not speed, run on any device and in any floating dtype (float64 included), and
 support autograd, so they also serve as the ``backend="torch"`` path.
 

@@ -1,6 +1,6 @@
 """Numerics helpers for tests and for the benchmark's correctness gate.
 
-The error rule (DESIGN.md, flash-attn's rule): a kernel's result passes when its largest absolute
+The error rule (docs/TESTING.md, flash-attn's rule): a kernel's result passes when its largest absolute
 error against the float64 reference is at most ``factor`` times the error of the same computation
 done in PyTorch in the kernel's precision, plus a small floor; ``factor`` is 2 for forward outputs
 and 3 for gradients. NaN or inf where the reference is finite never passes.
@@ -43,7 +43,7 @@ def attention_grad_floor(grads64, dtype: torch.dtype) -> float:
     Why one floor for the three, and why eps: where every row sees one key, p = 1 and the exact dq and dk are 0,
     and so is the error of the low-precision reference (its softmax backward gives exactly 0). A flash backward
     takes dS = P (dP - rowsum(dO * O)) from two differently rounded fp32 sums, times |softmax_scale|: with scales
-    of 25-40, PyTorch's FA2 and cuDNN backends leave up to 9x the former 1e-5 floor there (H200, 2026-11-24),
+    of 25-40, PyTorch's FA2 and cuDNN backends leave up to 9x the former 1e-5 floor there (docs/TESTING.md),
     all below one unit of the input dtype's rounding of the largest gradient. flash-attn's own tests allow
     ``2 * eps(dtype) * |ref|``; this floor is half of that, taken at the largest gradient."""
     g = max([0.0] + [float(t.abs().max()) for t in grads64 if t is not None and t.numel()])

@@ -1,5 +1,5 @@
 """dd.kda / dd.gated_diag_attn on CUDA with backend="triton" (bf16, fp16) against the float64 reference
-(DESIGN.md rule; outputs, final states, every gradient):
+(the error rule of docs/TESTING.md; outputs, final states, every gradient):
 
 - world size 1 over NCCL in this process (the path a single-GPU job with context parallelism takes);
 - 2 and 3 ranks sharing the one GPU over gloo (gloo moves CUDA tensors through the host): the state

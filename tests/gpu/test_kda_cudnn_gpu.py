@@ -62,7 +62,7 @@ def make(B, T, H, HV, h0=False, cu=None, gate=None, normed=False, strong=False, 
 
 
 def check(xs, kw, grad=False, **opts):
-    """DESIGN.md's rule against float64 (tests/properties.kda_compare), plus the dtypes and layout cuDNN must return."""
+    """The error rule (docs/TESTING.md) against float64 (tests/properties.kda_compare), plus the dtypes and layout cuDNN must return."""
     bad, out = properties.kda_compare(xs, kw, grad, 3, backend="cudnn", **opts)
     assert not bad, "; ".join(bad)
     assert out[0].dtype == DT

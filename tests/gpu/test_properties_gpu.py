@@ -4,7 +4,7 @@
 gates / GVA / K = V = 128 for cuDNN, decays to -1e4 and -inf, state pools, NaN gates, strided views of every
 tensor argument, gradients on a third) on every backend: triton, cudnn (attention and KDA), sdpa, torch.
 
-Each test is one (operator, backend, seed): the backend runs the configuration and passes DESIGN.md's rule
+Each test is one (operator, backend, seed): the backend runs the configuration and passes the error rule (docs/TESTING.md)
 against the float64 reference, or declares it (explain) and refuses it by name. Run it with
 ``pytest -n 16 tests/gpu/test_properties_gpu.py``; a subset with ``-k "flash and cudnn"`` or
 ``--prop-seeds 0:100``.

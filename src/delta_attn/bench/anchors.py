@@ -1,4 +1,4 @@
-"""Peer figures measured on one NVIDIA H200 (ANCHORS.md), keyed like the benchmark's rows.
+"""Peer figures measured on one NVIDIA H200 (docs/PEERS.md), keyed like the benchmark's rows.
 
 Shown next to a peer's row only when the run's GPU is an H200, so that a run can be checked
 against the bars (the acceptance asks for agreement within 10%). Units: "tflops" or "ms".

@@ -90,7 +90,7 @@ def make_inputs(case: Dict, device: torch.device, dtype: torch.dtype, seed: int 
         b, h, d = case["B"], case["H"], case["D"]
         t = 1 if op == "kda_decode" else case["S"]
         out = {"q": randn(b, t, h, d), "k": randn(b, t, h, d), "v": randn(b, t, h, d),
-               "g": decay(b, t, h, d, dt=dtype),         # every input in the run's dtype, as ANCHORS.md
+               "g": decay(b, t, h, d, dt=dtype),         # every input in the run's dtype, as docs/PEERS.md
                "beta": torch.sigmoid(randn(b, t, h, dt=torch.float32)).to(dtype)}
         if op == "kda_decode":
             out["state"] = randn(b, h, d, d, dt=torch.float32, scale=0.1)

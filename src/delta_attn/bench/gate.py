@@ -1,5 +1,5 @@
 """The correctness gate: an implementation is timed only after its output (and, for rows with a
-backward pass, its gradients) passed DESIGN.md's error rule against the float64 reference on a
+backward pass, its gradients) passed the error rule (docs/TESTING.md) against the float64 reference on a
 probe of the same configuration (same dtype, head dims, options; a smaller batch and length).
 """
 from __future__ import annotations

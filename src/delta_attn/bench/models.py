@@ -1,4 +1,4 @@
-"""FLOP and byte models (ANCHORS.md conventions).
+"""FLOP and byte models (the conventions of docs/PEERS.md).
 
 Attention: forward = 2 · (D + Dv) · B · H · (unmasked query-key pairs), i.e. 4·B·H·Sq·Sk·D for a full
 square and about half of it for causal; backward = 2.5 × forward; forward+backward = 3.5 × forward.

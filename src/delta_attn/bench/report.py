@@ -383,7 +383,7 @@ def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None) -
         hdr = ["shape", "dtype", "dir", "implementation", "ms (median)", "spread p20-p80", "rate", "of ceiling",
                "Mtok/s", "vs best peer", "peak MiB"]
         if h200:
-            hdr.append("ANCHORS.md (H200)")
+            hdr.append("peer figure (H200, docs/PEERS.md)")
         if compare is not None:
             hdr.append("vs old run")
         # best peer per (label, dtype, direction): fastest ok non-delta-attn row
@@ -510,7 +510,7 @@ def compare_section(rows: List[Dict], old_rows: List[Dict], old_dir: str) -> str
 
 GRADS_NOTE = {
     "accumulate": "add into the leaves' existing `.grad` from the second call on (triton's do_bench protocol, as "
-                  "ANCHORS.md; the byte model counts the accumulation: one read of each new gradient, a read and a "
+                  "docs/PEERS.md; the byte model counts the accumulation: one read of each new gradient, a read and a "
                   "write of the sum).",
     "fresh": "are reset to None before every call, outside the timed region (the backward kernels alone).",
 }
@@ -569,7 +569,7 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
               "cache flushed before every call (p20-p80 is the spread); the first call of each row (compilation, "
               "autotuning) is excluded and reported as `first_call_ms` in results.jsonl. Before any timing, every "
               "implementation's output (and gradients, for rows with a backward pass) is checked against the float64 "
-              "reference on a probe of the same configuration with DESIGN.md's error rule; a row that fails is FAILED "
+              "reference on a probe of the same configuration with the error rule of docs/TESTING.md; a row that fails is FAILED "
               "and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, fwd+bwd 3.5x; "
               "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Backward rows: "
               f"gradients {GRADS_NOTE[settings_grads]} Fractions are of the "

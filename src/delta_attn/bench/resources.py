@@ -584,11 +584,11 @@ def roofline(flops: Optional[float], nbytes: Optional[float], ms: Optional[float
 
 
 def row_roofline(row: Dict, ceilings: Dict) -> Optional[Dict]:
-    """:func:`roofline` of an ok row: its own FLOPs (attention, ANCHORS.md's count) or, for the linear
+    """:func:`roofline` of an ok row: its own FLOPs (attention: flash-attn's count, docs/PEERS.md) or, for the linear
     operators, :func:`linear_flops` (``flops_model`` says which)."""
     if row.get("status") != "ok":
         return None
-    flops, model = row.get("flops"), "ANCHORS.md"
+    flops, model = row.get("flops"), "flash-attn"
     if not flops:
         flops = linear_flops(dict(row.get("case") or {}, op=row.get("op")), row.get("direction", "fwd"))
         model = "recurrence (lower bound)" if flops else None
@@ -917,7 +917,7 @@ def resources_section(rows: List[Dict], run: Optional[Dict] = None) -> str:
                 "Intensity = FLOPs / bytes (the rows' byte model); bound = compute at or past the ridge, else "
                 "memory; attainable = min(GEMM rate, intensity × copy bandwidth); fraction = achieved / "
                 "attainable (for a memory-side point that is the fraction of the copy bandwidth, whatever the "
-                "FLOP count). FLOPs: ANCHORS.md's count for attention; for KDA and the diagonal recurrence a lower "
+                "FLOP count). FLOPs: flash-attn's count for attention (docs/PEERS.md); for KDA and the diagonal recurrence a lower "
                 "bound from the recurrent form (KDA 7·D²+2·D, diagonal 4·D per token and head; backward 2x).", "",
                 _table(["operator", "implementation", "case", "dtype", "dir", "FLOP model", "FLOP/byte", "bound",
                         "achieved", "attainable", "of attainable"], lines), ""]

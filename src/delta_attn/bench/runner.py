@@ -52,7 +52,7 @@ class Settings:
     first_call_limit_s: float = 0.0
     graphs: bool = True              # decode rows on a GPU are also timed as CUDA-graph replays
     # backward rows: "accumulate" = from the second call on the gradients add into the leaves' .grad
-    # (triton.testing.do_bench's default, the protocol of ANCHORS.md: measured to reproduce its FLA
+    # (triton.testing.do_bench's default, the protocol of docs/PEERS.md: measured to reproduce its FLA
     # figures within 2 %, docs/PERFORMANCE.md); "fresh" = .grad reset to
     # None before every call (outside the timed region): the backward kernels alone
     grads: str = "accumulate"

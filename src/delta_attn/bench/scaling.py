@@ -13,7 +13,7 @@ compute alone) and on the whole sequence (strong: ``one_gpu_ms``), and the colle
 backward for fwd+bwd rows). Efficiency = N-GPU throughput / (N x one-GPU throughput), the one-GPU
 throughput being the single-GPU operator on T_local tokens (weak) or on all of them (strong). Times are
 the timer's protocol (bench/timer.py) with the repeat count agreed by all ranks; a row's time is the
-slowest rank's median. A correctness probe (sharded result vs float64 reference, DESIGN.md rule) runs
+slowest rank's median. A correctness probe (sharded result vs float64 reference, the error rule of docs/TESTING.md) runs
 before a row is timed.
 """
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _comm_call(op: str, state_passing: Optional[str], x_local: List[torch.Tensor
 
 
 def _probe(op: str, state_passing, dt, device, s: Settings) -> Optional[str]:
-    """Sharded result against the float64 reference on a small shape (DESIGN.md rule); the failure or None."""
+    """Sharded result against the float64 reference on a small shape (docs/TESTING.md's rule); the failure or None."""
     import delta_attn.distributed as dd
     from .. import reference
     from ..testing import check

@@ -2,7 +2,7 @@
 
 - ``matrix``: the seeds' config matrix plus H200-sized shapes, every attention implementation,
   fp16 and bf16, forward; latency median / mean / std and query tokens per second.
-- ``kernels``: each delta-attn operator against its peers at the issue's bar shapes (ANCHORS.md),
+- ``kernels``: each delta-attn operator against its peers at the bar shapes of docs/PEERS.md,
   fwd / bwd / fwd+bwd.
 - ``crossover``: fixed tokens per batch, S from 1K to 128K (linear operators to 1M), causal, fwd and
   fwd+bwd, quadratic and linear side by side.
@@ -21,7 +21,7 @@ from .runner import DTYPES, Settings, Task
 
 SUITES = ("crossover", "kernels", "matrix", "decode", "ceilings")
 
-# 16 causal sequences of 256 to 8192 tokens, 66,816 tokens in all (the varlen shape of ANCHORS.md)
+# 16 causal sequences of 256 to 8192 tokens, 66,816 tokens in all (the varlen shape of docs/PEERS.md)
 VARLEN_SEQLENS = [256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5632, 5120, 6656, 6144, 8192, 8192, 8192]
 
 

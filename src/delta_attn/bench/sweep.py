@@ -1,7 +1,7 @@
 """The one way to sweep kernel configurations: :func:`sweep`.
 
 Each candidate runs through the suites' runner, so it gets what every suite row gets: the correctness
-gate (DESIGN.md's error rule against the float64 reference on a probe of the same configuration) before
+gate (the error rule of docs/TESTING.md against the float64 reference on a probe of the same configuration) before
 any timing, then :func:`delta_attn.bench.timer.measure` and the FLOP / byte models of
 :mod:`delta_attn.bench.models`. A candidate that fails the gate is a ``FAILED`` row with no time.
 

@@ -1,4 +1,4 @@
-"""The timing protocol (DESIGN.md): warm-up, L2 flushed before every repeat, CUDA events, median.
+"""The timing protocol (docs/BENCH.md): warm-up, L2 flushed before every repeat, CUDA events, median.
 
 ``measure(fn)`` is a small ``do_bench``: one call estimates the cost, enough calls follow to fill
 ``warmup_ms`` (none for a call slower than that: the estimate call warmed it), then ``reps`` timed calls (``rep_ms`` worth, clamped to [min_reps, max_reps]); before

@@ -12,7 +12,7 @@ every call into one the kernel computes exactly, or answers it here:
   (PyTorch's CPU flash kernel reads the head dimension as if it were contiguous: wrong values or NaN; FA2
   and cuDNN load rows in 16-byte vectors: a padded view with an odd row stride gave "misaligned address"
   on the H200).
-* No query rows, or no keys at all: out zeros and lse +inf (rows that see no key, DESIGN.md), built
+* No query rows, or no keys at all: out zeros and lse +inf (rows that see no key, docs/CONTRACT.md), built
   inside the autograd graph of q, k and v so their gradients are exact zeros.
 """
 from __future__ import annotations

@@ -52,13 +52,12 @@ def _cfg(bm, bn, warps, stages, extra=None):
 _TMA = {"USE_TMA": True}
 _PIPE_TMA = {"PIPE": True, "USE_TMA": True}
 # (BLOCK_M, BLOCK_N, warps, stages[, extra meta]) per head-dim class, from the H200 sweeps in
-# docs/PERFORMANCE.md.
+# docs/PERFORMANCE.md ("Flash attention (Triton backend)").
 # The forward tries K/V loads through TMA descriptors ("USE_TMA"), warp specialisation of the
-# unmasked loop ("WS") and the loop software-pipelined by one key block ("PIPE") as tuning choices.
-# Measured (sweep of 2026-11-21 03:14): PIPE with TMA is the fastest D=128 forward on all four issue
-# shapes (+1..6% over the plain loop); PIPE without TMA is 10-17% slower (the plain loop stays as
-# the choice when TMA is impossible: TMA_OK is an autotune key); at D=64 PIPE gained nothing.
-# (TMA with 2 stages crashed ptxas; WS with 4 warps failed to compile on sm_90 with Triton 3.6.)
+# unmasked loop ("WS") and the loop software-pipelined by one key block ("PIPE") as tuning choices:
+# PIPE with TMA is the fastest D=128 forward; without TMA PIPE is slower, so the plain loop stays as
+# the choice when TMA is impossible (TMA_OK is an autotune key). TMA with 2 stages and WS with 4 warps
+# do not build on sm_90 with Triton 3.6.
 _FWD_CONFIGS = {
     64: [(128, 128, 4, 3, _TMA), (128, 64, 4, 3, _TMA), (128, 64, 8, 4), (128, 64, 4, 3)],
     128: [(128, 128, 8, 3, _PIPE_TMA), (128, 128, 8, 3), (64, 64, 4, 3, _TMA)],

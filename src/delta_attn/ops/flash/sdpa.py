@@ -18,7 +18,7 @@ Sq == Sk runs its ``is_causal`` (top-left and bottom-right are the same mask the
 window call that excludes a key gets an explicit (Sq, Sk) mask aligned bottom-right
 (``reference.attention_mask``). Varlen calls loop over the sequences (``cu_seqlens`` read once).
 
-What the wrapper adds so that every path computes the contract (DESIGN.md) exactly:
+What the wrapper adds so that every path computes the contract (docs/CONTRACT.md) exactly:
 
 * **Rows that see no key** return zeros and lse = +inf. With a right bound ``wr >= 0`` they are the
   first ``Sq - Sk - wr`` rows of a sequence, all rows when Sk = 0 (a left bound ``wl >= 0`` never
