@@ -176,9 +176,19 @@ def test_select_tells_the_registry_when_it_is_traced(monkeypatch):
     def spy(*args):
         seen.append(args[-2])            # the `compiling` argument
         return real(*args)
-    spy._dynamo_marked_constant = True
+    spy = torch.compiler.assume_constant_result(spy)
     monkeypatch.setattr(backends, "_choose", spy)
     x = torch.randn(1, 4, 2, 8)
     da.flash_attn_func(x, x, x, backend="torch")
     torch.compile(lambda t: da.flash_attn_func(t, t, t, backend="torch"), fullgraph=True, backend="eager")(x)
     assert seen[0] is False and True in seen[1:]
+
+
+def test_choose_is_marked_as_the_public_decorator_marks():
+    """backends._assume_constant_result stands in for torch.compiler.assume_constant_result without importing
+    torch._dynamo at `import delta_attn`: it must mark a function exactly as the installed torch's decorator does."""
+    def probe():
+        return 0
+    marks = vars(torch.compiler.assume_constant_result(probe))
+    assert marks, "torch.compiler.assume_constant_result no longer marks the function: revisit backends.py"
+    assert {k: getattr(backends._choose, k, None) for k in marks} == marks

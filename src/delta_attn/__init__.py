@@ -33,6 +33,7 @@ def explain(op, *args, backend: str = "auto", **kwargs) -> Explanation:
 
 
 __all__ = [
-    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "kda", "kda_step", "gated_diag_attn", "gated_diag_step",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "kda", "kda_step", "gated_diag_attn",
+    "gated_diag_step",
     "explain", "reference", "Explanation", "UnsupportedError", "ReferenceFallbackWarning", "__version__",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -172,7 +173,8 @@ class Backend:
         reasons: List[str] = []
         missing = [m for m in cap.requires if not package_available(m)]
         if missing:
-            reasons.append(f"{', '.join(missing)} not installed" + (f" — {cap.install_hint}" if cap.install_hint else ""))
+            hint = f" — {cap.install_hint}" if cap.install_hint else ""
+            reasons.append(f"{', '.join(missing)} not installed{hint}")
         if self._device_rule is not None:
             reasons += self._device_rule(call)
         elif call.device.type not in cap.device_types:
@@ -335,9 +337,8 @@ class Explanation:
     policy_note: Optional[str] = None     # why the auto policy orders backends this way (policy.describe)
 
     def __str__(self) -> str:
-        lines = [f"{self.call.describe()}",
-                 f"requested backend: {self.requested}" + (" (policy order: " + ", ".join(n for n, _ in self.considered) + ")"
-                                                          if self.requested == "auto" else "")]
+        order = " (policy order: " + ", ".join(n for n, _ in self.considered) + ")" if self.requested == "auto" else ""
+        lines = [f"{self.call.describe()}", f"requested backend: {self.requested}{order}"]
         if self.policy_note:
             lines.append(f"policy: {self.policy_note}")
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none — no backend can run this call")
@@ -426,9 +427,19 @@ def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[
     return ex.chosen
 
 
-# torch.compiler.assume_constant_result(_choose), without importing torch._dynamo (and with it
-# sympy and triton) at `import delta_attn`: the decorator only sets this attribute.
-_choose._dynamo_marked_constant = True
+def _assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)``: torch.compile treats ``fn``'s result as a constant of the
+    graph (the backend choice is made once at trace time and never breaks a graph). The public decorator imports
+    ``torch._dynamo``, and with it sympy, numpy and Triton (about 1.2 s), which ``import delta_attn`` must not do
+    (tests/test_env.py); all it does is set the attribute below, so that is set here while dynamo is not loaded.
+    tests/test_backends.py checks against the installed torch that the public decorator sets exactly this."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+_choose = _assume_constant_result(_choose)
 
 
 def select(call: Call, backend: str = "auto") -> Callable:

@@ -128,7 +128,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--max-seq", type=int, default=131072, help="crossover: longest quadratic S (default 128K)")
     b.add_argument("--max-linear-seq", type=int, default=1048576, help="crossover: longest linear S (default 1M)")
-    b.add_argument("--max-call-ms", type=float, help="skip a row whose predicted single call exceeds this (default 2500)")
+    b.add_argument("--max-call-ms", type=float,
+                   help="skip a row whose predicted single call exceeds this (default 2500)")
     b.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help=f"rows not started after this many seconds are skipped with a note, and a row still running "
                         f"then is stopped (default {TIME_BUDGET_S:.0f} on a GPU, "
@@ -144,7 +145,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--grads", choices=("accumulate", "fresh"), default="accumulate",
                    help="backward rows: gradients add into .grad from the second call on (default; do_bench's "
-                        "protocol, as the peer figures of docs/PEERS.md) or are reset before every call (the backward kernels alone)")
+                        "protocol, as the peer figures of docs/PEERS.md) or are reset before every call (the backward "
+                        "kernels alone)")
     b.add_argument("--no-gate", action="store_true", help="skip the correctness gate (rows say so)")
     # per-kernel resource report (bench/resources.py)
     b.add_argument("--resources", dest="resources", action="store_const", const="full", default="auto",

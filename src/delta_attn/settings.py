@@ -1,10 +1,14 @@
 """The user settings delta-attn reads from the environment: every read goes through this module.
 
-| variable | default | effect |
-| --- | --- | --- |
-| ``DELTA_ATTN_SKIP_VALUE_CHECKS`` | off | skip the checks that read ``cu_seqlens`` / ``state_indices`` values (and g, for an explicit cuDNN KDA call) on the host (one device-to-host copy per call), keeping launches asynchronous |
-| ``DELTA_ATTN_POISON_OUTPUTS`` | off | fill every floating kernel output with NaN before the kernel runs (what ``delta_attn.testing.poison_outputs()`` does for a block), so an element a kernel forgot to write shows |
-| ``TRITON_INTERPRET`` | off | Triton's own switch of its CPU interpreter, read with Triton's rule; while on, ``backend="triton"`` runs on CPU tensors |
+``DELTA_ATTN_SKIP_VALUE_CHECKS`` (default off)
+    skip the checks that read ``cu_seqlens`` / ``state_indices`` values (and g, for an explicit cuDNN KDA call) on
+    the host (one device-to-host copy per call), keeping launches asynchronous.
+``DELTA_ATTN_POISON_OUTPUTS`` (default off)
+    fill every floating kernel output with NaN before the kernel runs (what ``delta_attn.testing.poison_outputs()``
+    does for a block), so an element a kernel forgot to write shows.
+``TRITON_INTERPRET`` (default off)
+    Triton's own switch of its CPU interpreter, read with Triton's rule; while on, ``backend="triton"`` runs on CPU
+    tensors.
 
 One variable is not a setting but read here all the same: ``WORLD_SIZE``, set by ``torchrun`` (its
 rendezvous), tells the scaling benchmark to join torchrun's process group (:func:`launched_by_torchrun`).

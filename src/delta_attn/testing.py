@@ -77,8 +77,9 @@ def check(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, kin
     fl = default_floor(ref64[finite_ref]) if floor is None else floor
     bound = factor * base + fl
     ok = err <= bound
+    relation = "<=" if ok else ">"
     return Verdict(ok, err, base, bound,
-                   f"{name}: max error {err:.3e} {'<=' if ok else '>'} {factor:g} x {base:.3e} + {fl:.1e} = {bound:.3e}")
+                   f"{name}: max error {err:.3e} {relation} {factor:g} x {base:.3e} + {fl:.1e} = {bound:.3e}")
 
 
 def assert_close(out, ref64, ref_lowp, *, kind: str = "fwd", floor: Optional[float] = None,

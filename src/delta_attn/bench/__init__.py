@@ -45,7 +45,8 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     t0 = time.perf_counter()
     print(f"delta-attn bench {suite}: measuring the ceilings (copy bandwidth, GEMM) ...", file=sys.stderr, flush=True)
     ceilings = measure_ceilings(device, settings)
-    print(f"  copy {report.rate(ceilings['copy_gbps'] * 1e9, 'B/s')}, GEMM {report.rate(ceilings['gemm_tflops'] * 1e12, 'FLOP/s')}",
+    print(f"  copy {report.rate(ceilings['copy_gbps'] * 1e9, 'B/s')}, "
+          f"GEMM {report.rate(ceilings['gemm_tflops'] * 1e12, 'FLOP/s')}",
           file=sys.stderr, flush=True)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8e9
     tasks = suites.build(suite, settings, kv_budget_bytes=0.4 * free)

@@ -175,10 +175,12 @@ def spec(op: str, case: Dict, t: Dict[str, torch.Tensor]) -> Callable[[List[torc
         return lambda L, up: reference.gated_diag(*L, upcast=up)[0]
     s0 = t["state"].detach().clone()
     if op == "kda_decode":
-        return lambda L, up: reference.kda(*L, use_qk_l2norm=True, initial_state=s0.to(reference.accumulation_dtype(L[0].dtype)),
+        return lambda L, up: reference.kda(*L, use_qk_l2norm=True,
+                                           initial_state=s0.to(reference.accumulation_dtype(L[0].dtype)),
                                            upcast=up)[0]
     if op == "diag_decode":
-        return lambda L, up: reference.gated_diag(*L, initial_state=s0.to(reference.accumulation_dtype(L[0].dtype)), upcast=up)[0]
+        return lambda L, up: reference.gated_diag(*L, initial_state=s0.to(reference.accumulation_dtype(L[0].dtype)),
+                                                  upcast=up)[0]
     raise ValueError(op)
 
 

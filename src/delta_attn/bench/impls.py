@@ -37,7 +37,7 @@ class Bound:
 @dataclass
 class Impl:
     name: str
-    op: str                    # flash | flash_varlen | kda | diag | flash_decode | kvcache_decode | kda_decode | diag_decode
+    op: str                    # flash | flash_varlen | kda | diag | {flash, kvcache, kda, diag}_decode
     family: str                # quadratic | linear
     provider: str              # delta-attn | torch | fla-core
     bind: Callable[[Dict, Dict], Bound]
@@ -157,7 +157,8 @@ def ours(op: str, device: torch.device) -> List[Impl]:
         # cuDNN's KDA backward takes q/k normalised by the caller: this row does that in PyTorch (timed with it)
         out.append(Impl(name="delta-attn cudnn (q/k normed in torch)", op=op, family="linear",
                         provider="nvidia-cudnn-frontend",
-                        bind=_ours_bind("cudnn", op, prenormed=True), why_not=_ours_why_not("cudnn", op, prenormed=True)))
+                        bind=_ours_bind("cudnn", op, prenormed=True),
+                        why_not=_ours_why_not("cudnn", op, prenormed=True)))
     return out
 
 

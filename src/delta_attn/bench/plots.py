@@ -98,14 +98,16 @@ def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
     made: List[str] = []
     ceil = run.get("ceilings") or {}
     dev = ((run.get("env") or {}).get("gpu") or {}).get("name") or "CPU"
+    directions = ("fwd", "bwd", "fwd+bwd")
     combos = sorted({(r["dtype"], r["direction"]) for r in rows if r["suite"] == suite},
-                    key=lambda t: (t[0], ("fwd", "bwd", "fwd+bwd").index(t[1]) if t[1] in ("fwd", "bwd", "fwd+bwd") else 9))
+                    key=lambda t: (t[0], directions.index(t[1]) if t[1] in directions else 9))
     if suite in ("crossover", "matrix"):
         rs = [r for r in rows if r["op"] == "flash" or r["op"] in ("kda", "diag")]
         x_of = lambda r: r["case"]["S"]
         if suite == "matrix":
             rs = [r for r in rs if r["case"]["B"] * r["case"]["S"] >= 0]
-        panels = [(f"{dt} {d}", _series([r for r in rs if r["dtype"] == dt and r["direction"] == d], x_of, lambda r: r["ms"]))
+        panels = [(f"{dt} {d}", _series([r for r in rs if r["dtype"] == dt and r["direction"] == d], x_of,
+                                        lambda r: r["ms"]))
                   for dt, d in combos]
         if panels:
             _line_plot(plt, os.path.join(out_dir, "latency.png"), panels, "sequence length S", "ms (median)",
@@ -117,7 +119,8 @@ def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
             _line_plot(plt, os.path.join(out_dir, "throughput.png"), panels, "sequence length S", "M tokens/s",
                        f"{suite}: throughput vs S ({dev})")
             made.append("throughput.png")
-        panels = [(f"{dt} {d}", _series([r for r in rs if r["dtype"] == dt and r["direction"] == d and r["op"] == "flash"],
+        flash = [r for r in rs if r["op"] == "flash"]
+        panels = [(f"{dt} {d}", _series([r for r in flash if r["dtype"] == dt and r["direction"] == d],
                                         x_of, lambda r: r.get("tflops"))) for dt, d in combos]
         if any(p[1] for p in panels):
             hl = [(ceil["gemm_tflops"], "GEMM ceiling")] if ceil.get("gemm_tflops") else None
@@ -130,7 +133,8 @@ def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
         panels = []
         for b in batches:
             rs = [r for r in grid if r["case"]["B"] == b]
-            attn = _series([r for r in rs if r["op"] == "flash_decode"], lambda r: r["case"]["ctx"], lambda r: r["ms"] * 1e3)
+            attn = _series([r for r in rs if r["op"] == "flash_decode"], lambda r: r["case"]["ctx"],
+                           lambda r: r["ms"] * 1e3)
             ctxs = sorted({r["case"]["ctx"] for r in rs if r["op"] == "flash_decode"}) or [1]
             for r in rs:   # state decode does not depend on the context: a flat line
                 if r["op"] in ("kda_decode", "diag_decode") and r["status"] == "ok":

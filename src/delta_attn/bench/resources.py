@@ -399,7 +399,8 @@ class TritonLaunchCapture:
         dev_type = getattr(dev, "type", dev)
         if self._api is None:      # a stand-in API (tests) skips the device checks
             if dev_type is not None and dev_type != "cuda":
-                self.reason = ("CPU run: " + INTERPRETER_REASON) if settings.triton_interpreter() else "CPU run: no compiled kernels"
+                self.reason = (("CPU run: " + INTERPRETER_REASON) if settings.triton_interpreter()
+                               else "CPU run: no compiled kernels")
                 return self
             if settings.triton_interpreter():
                 self.reason = INTERPRETER_REASON
@@ -413,7 +414,7 @@ class TritonLaunchCapture:
             return self
         registry, ck_cls, tuner_cls, self.version = api
         cap = self
-        orig_md = ck_cls.__dict__.get("launch_metadata", getattr(ck_cls, "launch_metadata"))
+        orig_md = ck_cls.__dict__.get("launch_metadata", ck_cls.launch_metadata)
 
         def launch_metadata(ck, grid, stream, *args):
             md = orig_md(ck, grid, stream, *args)
@@ -432,7 +433,7 @@ class TritonLaunchCapture:
         self._undo.append(lambda: setattr(ck_cls, "launch_metadata", orig_md) if own
                           else delattr(ck_cls, "launch_metadata"))
         if tuner_cls is not None and hasattr(tuner_cls, "_bench"):
-            orig_bench = tuner_cls.__dict__.get("_bench", getattr(tuner_cls, "_bench"))
+            orig_bench = tuner_cls.__dict__.get("_bench", tuner_cls._bench)
             own_bench = "_bench" in tuner_cls.__dict__
 
             def _bench(tuner, *a, **k):
@@ -917,8 +918,9 @@ def resources_section(rows: List[Dict], run: Optional[Dict] = None) -> str:
                 "Intensity = FLOPs / bytes (the rows' byte model); bound = compute at or past the ridge, else "
                 "memory; attainable = min(GEMM rate, intensity × copy bandwidth); fraction = achieved / "
                 "attainable (for a memory-side point that is the fraction of the copy bandwidth, whatever the "
-                "FLOP count). FLOPs: flash-attn's count for attention (docs/PEERS.md); for KDA and the diagonal recurrence a lower "
-                "bound from the recurrent form (KDA 7·D²+2·D, diagonal 4·D per token and head; backward 2x).", "",
+                "FLOP count). FLOPs: flash-attn's count for attention (docs/PEERS.md); for KDA and the diagonal "
+                "recurrence a lower bound from the recurrent form (KDA 7·D²+2·D, diagonal 4·D per token and head; "
+                "backward 2x).", "",
                 _table(["operator", "implementation", "case", "dtype", "dir", "FLOP model", "FLOP/byte", "bound",
                         "achieved", "attainable", "of attainable"], lines), ""]
     return "\n".join(out)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import signal
 import sys
@@ -133,9 +134,9 @@ class Progress:
             self.bar.update(1)
             return
         speed = f"{row['ms']:.4g} ms" if row.get("ms") is not None else row["status"]
-        print(f"[{self.n}/{self.total}] {row['elapsed_s']:.0f}s {row['suite']} {row['op']} {row['impl']} | {row['label']} | "
-              f"{row['direction']} | {speed}" + (f" | {row['note'][:120]}" if row.get("note") and row["status"] != "ok" else ""),
-              file=sys.stderr, flush=True)
+        note = f" | {row['note'][:120]}" if row.get("note") and row["status"] != "ok" else ""
+        print(f"[{self.n}/{self.total}] {row['elapsed_s']:.0f}s {row['suite']} {row['op']} {row['impl']} | "
+              f"{row['label']} | {row['direction']} | {speed}{note}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -242,7 +243,8 @@ class Runner:
                     _sync(dev)
                     spent = time.perf_counter() - t0
                     if left is not None and limit == left:
-                        note = f"stopped after {spent:.0f} s: the suite time budget of {self.s.time_budget_s:.0f} s ended"
+                        note = (f"stopped after {spent:.0f} s: the suite time budget of {self.s.time_budget_s:.0f} s "
+                                f"ended")
                     else:
                         note = (f"stopped after {spent:.0f} s: the first call (compilation / autotuning) ran past the "
                                 f"{self.s.first_call_limit_s:.0f} s limit (--first-call-limit)")
@@ -395,9 +397,11 @@ class Runner:
                             first = (time.perf_counter() - t0) * 1e3
                             cap.stop()
                             call = lambda: b.fn().backward(dout)
-                        bad = [i for i, x in enumerate(leaves) if x.grad is not None and not bool(torch.isfinite(x.grad).all())]
+                        bad = [i for i, x in enumerate(leaves)
+                               if x.grad is not None and not bool(torch.isfinite(x.grad).all())]
                         if bad:
-                            return self._row(task, direction, "FAILED", f"non-finite gradient(s) {bad} at the timed size")
+                            return self._row(task, direction, "FAILED",
+                                             f"non-finite gradient(s) {bad} at the timed size")
                         est = estimate_ms(call, dev, before) if self.s.rep_ms > 0 else None
                         timing = self._measure(call, est, before)
                 peak = (torch.cuda.max_memory_allocated(dev) - base_mem) / 2 ** 20 if dev.type == "cuda" else None
@@ -440,7 +444,8 @@ class Runner:
             flops = models.attention_flops(case["B"], case["H"], case["S"], case["S"], case["D"],
                                            causal=case.get("causal", True), direction=direction)
         elif op == "flash_varlen":
-            flops = models.varlen_attention_flops(case["seqlens"], case["H"], case["D"], case.get("causal", True), direction)
+            flops = models.varlen_attention_flops(case["seqlens"], case["H"], case["D"], case.get("causal", True),
+                                                  direction)
         elif op in ("flash_decode", "kvcache_decode"):
             flops = models.attention_flops(case["B"], case["H"], 1, case["ctx"], case["D"], causal=True)
         nbytes = models.io_bytes(b.inputs, out, leaves, direction, accumulate=self.s.grads == "accumulate")
@@ -483,7 +488,7 @@ def measure_ceilings(device: torch.device, settings: Settings) -> Dict:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         src.random_(0, 255)
         dst = torch.empty_like(src)
-        call = lambda: dst.copy_(src)
+        call = functools.partial(dst.copy_, src)
         call()
         t = measure(call, device, warmup_ms=settings.warmup_ms, rep_ms=settings.rep_ms, min_reps=settings.min_reps)
         out["copy_gbps"] = 2 * nbytes / (t.median_ms / 1e3) / 1e9
@@ -492,7 +497,7 @@ def measure_ceilings(device: torch.device, settings: Settings) -> Dict:
         a = torch.randn(n, n, device=device, dtype=gdt)
         bm = torch.randn(n, n, device=device, dtype=gdt)
         c = torch.empty(n, n, device=device, dtype=gdt)
-        call = lambda: torch.mm(a, bm, out=c)
+        call = functools.partial(torch.mm, a, bm, out=c)
         call()
         t = measure(call, device, warmup_ms=settings.warmup_ms, rep_ms=settings.rep_ms, min_reps=settings.min_reps)
         out["gemm_tflops"] = models.gemm_flops(n, n, n) / (t.median_ms / 1e3) / 1e12

@@ -99,8 +99,8 @@ def slow_starters_last(tasks: List[Task]) -> List[Task]:
 def crossover(s: Settings) -> List[Task]:
     """Ordered so that a crossover is computable as early as possible under any time budget:
     implementations that start fast (ours, cuDNN, FA2) before the ones that autotune for minutes
-    (``slow_starters_last``); within those, lengths coarse to fine, the lengths shared with the quadratic operators before
-    the linear-only ones; at each length the quadratic rows before the linear ones, so that a
+    (``slow_starters_last``); within those, lengths coarse to fine, the lengths shared with the quadratic operators
+    before the linear-only ones; at each length the quadratic rows before the linear ones, so that a
     linear row always has a quadratic row to be compared with."""
     h, d, tokens = s.heads, s.head_dim, s.tokens
     lengths = crossover_lengths(s)

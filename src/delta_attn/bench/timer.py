@@ -1,10 +1,10 @@
 """The timing protocol (docs/BENCH.md): warm-up, L2 flushed before every repeat, CUDA events, median.
 
 ``measure(fn)`` is a small ``do_bench``: one call estimates the cost, enough calls follow to fill
-``warmup_ms`` (none for a call slower than that: the estimate call warmed it), then ``reps`` timed calls (``rep_ms`` worth, clamped to [min_reps, max_reps]); before
-each timed call the L2 cache is flushed by writing a buffer larger than it and ``before()`` runs
-(e.g. dropping ``.grad``), neither inside the events. On a CPU device the clock is
-``time.perf_counter`` and nothing is flushed.
+``warmup_ms`` (none for a call slower than that: the estimate call warmed it), then ``reps`` timed calls
+(``rep_ms`` worth, clamped to [min_reps, max_reps]); before each timed call the L2 cache is flushed by writing
+a buffer larger than it and ``before()`` runs (e.g. dropping ``.grad``), neither inside the events. On a CPU
+device the clock is ``time.perf_counter`` and nothing is flushed.
 """
 from __future__ import annotations
 

@@ -221,7 +221,8 @@ def _attend(q, k, v, alibi, call: _Call, spec: _Spec):
     if call.reversed:
         out, lse = out.flip(td), lse.flip(-1)
         if slopes is not None:      # reversed upper part: the op's distance was one short
-            lse = lse - (slopes.reshape(-1, 1) if lse.dim() == 2 else slopes.reshape(-1, slopes.shape[-1], 1)).to(lse.dtype)
+            per_row = slopes.reshape(-1, 1) if lse.dim() == 2 else slopes.reshape(-1, slopes.shape[-1], 1)
+            lse = lse - per_row.to(lse.dtype)
     return out, lse
 
 
@@ -260,7 +261,7 @@ def _run_group(q, kv_stacked, d, alibi, spec: _Spec):
     """Attention of one head group: q (local, this group's query heads), kv_stacked (W, .., D + Dv)."""
     kv = _global_order(kv_stacked, spec)
     k, v = kv.narrow(-1, 0, d), kv.narrow(-1, d, kv.shape[-1] - d)
-    outs, lses = [], []
+    outs = []
     for block in spec.blocks:
         parts = [_attend(q, k, v, alibi, call, spec) for call in block]
         # guard (no backend that takes ALiBi trips it today): a merge by an LSE without gradient would give

@@ -27,6 +27,7 @@ from .hybrid import HybridCache, HybridConfig, HybridLM
 
 __all__ = [
     "MultiheadAttention", "GQACrossAttention", "KimiDeltaAttention", "GatedDiagonalAttention",
-    "KVCache", "PagedKVCache", "RecurrentCache", "CrossAttentionCache", "RMSNorm", "RotaryEmbedding", "ShortConvolution",
+    "KVCache", "PagedKVCache", "RecurrentCache", "CrossAttentionCache", "RMSNorm", "RotaryEmbedding",
+    "ShortConvolution",
     "HybridConfig", "HybridLM", "HybridCache",
 ]

@@ -59,8 +59,10 @@ class MultiheadAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         head_dim = head_dim or hidden_size // num_heads
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
-        self.causal, self.softmax_scale, self.window_size, self.dropout = causal, softmax_scale, tuple(window_size), dropout
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, tuple(window_size)
+        self.dropout = dropout
         self.backend, self.layer_idx = backend, layer_idx
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)

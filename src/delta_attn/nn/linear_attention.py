@@ -118,7 +118,8 @@ class KimiDeltaAttention(_RecurrentLayer):
         self.head_v_dim = head_v_dim or self.head_k_dim
         self.q_dim = self.k_dim = num_heads * self.head_k_dim
         self.v_dim = self.num_v_heads * self.head_v_dim
-        self.use_qk_l2norm, self.lower_bound, self.backend, self.layer_idx = use_qk_l2norm, lower_bound, backend, layer_idx
+        self.use_qk_l2norm, self.lower_bound = use_qk_l2norm, lower_bound
+        self.backend, self.layer_idx = backend, layer_idx
         rank = gate_low_rank_dim or self.head_v_dim
         self._build_common(hidden_size, conv_size, use_short_conv, rank, norm_eps)
         self.f_proj = _low_rank(hidden_size, rank, self.num_v_heads * self.head_k_dim, bias=False)

@@ -229,7 +229,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     """Every check that reads no device value. Returns (softmax_scale, causal, window, softcap) normalised."""
     C.tensor("q", q, 4, shape_doc="(batch, seqlen_q, heads_q, head_dim)")
     paged = block_table is not None
-    cache_doc = "(num_blocks, page_size, heads_k, head_dim)" if paged else "(batch_cache, seqlen_cache, heads_k, head_dim)"
+    cache_doc = ("(num_blocks, page_size, heads_k, head_dim)" if paged
+                 else "(batch_cache, seqlen_cache, heads_k, head_dim)")
     C.tensor("k_cache", k_cache, 4, shape_doc=cache_doc)
     C.tensor("v_cache", v_cache, 4, shape_doc=cache_doc)
     for name, t in (("k", k), ("v", v)):
@@ -256,8 +257,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
     # new keys / values
     if (k is None) != (v is None):
-        raise ValueError(f"k and v must be given together (new keys and values), got k={'a tensor' if k is not None else None} "
-                         f"and v={'a tensor' if v is not None else None}")
+        raise ValueError(f"k and v must be given together (new keys and values), got "
+                         f"k={'a tensor' if k is not None else None} and v={'a tensor' if v is not None else None}")
     snew = 0
     if k is not None:
         snew = k.shape[1]
@@ -316,9 +317,9 @@ def validate_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotar
                      return_softmax_lse=False) -> KVCacheArgs:
     # shapes, dtypes, devices, options: once per signature (C.memoized); device values: every call
     softmax_scale, causal, window, softcap = C.memoized(
-        "flash_kvcache", _check_kvcache, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-        num_splits, return_softmax_lse)
+        "flash_kvcache", _check_kvcache, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+        alibi_slopes, num_splits, return_softmax_lse)
     b = q.shape[0]
     if cache_seqlens is None:        # the whole cache
         cache_seqlens = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
@@ -364,9 +365,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     >>> out.shape, bool((k_cache[:, 5] == k[:, 0]).all())
     (torch.Size([2, 1, 4, 8]), True)
     """
-    args = validate_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, return_softmax_lse)
+    args = validate_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                            alibi_slopes, num_splits, return_softmax_lse)
     out, lse = select(args.call(), backend)(args)
     return (out, lse) if args.return_lse else out
 

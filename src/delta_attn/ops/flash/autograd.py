@@ -98,7 +98,8 @@ def attention(a: AttnArgs):
         max_sq, max_sk, layout = a.q.shape[1], a.k.shape[1], "bshd"
     else:
         vl = a.varlen
-        cu_q, cu_k, max_sq, max_sk, layout = vl.cu_seqlens_q, vl.cu_seqlens_k, vl.max_seqlen_q, vl.max_seqlen_k, vl.layout
+        cu_q, cu_k, layout = vl.cu_seqlens_q, vl.cu_seqlens_k, vl.layout
+        max_sq, max_sk = vl.max_seqlen_q, vl.max_seqlen_k
     args = (a.q, a.k, a.v, cu_q, cu_k, int(max_sq), int(max_sk), layout, float(a.softmax_scale), int(wl), int(wr),
             float(a.softcap), a.alibi_slopes, float(a.dropout_p))
     if a.needs_grad():

@@ -37,7 +37,8 @@ def positive_scale(q: torch.Tensor, scale: float) -> Tuple[torch.Tensor, float]:
     return q * 0, 1.0
 
 
-def no_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_shape, lse_shape) -> Tuple[torch.Tensor, torch.Tensor]:
+def no_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_shape,
+            lse_shape) -> Tuple[torch.Tensor, torch.Tensor]:
     """Zeros of ``out_shape`` and +inf of ``lse_shape``, in the autograd graph of q, k and v (sums over an
     empty dimension are exact zeros: zero gradients)."""
     zero = q.reshape(-1)[:0].sum() + k.reshape(-1)[:0].sum() + v.reshape(-1)[:0].sum()

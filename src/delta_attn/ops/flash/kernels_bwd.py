@@ -261,7 +261,8 @@ def _flash_bwd_dq_kernel(
                 + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DO + pid_b.to(tl.int64) * stride_dob + pid_h.to(tl.int64) * stride_doh
                  + (q_start + rows) * stride_dot + offs_d[None, :], mask=q_mask, other=0.0)
-    l_off = pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + (q_start + offs_m.to(tl.int64)) * stride_lt
+    l_off = (pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh
+             + (q_start + offs_m.to(tl.int64)) * stride_lt)
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
     k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start * stride_kt

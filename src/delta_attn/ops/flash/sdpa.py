@@ -11,12 +11,13 @@ CUDA (capabilities declared in ``register.py``):
 * float32, dense: the memory-efficient kernel (``aten::_scaled_dot_product_efficient_attention``),
   which PyTorch aligns causal masks top-left: it runs causal only when Sq == Sk, no window, no GQA.
 
-CPU (capabilities declared in ``register.py``, for CPU tensors): ``aten::_scaled_dot_product_flash_attention_for_cpu``, the
-kernel ``F.scaled_dot_product_attention`` runs on CPU tensors: every float dtype (fp16 / bf16 inputs run
-in float32, out and gradients rounded once), any head dim (v's equal to q's), GQA, an additive mask, the LSE and a backward. Causal with
-Sq == Sk runs its ``is_causal`` (top-left and bottom-right are the same mask there); any other causal or
-window call that excludes a key gets an explicit (Sq, Sk) mask aligned bottom-right
-(``reference.attention_mask``). Varlen calls loop over the sequences (``cu_seqlens`` read once).
+CPU (capabilities declared in ``register.py``, for CPU tensors):
+``aten::_scaled_dot_product_flash_attention_for_cpu``, the kernel ``F.scaled_dot_product_attention`` runs on CPU
+tensors: every float dtype (fp16 / bf16 inputs run in float32, out and gradients rounded once), any head dim (v's
+equal to q's), GQA, an additive mask, the LSE and a backward. Causal with Sq == Sk runs its ``is_causal``
+(top-left and bottom-right are the same mask there); any other causal or window call that excludes a key gets
+an explicit (Sq, Sk) mask aligned bottom-right (``reference.attention_mask``). Varlen calls loop over the
+sequences (``cu_seqlens`` read once).
 
 What the wrapper adds so that every path computes the contract (docs/CONTRACT.md) exactly:
 
