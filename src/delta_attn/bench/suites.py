@@ -143,7 +143,8 @@ def kernel_cases(s: Settings) -> Dict[str, List[Dict]]:
     flash = [(128, 4096, True), (128, 16384, False)] if s.quick else [
         (128, 1024, False), (128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
         (128, 32768, True), (64, 4096, False), (64, 16384, True)]
-    kda = [(8, 4096), (1, 32768)] if s.quick else [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]
+    kda = ([(8, 4096), (1, 32768)] if s.quick
+           else [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)])
     diag = [(8, 4096)] if s.quick else [(8, 4096), (1, 32768)]
     # KDA first; the slow starters (FLA) run last (slow_starters_last); the report orders the tables by operator
     return {
