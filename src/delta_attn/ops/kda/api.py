@@ -14,6 +14,9 @@ from ... import _checks as C
 from ...backends import Call, Capability, explain_call, recurrent_features, register, select
 
 SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
+# what a positive raw log decay usually means: the gate's input passed without its gate
+RAW_GATE_HINT = ("for a raw gate input (any sign) pass A_log (and dt_bias): the decay is then "
+                 "-exp(A_log) * softplus(g + dt_bias), FLA's use_gate_in_kernel=True")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
              use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False) -> KDAArgs:
     scale, lower_bound = _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
                                    lower_bound)
+    if A_log is None:
+        C.log_decay("g", g, RAW_GATE_HINT)
     C.flag("output_final_state", output_final_state)
     C.flag("allow_tf32", allow_tf32)
     b, t, _, kd = q.shape
@@ -140,6 +145,8 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
     scale, lower_bound = C.memoized("kda_step", _check_step, q, k, v, g, beta, state, state_indices,
                                     num_accepted_tokens, scale, use_qk_l2norm, A_log, dt_bias, lower_bound)
     C.state_indices_value_checks(state_indices, state.shape[0], num_accepted_tokens)
+    if A_log is None:
+        C.log_decay("g", g, RAW_GATE_HINT)
     b = q.shape[0]
     return KDAArgs(q, k, v, g, beta, scale, None, False, None, b, use_qk_l2norm, A_log, dt_bias, lower_bound,
                    state=state, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
@@ -153,6 +160,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     when ``A_log`` is given); beta (B, T, HV); ``initial_state`` (N, HV, K, V) float32; with
     ``cu_seqlens`` B == 1 and N = len(cu_seqlens) - 1. Returns ``(o (B, T, HV, V), final_state)``,
     final_state (N, HV, K, V) float32 when ``output_final_state`` else None.
+
+    Domain of the decay: without ``A_log``, g is a log decay and must be <= 0 (``-inf`` resets the state);
+    a positive entry is a ``ValueError`` naming g, checked on the host wherever value checks run (not under
+    CUDA-graph capture, torch.compile tracing or ``DELTA_ATTN_SKIP_VALUE_CHECKS=1``, where the caller keeps
+    g <= 0). A NaN in g is not refused: it makes its own sequence's outputs and state NaN and leaves the
+    other sequences of the batch untouched. With ``A_log``, g is the raw gate input and may have any sign.
 
     Precision: fp16 / bf16 inputs accumulate in fp32; fp32 inputs give fp32-accurate results (IEEE
     dots) unless ``allow_tf32=True``, which lets the Triton backend use tf32 tensor cores (about 1e-3
@@ -175,7 +188,8 @@ def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens
     """Decode: KDA over a few new tokens per sequence from a state pool, updated in place.
 
     q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32 (or float64). Inference only.
-    Returns o (B, T, HV, V). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
+    Returns o (B, T, HV, V). g as in :func:`kda`: without ``A_log`` a log decay <= 0 (a positive entry is a
+    ``ValueError``, checked where value checks run). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
 
     - ``state_indices`` None: sequence b reads and writes ``state[b]`` (P == B);
     - (B,): sequence b starts from ``state[state_indices[b]]`` and writes its state after the last
