@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ...backends import Call, Capability, explain_call, recurrent_features, register, select
 
 
@@ -149,7 +150,7 @@ register("torch", "diag_step", Capability(impl="delta_attn.ops.diag.torch_impl:g
                                           **_ANY))
 
 _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
-               features=_FEATURES, requires=("triton",), install_hint="pip install triton")
+               features=_FEATURES, requires=("triton",), install_hint=_install.TRITON)
 register("triton", "diag", Capability(impl="delta_attn.ops.diag.triton_impl:gated_diag", **_TRITON))
 register("triton", "diag_step", Capability(impl="delta_attn.ops.diag.triton_impl:gated_diag_step", backward=False,
                                            **_TRITON))

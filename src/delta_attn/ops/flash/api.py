@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ...backends import Call, Capability, register, select, explain_call
 
 LAYOUTS = ("thd", "htd")
@@ -235,7 +236,7 @@ def _triton_head_dims(dims) -> Optional[str]:
 
 
 _TRITON = dict(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), head_dims=_triton_head_dims,
-               features=ALL_FEATURES - {"head_dim_v"}, requires=("triton",), install_hint="pip install triton")
+               features=ALL_FEATURES - {"head_dim_v"}, requires=("triton",), install_hint=_install.TRITON)
 register("triton", "flash", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
 register("triton", "flash_varlen", Capability(impl="delta_attn.ops.flash.triton_impl:attention", **_TRITON))
 

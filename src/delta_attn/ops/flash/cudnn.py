@@ -32,12 +32,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ... import _outputs
+from ... import _install, _outputs
 from ... import backends as B
 from ...backends import Call, Capability, register, set_auto_policy
 
-CUDNN_FRONTEND_HINT = ("pip install 'delta-attn[cudnn]' (nvidia-cudnn-frontend; its classic graph API also works "
-                       "installed with --no-deps, see docs/DISPATCH.md)")
+CUDNN_FRONTEND_HINT = _install.CUDNN
 
 # cuDNN's diagonal band: key j is visible from query i when
 #   i + Sk - Sq - left_bound < j <= i + Sk - Sq + right_bound   (BOTTOM_RIGHT alignment)

@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ...backends import Call, Capability, explain_call, register, select
 from .api import _common, _triton_head_dims
 
@@ -307,4 +308,4 @@ register("torch", "flash_kvcache", Capability(
 register("triton", "flash_kvcache", Capability(
     impl="delta_attn.ops.flash.decode:kvcache", device_types=("cuda", "cpu"),
     dtypes=(torch.float16, torch.bfloat16, torch.float32), features=FEATURES, backward=False,
-    head_dims=_triton_head_dims, requires=("triton",), install_hint="pip install triton"))
+    head_dims=_triton_head_dims, requires=("triton",), install_hint=_install.TRITON))

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ...backends import Call, Capability, explain_call, recurrent_features, register, select
 
 SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
@@ -242,7 +243,7 @@ def _triton_head_dims_lazy(dims):
 
 
 _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
-               features=_FEATURES, requires=("triton",), install_hint="pip install triton",
+               features=_FEATURES, requires=("triton",), install_hint=_install.TRITON,
                head_dims=_triton_head_dims_lazy)
 register("triton", "kda", Capability(impl="delta_attn.ops.kda.autograd:kda", **_TRITON))
 register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.autograd:kda_step", backward=False, **_TRITON))
