@@ -327,6 +327,16 @@ def state_indices_values(indices: torch.Tensor, pool: int, num_accepted: Optiona
                              f"got values from {values[3]} to {values[4]}")
 
 
+def unknown_keywords(fn: str, got: Dict[str, Any], theirs: Dict[str, str]) -> None:
+    """``got``: keywords that ``fn`` does not take. A TypeError naming the first; where it is another library's
+    keyword (``theirs``: their name -> what to pass to delta-attn instead), the error says what to pass."""
+    for name in got:
+        if name in theirs:
+            raise TypeError(f"{fn}() got {name}=, a keyword of FLA's KDA: {theirs[name]} (docs/MIGRATION.md lists "
+                            "every FLA keyword)")
+        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+
+
 def flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

@@ -324,7 +324,7 @@ def _setup(q, cu_seqlens, group, state_passing):
 
 def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale=None, initial_state=None,
         output_final_state=False, cu_seqlens=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
-        allow_tf32=False, backend="auto"):
+        allow_tf32=False, backend="auto", **unknown):
     """Context-parallel :func:`delta_attn.kda`: q, k, v, g, beta are this rank's shards of dim 1.
 
     Ranks of ``group`` (default: the world) hold consecutive, equal shards in rank order. Keywords are
@@ -337,6 +337,7 @@ def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale
     (sum over the group = the single-process gradient; FSDP / DDP over a mesh that includes this group
     do that sum for parameters).
     """
+    C.unknown_keywords("kda", unknown, kda_api.FLA_KEYWORDS)
     kda_api.validate(q, k, v, g, beta, scale, None, output_final_state, None, use_qk_l2norm, A_log, dt_bias,
                      lower_bound, allow_tf32)
     rank, world, t_local, cu_list, n = _setup(q, cu_seqlens, group, state_passing)
