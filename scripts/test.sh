@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up, lint src/ and run the CPU test suite. Keeps an installed torch (GPU machines); on a machine without
-# torch it installs the CPU build first so that pip never pulls CUDA wheels.
+# Set up and run the CPU test suite: torch (kept when one imports; else the CPU build on a machine without an
+# NVIDIA GPU, the CUDA build with one: scripts/_setup.sh), delta-attn with the `test` extra, ruff on src/, then pytest on
+# 2 workers. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[test]'
+. scripts/_setup.sh
+setup test
 python -m ruff check src        # the linter ([tool.ruff] in pyproject.toml), before the tests
 exec python -m pytest -q -n 2 "$@"

@@ -1,4 +1,6 @@
-"""Shared test set-up: seeded RNG, the `gpu` marker, the Triton interpreter on CPU-only machines."""
+"""Shared test set-up: seeded RNG, the `gpu` marker, the Triton interpreter on CPU-only machines, and a
+one-line count of the skips (and expected failures) by reason at the end of the run."""
+import collections
 import os
 
 import torch
@@ -65,3 +67,22 @@ def poisoned():
     from delta_attn.testing import poison_outputs
     with poison_outputs():
         yield
+
+
+def _reason(report) -> str:
+    """A skipped / xfailed report's reason, without pytest's "Skipped: " prefix."""
+    if hasattr(report, "wasxfail"):
+        return report.wasxfail or "expected failure"
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per kind: "N skipped: 12 × needs a CUDA GPU ...; 2 × ...", most common reason first."""
+    for kind in ("skipped", "xfailed"):
+        reports = terminalreporter.stats.get(kind, [])
+        if reports:
+            counts = collections.Counter(_reason(r) for r in reports)
+            terminalreporter.write_line(f"{len(reports)} {kind}: " +
+                                        "; ".join(f"{n} × {why}" for why, n in counts.most_common()))

@@ -84,10 +84,11 @@ def test_gated_diag_halves_and_decode_equal_one_pass():
 def test_decode_is_inference_only():
     import pytest
     q = torch.randn(1, 1, 2, 4, requires_grad=True)
+    g = -q.abs()                                            # a log decay (<= 0)
     with pytest.raises(da.UnsupportedError, match="no backward pass"):
-        da.gated_diag_step(q, q, q, q, torch.zeros(1, 2, 4), backend="torch")
+        da.gated_diag_step(q, q, q, g, torch.zeros(1, 2, 4), backend="torch")
     with torch.no_grad():
-        da.gated_diag_step(q, q, q, q, torch.zeros(1, 2, 4), backend="torch")
+        da.gated_diag_step(q, q, q, g, torch.zeros(1, 2, 4), backend="torch")
 
 
 def test_dispatch_traces_under_torch_compile_fullgraph():

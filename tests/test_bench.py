@@ -65,11 +65,30 @@ def test_crossover_tiny_writes_every_artifact(crossover_dir):
     with open(os.path.join(crossover_dir, "results.csv")) as f:
         assert len(f.read().strip().splitlines()) == len(rows) + 1
     md = open(os.path.join(crossover_dir, "report.md")).read()
-    for text in ("## Environment", "## Ceilings", "Crossover, fwd", "Complete comparison, fwd+bwd", "## Rows that did not run",
-                 "Tiny CPU mode", "delta-attn torch [kda]", "![latency.png](latency.png)"):
+    for text in ("## Environment", "## Ceilings", "Latency, fwd+bwd", "## Rows that did not run",
+                 "delta-attn torch [kda]", "![latency.png](latency.png)"):
         assert text in md, text
-    # the crossover points are data too
-    assert {(c["impl"], c["direction"]) for c in run["crossover"]} >= {("delta-attn torch", "fwd")}
+
+
+def test_tiny_crossover_is_a_smoke_test_that_claims_no_crossover(crossover_dir):
+    """One timed call per row at toy sizes says nothing about speed: the report says so, names the CPU timer
+    it used, and makes no crossover or speed-up claim (no "faster at every measured length" beside a slower
+    ratio)."""
+    run, rows = _read(crossover_dir)
+    md = open(os.path.join(crossover_dir, "report.md")).read()
+    assert "**Smoke test**" in md and "claims no crossover" in md
+    for claim in ("## The answer", "Crossover, fwd", "Complete comparison", "faster at every", "crossover S",
+                  "x at S =", "speed-up at"):
+        assert claim not in md, claim
+    assert "crossover" not in run                  # no crossover points as data either
+    smoke = md.split("## Smoke test")[1].split("## Environment")[0]
+    for line in smoke.splitlines():
+        if line.startswith("| ") and "---" not in line and not line.startswith("| linear operator"):
+            assert all(c.strip().startswith(("ran at S = ", "not timed (")) for c in line.split("|")[2:-1]), line
+    method = md.split("## How this was measured")[1]
+    assert "CUDA events" not in method and "L2" not in method
+    assert "single call timed with the CPU wall clock (`time.perf_counter`)" in method
+    assert {r["reps"] for r in rows if r["status"] == "ok"} == {1}
 
 
 def test_missing_peer_is_a_row_with_the_install_hint(crossover_dir):
@@ -371,19 +390,79 @@ def test_any_budget_still_answers(tmp_path, budget):
                      "--time-budget", budget, "--impls", "torch"]) == 0
     run, rows = _read(out)
     md = open(os.path.join(out, "report.md")).read()
-    answer = md.split("## The answer")[1].split("## Environment")[0]
+    answer = md.split("## Smoke test")[1].split("## Environment")[0]
     timed = {(r["impl"], r["op"]) for r in rows if r["family"] == "linear" and r["status"] == "ok"}
     if budget == "0.5":       # far too small: rows were skipped, and the report still says so per operator
         assert any(r["status"] == "skipped" and "time budget" in r["note"] for r in rows)
     else:
         assert timed
-    for impl, op in timed:    # every linear operator timed has a crossover or an honest "> S"
+    for impl, op in timed:    # every linear operator timed says where it ran
         line = next(x for x in answer.splitlines() if x.startswith(f"| {impl} [{op}]"))
-        cell = line.split("|")[2].strip()
-        assert cell[0] in "≤>0123456789", line
+        assert line.split("|")[2].strip().startswith(("ran at S = ", "not timed (")), line
     for r in rows:
         if r["family"] == "linear" and (r["impl"], r["op"]) not in timed and r["impl"] + " [" in answer:
             assert f"| {r['impl']} [{r['op']}] | not timed (" in answer
+
+
+CUDNN_NOTE = ("cudnn not installed — pip install --no-deps 'nvidia-cudnn-frontend>=1.32' and pip install cuda-python "
+              "(the sm_90 KDA engine compiles with NVRTC and needs the CUDA headers); runs on cuda tensors, got cpu")
+
+
+def _budget_cut_rows():
+    """A GPU crossover cut short by a small --time-budget: attention timed at 1K only (its 8K row stopped by the
+    budget), a linear operator timed only at a linear-only length, one never timed (unavailable, a long note),
+    one whose ratio dips below 1 at 1K and comes back above it at 8K."""
+    K = 1024
+    rows = [_xrow("cuDNN (SDPA)", "flash", "quadratic", K, 1.0, provider="torch"),
+            _xrow("cuDNN (SDPA)", "flash", "quadratic", 8 * K, None, provider="torch", status="skipped",
+                  note="stopped after 3 s: the suite time budget of 20 s ended"),
+            _xrow("delta-attn triton", "kda", "linear", K, 0.5), _xrow("delta-attn triton", "kda", "linear", 8 * K, 9.0),
+            _xrow("late", "kda", "linear", 256 * K, 2.0),
+            _xrow("late", "kda", "linear", K, None, status="skipped", note="suite time budget of 20 s reached"),
+            _xrow("delta-attn cudnn", "kda", "linear", K, None, status="unavailable", note=CUDNN_NOTE)]
+    rows += [_xrow("cuDNN (SDPA)", "flash", "quadratic", 8 * K, 4.0, provider="torch", direction="fwd+bwd"),
+             _xrow("delta-attn triton", "kda", "linear", K, 0.5, direction="fwd+bwd"),
+             _xrow("delta-attn triton", "kda", "linear", 8 * K, 9.0, direction="fwd+bwd")]
+    for i, r in enumerate(rows):      # what a timed row also carries
+        r.update(ms_p20=r["ms"], ms_p80=r["ms"], tokens_per_s=65536.0, reps=(10, 100)[i % 2] if r["ms"] else None)
+    return rows
+
+
+def test_a_budget_cut_crossover_says_a_length_or_why_not_and_never_contradicts_itself():
+    run = {"suite": "crossover", "settings": {"device": "cuda", "warmup_ms": 25.0}}
+    md = report.markdown(run, _budget_cut_rows(), [])
+    assert "no common measured length" not in md
+    verdicts = {}
+    for section in ("## The answer", "**Crossover, fwd, bf16**", "**Crossover, fwd+bwd, bf16**"):
+        table = md.split(section)[1].split("\n\n")[1 if section != "## The answer" else 3]
+        for line in table.splitlines()[2:]:
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            verdicts[(section, cells[0])] = cells
+            assert cells[1].startswith(("≤", ">", "not timed (")) or cells[1][0].isdigit(), line
+    answer = {name: cells for (sec, name), cells in verdicts.items() if sec == "## The answer"}
+    # faster at 1K, slower at 8K: not "faster at every measured length", and the speed-up agrees
+    assert answer["delta-attn triton [kda]"][1] == "≤ 1K"             # fwd: 8K has no attention time
+    assert answer["delta-attn triton [kda]"][3] == "not timed at 128K (2x at 1K)"
+    assert answer["delta-attn triton [kda]"][2] == "> 8K"             # fwd+bwd: 2.25x the time at 8K
+    where = verdicts[("**Crossover, fwd+bwd, bf16**", "delta-attn triton [kda]")]
+    assert where[2] == "not reached up to S = 8192 (still 2.25x the time)" and where[3] == "0.444x at S = 8192"
+    assert answer["late [kda]"][1] == "not timed (at no length where attention was: this operator ran at S = 262144, " \
+                                      "attention at S = 1024)"
+    assert answer["late [kda]"][2].startswith("not timed (")
+    # the whole install hint, never cut
+    assert answer["delta-attn cudnn [kda]"][1] == f"not timed (unavailable: {CUDNN_NOTE})"
+    assert f"not timed (unavailable: {CUDNN_NOTE})" in md.split("**Crossover, fwd, bf16**")[1]
+    method = md.split("## How this was measured")[1]
+    assert "CUDA events" in method and "L2 cache flushed" in method and "median of 10 to 100 timed calls" in method
+
+
+def test_crossover_is_where_the_linear_op_stays_faster():
+    quad = {16: 1.0, 32: 1.0, 64: 1.0, 128: 1.0}
+    x, how = report.crossover_point({16: 0.5, 32: 2.0, 64: 0.5, 128: 0.25}, quad)
+    assert 32 < x < 64 and how == "between S = 32 and 64 (also faster at S = 16, slower again at S = 32)"
+    x, how = report.crossover_point({16: 0.5, 32: 2.0}, {16: 1.0, 32: 1.0})
+    assert x is None and how == "not reached up to S = 32 (still 2x the time; faster at S = 16 only)"
+    assert report.crossover_text(x, how) == "> 32"
 
 
 def test_rates_keep_their_digits():

@@ -102,11 +102,12 @@ def _validated_cu():
     cu = torch.stack([_cu(LENGTHS).to(torch.int64)] * 2, 1)[:, 1]
     t = sum(LENGTHS)
     x = torch.randn(1, t, 2, 16)
+    g = -x.abs()                     # a log decay (<= 0)
     qkv = torch.randn(t, 2, 16)
     a = validate_varlen(qkv, qkv, qkv, cu, cu, max(LENGTHS), max(LENGTHS))
     return {"cu_seqlens_q": a.varlen.cu_seqlens_q, "cu_seqlens_k": a.varlen.cu_seqlens_k,
-            "kda": validate_kda(x, x, x, x, x[..., 0], cu_seqlens=cu).cu_seqlens,
-            "diag": validate_diag(x, x, x, x, cu_seqlens=cu).cu_seqlens}, a
+            "kda": validate_kda(x, x, x, g, x[..., 0], cu_seqlens=cu).cu_seqlens,
+            "diag": validate_diag(x, x, x, g, cu_seqlens=cu).cu_seqlens}, a
 
 
 @pytest.mark.parametrize("skip_value_checks", ["0", "1"])

@@ -27,7 +27,8 @@ def test_env_json_is_machine_readable(capsys):
 def test_missing_optional_package_names_the_fix():
     info = env.collect()
     info["optional_packages"]["fla-core"] = None
-    assert "fla-core: not installed — pip install 'delta-attn[peers]'" in env.render(info)
+    assert "fla-core: not installed — pip install fla-core (or, in a delta-attn checkout, the extra: " \
+           "pip install -e '.[peers]')" in env.render(info)
 
 
 def test_module_entry_point_runs():

@@ -38,6 +38,7 @@ def fake_gpu(monkeypatch):
     """A CUDA device of a chosen compute capability with the frontend (and its toolchain) installed or not."""
     state = {"cc": (9, 0), "cudnn": True, "frontend": None, "toolchain": None}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # the value checks ask
     monkeypatch.setattr(B, "device_capability", lambda dev: state["cc"] if dev.type == "cuda" else None)
     real = B.package_available
     monkeypatch.setattr(B, "package_available", lambda m: state["cudnn"] if m == "cudnn" else real(m))

@@ -3,9 +3,9 @@
 Every public wrapper calls these before anything runs. Each error names the argument, what was
 expected and what came, and is a ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
 shape or value). Value checks that need the host to read a device tensor (``cu_seqlens``,
-``state_indices``, ``num_accepted_tokens``) are skipped while ``torch.compile`` traces, where they would
-break the graph, and while a CUDA graph is captured, where a host read is not allowed; shape, dtype and
-device checks always run.
+``state_indices``, ``num_accepted_tokens``, the sign of a raw log decay ``g``: :func:`log_decay`) are skipped
+while ``torch.compile`` traces, where they would break the graph, and while a CUDA graph is captured, where a
+host read is not allowed; shape, dtype and device checks always run.
 """
 from __future__ import annotations
 
@@ -156,6 +156,23 @@ def value_checks_enabled() -> bool:
     asynchronous."""
     return (not _tracing() and not _capturing()
             and not settings.skip_value_checks())
+
+
+def log_decay(name: str, g: torch.Tensor, hint: str = "") -> None:
+    """A log decay is <= 0: the state is multiplied by ``exp(g)`` in [0, 1] (``-inf`` resets it). A positive entry
+    (a state that grows, which the chunked kernels' ``exp(G_i - G_j)`` arithmetic assumes never happens) is a
+    ``ValueError`` naming ``name``; ``hint`` says what to pass instead. NaN is not refused: it keeps its documented
+    meaning (that sequence's outputs and state become NaN, the others are untouched). One reduction on the device
+    and one host read, when :func:`value_checks_enabled` (never under CUDA-graph capture or torch.compile tracing,
+    nor with DELTA_ATTN_SKIP_VALUE_CHECKS=1: the caller then keeps g <= 0)."""
+    if g.numel() == 0 or not value_checks_enabled():
+        return
+    top = g.amax().item()
+    if top != top:          # a NaN entry hides the maximum of the others (rare: a second pass)
+        top = g.nan_to_num(nan=0.0, posinf=float("inf")).amax().item()
+    if top > 0:
+        raise ValueError(f"{name} is a log decay and must be <= 0 (the state is multiplied by exp({name}) <= 1 at "
+                         f"each token), got a value of {top:g}" + (f"; {hint}" if hint else ""))
 
 
 INT32_MAX = 2 ** 31 - 1
@@ -323,6 +340,16 @@ def state_indices_values(indices: torch.Tensor, pool: int, num_accepted: Optiona
         if values[3] < 1 or values[4] > tokens:
             raise ValueError(f"num_accepted_tokens must lie in [1, {tokens}] (T, the tokens per sequence), "
                              f"got values from {values[3]} to {values[4]}")
+
+
+def unknown_keywords(fn: str, got: Dict[str, Any], theirs: Dict[str, str]) -> None:
+    """``got``: keywords that ``fn`` does not take. A TypeError naming the first; where it is another library's
+    keyword (``theirs``: their name -> what to pass to delta-attn instead), the error says what to pass."""
+    for name in got:
+        if name in theirs:
+            raise TypeError(f"{fn}() got {name}=, a keyword of FLA's KDA: {theirs[name]} (docs/MIGRATION.md lists "
+                            "every FLA keyword)")
+        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
 
 
 def flag(name: str, value) -> bool:

@@ -34,7 +34,8 @@ def _cmd_bench(args) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             print("delta-attn bench: no CUDA GPU is visible: running the tiny CPU mode (--device cpu --tiny): "
-                  "reference and Triton-interpreter paths at toy sizes, to check that everything runs",
+                  "reference and Triton-interpreter paths at toy sizes, one timed call per row: a smoke test that "
+                  "checks that everything runs and claims no crossover",
                   file=sys.stderr)
     if device == "cuda" and not torch.cuda.is_available():
         print("delta-attn bench: --device cuda but no CUDA GPU is visible", file=sys.stderr)

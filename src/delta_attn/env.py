@@ -14,14 +14,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import __version__, settings
+from . import __version__, _install, settings
 from .backends import BACKENDS, Call, package_available
 
-# optional packages: (import name, distribution name, extra that installs it)
+# optional packages: distribution name -> (import name, how to install it)
 OPTIONAL = {
-    "nvidia-cudnn-frontend": ("cudnn", "nvidia-cudnn-frontend", "cudnn"),
-    "fla-core": ("fla", "fla-core", "peers"),
-    "matplotlib": ("matplotlib", "matplotlib", "bench"),
+    "nvidia-cudnn-frontend": ("cudnn", _install.CUDNN),
+    "fla-core": ("fla", _install.FLA),
+    "matplotlib": ("matplotlib", _install.BENCH),
 }
 
 
@@ -97,7 +97,7 @@ def collect() -> Dict:
         "numpy": _dist_version("numpy"),
         "gpu": _gpu(),
         "optional_packages": {dist: _dist_version(dist) if package_available(mod) else None
-                              for dist, (mod, _, _) in OPTIONAL.items()},
+                              for dist, (mod, _) in OPTIONAL.items()},
         "triton_interpreter": settings.triton_interpreter(),
         "backends": backend_status(),
     }
@@ -114,9 +114,9 @@ def render(info: Dict) -> str:
          f"{gpu['memory_gib']} GiB, driver {gpu['driver'] or '?'}" if gpu else "GPU: no CUDA GPU"),
         "optional packages:",
     ]
-    for dist, (_, _, extra) in OPTIONAL.items():
+    for dist, (_, hint) in OPTIONAL.items():
         ver = info["optional_packages"][dist]
-        lines.append(f"  {dist}: {ver}" if ver else f"  {dist}: not installed — pip install 'delta-attn[{extra}]'")
+        lines.append(f"  {dist}: {ver}" if ver else f"  {dist}: not installed — {hint}")
     lines.append("backends (a plain call of each operator on this machine):")
     for name, ops in info["backends"].items():
         if not ops:

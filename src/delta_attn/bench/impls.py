@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import delta_attn as da
+from delta_attn import _install
 from delta_attn import reference
 from delta_attn.backends import BACKENDS, package_available
 
-FLA_HINT = "not installed: pip install fla-core  (or pip install 'delta-attn[peers]')"
+FLA_HINT = f"not installed: {_install.FLA}"
 
 
 @dataclass

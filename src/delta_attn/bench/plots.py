@@ -14,7 +14,8 @@ def _plt():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("delta-attn: matplotlib is not installed, no plots (pip install 'delta-attn[bench]')", file=sys.stderr)
+        from .._install import BENCH
+        print(f"delta-attn: matplotlib is not installed, no plots: {BENCH}", file=sys.stderr)
         return None
 
 

@@ -101,6 +101,11 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _cell(text: str) -> str:
+    """Any text (a multi-line error, a note with a pipe) as one Markdown table cell, in full."""
+    return " ".join(str(text).split()).replace("|", "/")
+
+
 def _table(header: List[str], lines: Iterable[List[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     out += ["| " + " | ".join(str(c) for c in line) + " |" for line in lines]
@@ -163,19 +168,27 @@ def _series(rows: List[Dict], impl: str, direction: str, dtype: str) -> Dict[int
 
 
 def crossover_point(lin: Dict[int, float], quad: Dict[int, float]) -> Tuple[Optional[float], str]:
-    """Where the linear op's time falls below the quadratic one's, log-interpolated in S and in the
-    time ratio between the two measured lengths around it. Returns (S or None, description)."""
+    """Where the linear op's time falls below the quadratic one's for good: the shortest measured length from
+    which it is faster at every longer common length, log-interpolated in S and in the time ratio between it
+    and the length before. Returns (S or None, description); a ratio that dips below 1 and comes back is said
+    as such, never "faster at every measured length"."""
     common = sorted(set(lin) & set(quad))
     if not common:
         return None, "no common measured length"
     ratio = [(S, lin[S] / quad[S]) for S in common]
-    if ratio[0][1] < 1:
-        return float(ratio[0][0]), f"faster at every measured length (from S = {ratio[0][0]})"
-    for (s0, r0), (s1, r1) in zip(ratio, ratio[1:]):
-        if r1 < 1 <= r0:
-            x = math.log(s0) + (math.log(s1) - math.log(s0)) * math.log(r0) / (math.log(r0) - math.log(r1))
-            return math.exp(x), f"between S = {s0} and {s1}"
-    return None, f"not reached up to S = {common[-1]} (still {_f(ratio[-1][1])}x the time)"
+    i = len(ratio)                 # ratio[i:] are all < 1
+    while i > 0 and ratio[i - 1][1] < 1:
+        i -= 1
+    earlier = ", ".join(str(S) for S, r in ratio[:max(i - 1, 0)] if r < 1)    # faster, then slower again
+    if i == len(ratio):
+        return None, (f"not reached up to S = {common[-1]} (still {_f(ratio[-1][1])}x the time" +
+                      (f"; faster at S = {earlier} only)" if earlier else ")"))
+    if i == 0:
+        return float(common[0]), f"faster at every measured length (from S = {common[0]})"
+    (s0, r0), (s1, r1) = ratio[i - 1], ratio[i]
+    x = math.log(s0) + (math.log(s1) - math.log(s0)) * math.log(r0) / (math.log(r0) - math.log(r1))
+    return math.exp(x), f"between S = {s0} and {s1}" + (f" (also faster at S = {earlier}, slower again at S = {s0})"
+                                                         if earlier else "")
 
 
 def _fmt_len(x: Optional[float]) -> str:
@@ -208,14 +221,51 @@ def _linear_impls(rows: List[Dict]) -> List[Tuple[str, str]]:
     return [(impl, op) for impl, op, _ in ordered]
 
 
-def _why_not_timed(rows: List[Dict], impl: str, op: str) -> str:
-    notes = [r for r in rows if r["impl"] == impl and r["op"] == op and r["status"] != "ok"]
-    return f"not timed ({notes[0]['status']}: {notes[0]['note'][:90]})" if notes else "not timed"
+def _why_not_timed(rows: List[Dict]) -> str:
+    """"not timed (status: note)" from the first of ``rows`` (one operator's) that did not run, in full."""
+    notes = [r for r in rows if r["status"] != "ok"]
+    return (f"not timed ({notes[0]['status']}: {_cell(notes[0]['note'])})" if notes
+            else "not timed (no row of it in this run)")
 
 
-def answer_section(rows: List[Dict]) -> str:
+def linear_verdict(rows: List[Dict], impl: str, op: str, direction: str,
+                   quad: Dict[int, float]) -> Tuple[Optional[float], str, str]:
+    """One linear operator in one direction against the best quadratic time at each length (``quad``):
+    (crossover S or None, where, the table's text). The text is a crossover length, "≤ S", "> S" or
+    "not timed (reason)"."""
+    mine = [r for r in rows if r["impl"] == impl and r["op"] == op and r["direction"] == direction]
+    lin = {r["case"]["S"]: r["ms"] for r in mine if r["status"] == "ok"}
+    if not lin:
+        why = _why_not_timed(mine)
+        return None, why, why
+    if not set(lin) & set(quad):
+        why = (f"not timed (at no length where attention was: this operator ran at S = "
+               f"{', '.join(str(S) for S in sorted(lin))}, attention at " +
+               (f"S = {', '.join(str(S) for S in sorted(quad))})" if quad else "none)"))
+        return None, why, why
+    x, how = crossover_point(lin, quad)
+    return x, how, crossover_text(x, how)
+
+
+def _lengths_run(rows: List[Dict], impl: str, op: str, direction: str) -> str:
+    """The smoke test's cell: the lengths at which the operator ran and passed the gate, or why not."""
+    mine = [r for r in rows if r["impl"] == impl and r["op"] == op and r["direction"] == direction]
+    ran = sorted(r["case"]["S"] for r in mine if r["status"] == "ok")
+    if not ran:
+        return _why_not_timed(mine)
+    return f"ran at S = {', '.join(str(S) for S in ran)}"
+
+
+SMOKE_NOTE = ("> **Smoke test** (tiny mode): toy sizes, the reference and Triton-interpreter paths, one timed call "
+              "per row. It checks that every implementation runs and passes the correctness gate, and that every "
+              "artifact is produced; its times are single readings that say nothing about speed, so this report "
+              "claims no crossover and no speed-up.")
+
+
+def answer_section(rows: List[Dict], smoke: bool = False) -> str:
     """The crossover suite's answer: for each linear operator (ours and the peers) and direction, the
-    length past which it beats the best quadratic implementation, and its speed-up at 128K."""
+    length past which it beats the best quadratic implementation, and its speed-up at 128K. A smoke test
+    (``smoke``: the tiny mode) says only where each operator ran."""
     rows = [r for r in rows if r["suite"] == "crossover"]
     if not rows:
         return ""
@@ -223,6 +273,13 @@ def answer_section(rows: List[Dict]) -> str:
     dirs = [d for d in ("fwd", "fwd+bwd", "bwd") if any(r["direction"] == d for r in rows)]
     for dtype in sorted({r["dtype"] for r in rows}):
         rs = [r for r in rows if r["dtype"] == dtype]
+        if smoke:
+            out.append(f"**{dtype}**, smoke test (no crossover claimed):\n")
+            out.append(_table(["linear operator"] + dirs, [[f"{impl} [{op}]"] + [_lengths_run(rs, impl, op, d)
+                                                                                  for d in dirs]
+                                                           for impl, op in _linear_impls(rs)]))
+            out.append("")
+            continue
         quad = {d: _best_quadratic(rs, d, dtype) for d in dirs}
         head = ["linear operator"] + [f"crossover S, {d}" for d in dirs] + \
                [f"speed-up at {_fmt_len(HEADLINE_S)}, {d}" for d in dirs] + ["slowest first call"]
@@ -230,13 +287,13 @@ def answer_section(rows: List[Dict]) -> str:
         for impl, op in _linear_impls(rs):
             mine = [r for r in rs if r["impl"] == impl and r["op"] == op]
             if not any(r["status"] == "ok" for r in mine):
-                lines.append([f"{impl} [{op}]", _why_not_timed(rs, impl, op)] + [""] * (2 * len(dirs) - 1) + ["-"])
+                lines.append([f"{impl} [{op}]", _why_not_timed(mine)] + [""] * (2 * len(dirs) - 1) + ["-"])
                 continue
             cross, speed = [], []
             for d in dirs:
                 lin = {r["case"]["S"]: r["ms"] for r in mine if r["direction"] == d and r["status"] == "ok"}
                 q = {S: v[0] for S, v in quad[d].items()}
-                cross.append(crossover_text(*crossover_point(lin, q)) if lin else "not timed")
+                cross.append(linear_verdict(rs, impl, op, d, q)[2])
                 common = sorted(set(lin) & set(q))
                 if HEADLINE_S in lin and HEADLINE_S in q:
                     speed.append(f"{_f(q[HEADLINE_S] / lin[HEADLINE_S])}x")
@@ -280,7 +337,9 @@ def first_calls_section(rows: List[Dict]) -> str:
                    lines) + "\n")
 
 
-def crossover_section(rows: List[Dict]) -> str:
+def crossover_section(rows: List[Dict], smoke: bool = False) -> str:
+    """Per direction: the latency table, then (not in a smoke test) the crossover lengths and the complete
+    comparison."""
     rows = [r for r in rows if r["suite"] == "crossover"]
     if not rows:
         return ""
@@ -296,13 +355,17 @@ def crossover_section(rows: List[Dict]) -> str:
             for r in rs:
                 name = r["impl"] + (" [" + r["op"] + "]" if r["family"] == "linear" else "")
                 cell[(name, r["case"]["S"])] = _f(r["ms"]) if r["status"] == "ok" else r["status"].lower()
-            out.append(f"### Latency, {direction}, {dtype} (ms, median; B = tokens / S)")
+            out.append(f"### Latency, {direction}, {dtype} (ms, " +
+                       ("one reading per row, smoke test" if smoke else "median") + "; B = tokens / S)")
             hdr = ["S", "B"] + impls
             lines = []
             for S in lengths:
                 b = next(r["case"]["B"] for r in rs if r["case"]["S"] == S)
                 lines.append([str(S), str(b)] + [cell.get((i, S), "") for i in impls])
             out.append(_table(hdr, lines))
+            if smoke:
+                out.append("")
+                continue
             # crossover lengths against the best quadratic implementation
             best = _best_quadratic(rs, direction, dtype)
             quad_ms = {S: v[0] for S, v in best.items()}
@@ -311,10 +374,10 @@ def crossover_section(rows: List[Dict]) -> str:
             xl = []
             for impl, op in lin_impls:
                 s = {r["case"]["S"]: r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"}
-                x, how = crossover_point(s, quad_ms)
+                _, how, text = linear_verdict(rs, impl, op, direction, quad_ms)
                 common = sorted(set(s) & set(quad_ms))
                 last = (f"{_f(quad_ms[common[-1]] / s[common[-1]])}x at S = {common[-1]}" if common else "-")
-                xl.append([f"{impl} [{op}]", crossover_text(x, how), how, last])
+                xl.append([f"{impl} [{op}]", text, "-" if how == text else how, last])
             if xl:
                 out.append(f"\n**Crossover, {direction}, {dtype}**: the sequence length past which each linear "
                            "operator is faster than the best quadratic one measured at that length.\n")
@@ -349,8 +412,7 @@ def crossover_summary(rows: List[Dict]) -> List[Dict]:
             rs = [r for r in rows if r["direction"] == direction and r["dtype"] == dtype]
             quad = {S: v[0] for S, v in _best_quadratic(rs, direction, dtype).items()}
             for impl, op in OrderedDict.fromkeys((r["impl"], r["op"]) for r in rs if r["family"] == "linear"):
-                s = {r["case"]["S"]: r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"}
-                x, how = crossover_point(s, quad)
+                x, how, _ = linear_verdict(rs, impl, op, direction, quad)
                 out.append({"impl": impl, "op": op, "direction": direction, "dtype": dtype, "crossover_S": x, "where": how})
     return out
 
@@ -372,7 +434,8 @@ def _primary(r: Dict) -> Tuple[str, str]:
     return "-", "-"
 
 
-def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None) -> str:
+def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None, smoke: bool = False) -> str:
+    """A table per operator; a smoke test compares no speeds ("vs best peer" is blank)."""
     out = []
     by_op = OrderedDict()
     for r in rows:
@@ -399,7 +462,7 @@ def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None) -
             rate, frac = _primary(r)
             k = (r["label"], r["dtype"], r["direction"])
             vs = "-"
-            if r["provider"] == "delta-attn" and k in best_peer:
+            if r["provider"] == "delta-attn" and k in best_peer and not smoke:
                 vs = f"{best_peer[k] / r['ms']:.2f}x"
             line = [r["label"], r["dtype"], r["direction"], r["impl"], _f(r["ms"], 4),
                     f"{_f(r['ms_p20'])}-{_f(r['ms_p80'])}", rate, frac, _f(r["tokens_per_s"] / 1e6),
@@ -460,7 +523,7 @@ def decode_section(rows: List[Dict], ceilings: Optional[Dict] = None) -> str:
             per_seq, what = c["H"] * c["D"] * 4, "diagonal state (fp32)"
         ms = r.get("graph_ms") or r["ms"]
         gbps = r["bytes"] / (ms / 1e3) / 1e9
-        graph = _f(r["graph_ms"] * 1e3, 4) if r.get("graph_ms") else (r.get("graph_note") or "-")[:60]
+        graph = _f(r["graph_ms"] * 1e3, 4) if r.get("graph_ms") else _cell(r.get("graph_note") or "-")
         lines.append([str(c["B"]), what, r["impl"], _f(r["ms"] * 1e3, 4), graph, _f(r["tokens"] / (ms / 1e3)),
                       rate(gbps * 1e9, "B/s"), _pct(gbps / copy) if copy else "-", _bytes(per_seq)])
     return ("### Decode: one new token per sequence (rows that did not run are listed below)\n"
@@ -487,7 +550,7 @@ def not_run_section(rows: List[Dict]) -> str:
     lines = []
     for (status, impl, note), where in sorted(groups.items(), key=lambda kv: (kv[0][0] != "FAILED", kv[0])):
         shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
-        lines.append([f"**{status}**" if status == "FAILED" else status, impl, note.replace("|", "/").replace("\n", " "),
+        lines.append([f"**{status}**" if status == "FAILED" else status, impl, _cell(note),
                       f"{len(where)}: {shown}"])
     return _table(["status", "implementation", "reason", "rows"], lines)
 
@@ -518,8 +581,6 @@ GRADS_NOTE = {
 
 def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[str, List[Dict]]] = None) -> str:
     suite = run.get("suite", "?")
-    # runs written before the setting existed reset the gradients before every call
-    settings_grads = (run.get("settings") or {}).get("grads", "fresh")
     env = run.get("env") or {}
     gpu = (env.get("gpu") or {}).get("name") or ""
     h200 = "H200" in gpu
@@ -534,10 +595,15 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
              f"Command: `{run.get('command', '')}`  ",
              f"Started {run.get('started', '?')} UTC, took {_f(run.get('duration_s'))} s; rows: " +
              ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
-    if run.get("tiny"):
-        parts += ["> Tiny CPU mode: reference and Triton-interpreter paths at toy sizes. These times say nothing "
-                  "about GPU speed; the run checks that every artifact is produced.", ""]
-    if suite == "crossover":
+    smoke = bool(run.get("tiny"))
+    if smoke:
+        parts += [SMOKE_NOTE, ""]
+    if suite == "crossover" and smoke:
+        parts += ["## Smoke test: where each linear operator ran", "",
+                  "Each cell lists the lengths at which the operator ran and passed the correctness gate, or why it "
+                  "did not run. No crossover is claimed: run `delta-attn bench crossover` on a GPU for the answer.",
+                  "", answer_section(rows, smoke=True)]
+    elif suite == "crossover":
         parts += ["## The answer: where linear attention overtakes quadratic attention", "",
                   "Crossover S: the sequence length (B = tokens / S, causal) past which the linear operator is faster "
                   "than every quadratic implementation measured at that length; \"≤\" = faster from the shortest "
@@ -550,12 +616,12 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         compare = {_key(r): r["ms"] for r in old[1] if r["status"] == "ok"}
     parts += ["## Results", ""]
     if suite == "crossover":
-        parts.append(crossover_section(rows))
+        parts.append(crossover_section(rows, smoke))
     if suite == "matrix":
         parts.append(matrix_section(rows))
     if suite == "decode":
         parts.append(decode_section(rows, run.get("ceilings")))
-    parts.append(rows_section(rows, h200, compare))
+    parts.append(rows_section(rows, h200, compare, smoke))
     parts.append(first_calls_section(rows))
     from .resources import resources_section   # kernels per row and roofline
     parts.append(resources_section(rows, run))
@@ -564,18 +630,46 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         parts += ["## Comparison with an earlier run", "", compare_section(rows, old[1], old[0]), ""]
     if plots:
         parts += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
-    parts += ["## How this was measured", "",
-              "Each time is the median of repeated calls timed with CUDA events after a warm-up, with the L2 "
-              "cache flushed before every call (p20-p80 is the spread); the first call of each row (compilation, "
-              "autotuning) is excluded and reported as `first_call_ms` in results.jsonl. Before any timing, every "
-              "implementation's output (and gradients, for rows with a backward pass) is checked against the float64 "
-              "reference on a probe of the same configuration with the error rule of docs/TESTING.md; a row that fails is FAILED "
-              "and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, fwd+bwd 3.5x; "
-              "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Backward rows: "
-              f"gradients {GRADS_NOTE[settings_grads]} Fractions are of the "
-              "ceilings above. Peak MiB: the most memory allocated during the row beyond what was allocated before "
-              "its inputs. See docs/BENCH.md.", ""]
+    parts += ["## How this was measured", "", method_text(run, rows), ""]
     return "\n".join(parts)
+
+
+def _on_gpu(run: Dict) -> bool:
+    """Whether the run timed a CUDA device (runs that predate the recorded device were GPU runs)."""
+    device = (run.get("settings") or {}).get("device") or (run.get("ceilings") or {}).get("device") or "cuda"
+    return str(device).startswith("cuda")
+
+
+def _timing_text(run: Dict, rows: List[Dict]) -> str:
+    """What the timer did in this run: the clock, the repeats, the warm-up and the flush."""
+    st = run.get("settings") or {}
+    cuda = _on_gpu(run)
+    reps = sorted({r["reps"] for r in rows if r.get("status") == "ok" and r.get("reps")})
+    n = ("-" if not reps else str(reps[0]) if len(reps) == 1 else f"{reps[0]} to {reps[-1]}")
+    clock = "CUDA events" if cuda else "the CPU wall clock (`time.perf_counter`)"
+    warm = st.get("warmup_ms")
+    warmup = ("no warm-up" if warm == 0 else f"a warm-up of about {warm:g} ms of calls" if warm else "a warm-up")
+    flush = ("with the L2 cache flushed before every call" if cuda else "nothing flushed between calls")
+    if reps == [1]:
+        return (f"Each time is a single call timed with {clock} after the row's untimed first call, {warmup}, "
+                f"{flush}: one reading, not a median (the p20-p80 spread collapses to it).")
+    return (f"Each time is the median of {n} timed calls per row ({clock}), after {warmup}, {flush} "
+            f"(p20-p80 is the spread).")
+
+
+def method_text(run: Dict, rows: List[Dict]) -> str:
+    """The report's method section: what actually ran in this run."""
+    # runs written before the setting existed reset the gradients before every call
+    settings_grads = (run.get("settings") or {}).get("grads", "fresh")
+    peak = (" Peak MiB: the most memory allocated during the row beyond what was allocated before its inputs."
+            if _on_gpu(run) else " Peak MiB is not measured on the CPU.")
+    return (_timing_text(run, rows) + " The first call of each row (compilation, autotuning) is excluded and "
+            "reported as `first_call_ms` in results.jsonl. Before any timing, every "
+            "implementation's output (and gradients, for rows with a backward pass) is checked against the float64 "
+            "reference on a probe of the same configuration with the error rule of docs/TESTING.md; a row that fails is FAILED "
+            "and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, fwd+bwd 3.5x; "
+            "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Backward rows: "
+            f"gradients {GRADS_NOTE[settings_grads]} Fractions are of the ceilings above.{peak} See docs/BENCH.md.")
 
 
 def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) -> str:
@@ -612,7 +706,7 @@ def write_index(root: str, command: str) -> str:
                   f"[{d}/report.md]({d}/report.md): {_f(run.get('duration_s'))} s, rows: " +
                   (", ".join(f"{n} {st}" for st, n in sorted(counts.items())) or "none") + ".", ""]
         if run.get("suite") == "crossover":
-            parts += [answer_section(rows), ""]
+            parts += [answer_section(rows, smoke=bool(run.get("tiny"))), ""]
     path = os.path.join(root, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(parts))

@@ -480,7 +480,7 @@ def summarize_device_events(events: Iterable[Tuple[str, float]]) -> List[Dict]:
     acc: Dict[str, List[float]] = OrderedDict()
     for name, us in events:
         acc.setdefault(str(name), []).append(float(us))
-    out = [{"source": "profiler", "kernel": n[:300], "launches": len(v), "device_us": sum(v)} for n, v in acc.items()]
+    out = [{"source": "profiler", "kernel": n, "launches": len(v), "device_us": sum(v)} for n, v in acc.items()]
     out.sort(key=lambda k: -k["device_us"])
     return out
 
@@ -515,7 +515,7 @@ class ProfilerCapture:
             self._prof = profile(activities=[ProfilerActivity.CUDA])
             self._prof.__enter__()
         except Exception as e:  # noqa: BLE001
-            self._prof, self.reason = None, f"torch.profiler did not start: {type(e).__name__}: {e}"[:300]
+            self._prof, self.reason = None, f"torch.profiler did not start: {type(e).__name__}: {e}"
         return self
 
     def stop(self) -> None:
@@ -526,7 +526,7 @@ class ProfilerCapture:
             prof.__exit__(None, None, None)
             self.kernels = summarize_device_events(_device_events(prof))
         except Exception as e:  # noqa: BLE001
-            self.reason = f"torch.profiler failed: {type(e).__name__}: {e}"[:300]
+            self.reason = f"torch.profiler failed: {type(e).__name__}: {e}"
 
     def __exit__(self, *exc) -> bool:
         self.stop()
@@ -757,7 +757,7 @@ class RowResources:
             row["roofline"] = row_roofline(row, self.ceilings)
         except Exception as e:  # noqa: BLE001 - the report must never cost a row
             row.setdefault("kernels", None)
-            row["kernels_note"] = f"resource report failed: {type(e).__name__}: {e}"[:300]
+            row["kernels_note"] = f"resource report failed: {type(e).__name__}: {e}"
             row.setdefault("resources", None)
             row.setdefault("roofline", None)
         return row

@@ -134,7 +134,7 @@ class Progress:
             self.bar.update(1)
             return
         speed = f"{row['ms']:.4g} ms" if row.get("ms") is not None else row["status"]
-        note = f" | {row['note'][:120]}" if row.get("note") and row["status"] != "ok" else ""
+        note = f" | {' '.join(row['note'].split())}" if row.get("note") and row["status"] != "ok" else ""
         print(f"[{self.n}/{self.total}] {row['elapsed_s']:.0f}s {row['suite']} {row['op']} {row['impl']} | "
               f"{row['label']} | {row['direction']} | {speed}{note}", file=sys.stderr, flush=True)
 
@@ -296,8 +296,8 @@ class Runner:
                     gate = run_gate(impl, case, dev, dt, grad, self.s.seed, tiny=self.s.tiny)
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     if is_unavailable_error(e):
-                        return self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"[:400]), True
-                    gate = GateResult(False, f"raised {type(e).__name__}: {str(e)[:300]}")
+                        return self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"), True
+                    gate = GateResult(False, f"raised {type(e).__name__}: {e}")
                 self._gates[gk] = gate
                 _free(dev)
             if not gate.ok:
@@ -410,9 +410,9 @@ class Runner:
             return self._row(task, direction, "skipped", "out of memory")
         except Exception as e:  # noqa: BLE001
             if is_unavailable_error(e):
-                return self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}"[:400])
+                return self._row(task, direction, "unavailable", f"{type(e).__name__}: {e}")
             tb = traceback.format_exc(limit=2).strip().splitlines()[-1]
-            return self._row(task, direction, "FAILED", f"raised at the timed size: {tb}"[:400])
+            return self._row(task, direction, "FAILED", f"raised at the timed size: {tb}")
         return self._row(task, direction, "ok", "", **self._metrics(task, direction, b, out, leaves, timing),
                          first_call_ms=warm_ms if warm_ms is not None else first, peak_mem_mb=peak, **graph,
                          gate=None if gate is None else {"ok": True, "message": gate.message,
@@ -428,7 +428,7 @@ class Runner:
             return {"graph_ms": t.median_ms}
         except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is a note, not a failure
             torch.cuda.synchronize()
-            return {"graph_note": f"not capturable: {type(e).__name__}: {e}"[:300]}
+            return {"graph_note": f"not capturable: {type(e).__name__}: {e}"}
 
     def _measure(self, call, est, before):
         return measure(call, self.device, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms,

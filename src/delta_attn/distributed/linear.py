@@ -321,11 +321,13 @@ def _setup(q, cu_seqlens, group, state_passing):
 
 def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale=None, initial_state=None,
         output_final_state=False, cu_seqlens=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
-        allow_tf32=False, backend="auto"):
+        allow_tf32=False, backend="auto", **unknown):
     """Context-parallel :func:`delta_attn.kda`: q, k, v, g, beta are this rank's shards of dim 1.
 
     Ranks of ``group`` (default: the world) hold consecutive, equal shards in rank order. Keywords are
-    those of ``delta_attn.kda``. ``initial_state`` (N, HV, K, V) is the state before the whole
+    those of ``delta_attn.kda``, and so is the domain of g (without ``A_log`` a log decay <= 0: a positive
+    entry of this rank's shard is a ``ValueError`` naming g, where value checks run). ``initial_state``
+    (N, HV, K, V) is the state before the whole
     sequence (the same on every rank); ``cu_seqlens`` describes the whole packed batch (global offsets,
     ending at W * T_local) and a sequence may span ranks. Returns ``(o_local, final_state)`` with the
     final state of every sequence on every rank. ``state_passing``: "allgather" (default) or "ring".
@@ -333,6 +335,7 @@ def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale
     (sum over the group = the single-process gradient; FSDP / DDP over a mesh that includes this group
     do that sum for parameters).
     """
+    C.unknown_keywords("kda", unknown, kda_api.FLA_KEYWORDS)
     kda_api.validate(q, k, v, g, beta, scale, None, output_final_state, None, use_qk_l2norm, A_log, dt_bias,
                      lower_bound, allow_tf32)
     rank, world, t_local, cu_list, n = _setup(q, cu_seqlens, group, state_passing)
@@ -347,7 +350,8 @@ def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale
 def gated_diag_attn(q, k, v, g, *, group=None, state_passing: str = "allgather", initial_state=None,
                     output_final_state=False, cu_seqlens=None, backend="auto"):
     """Context-parallel :func:`delta_attn.gated_diag_attn` on this rank's shards of dim 1 (see :func:`kda`
-    for the layout, ``cu_seqlens``, ``initial_state``, gradients and ``state_passing``)."""
+    for the layout, ``cu_seqlens``, ``initial_state``, gradients and ``state_passing``). g is a log decay <= 0,
+    as in :func:`delta_attn.gated_diag_attn`."""
     diag_api.validate(q, k, v, g, None, output_final_state, None)
     rank, world, t_local, cu_list, n = _setup(q, cu_seqlens, group, state_passing)
     C.state("initial_state", initial_state, (n,) + tuple(q.shape[2:]), q.device, "(N, H, D) float32")

@@ -100,8 +100,9 @@ def register(name: str = DEFAULT_NAME, backend: str = "auto") -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
     except ImportError as e:   # pragma: no cover - depends on the installed version
-        raise ImportError("delta_attn.integrations.transformers needs transformers >= 4.53 "
-                          "(pip install 'delta-attn[transformers]')") from e
+        from .. import _install
+        raise ImportError("delta_attn.integrations.transformers needs transformers >= 4.53: "
+                          f"{_install.TRANSFORMERS}") from e
     AttentionInterface.register(name, make_attention_forward(backend))
     AttentionMaskInterface.register(name, flash_attention_mask)
     return name

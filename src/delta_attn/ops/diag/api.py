@@ -34,6 +34,7 @@ def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlen
         if b != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {b}")
         cu_seqlens, n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)   # int32, contiguous
+    C.log_decay("g", g)
     C.state("initial_state", initial_state, (n, h, d), q.device, "(N, H, D) float32")
     return DiagArgs(q, k, v, g, initial_state, output_final_state, cu_seqlens, n)
 
@@ -48,6 +49,7 @@ def validate_step(q, k, v, g, state, state_indices=None, num_accepted_tokens=Non
     # shapes, dtypes, devices: once per signature (C.memoized); slot values: every call
     C.memoized("diag_step", _check_step, q, k, v, g, state, state_indices, num_accepted_tokens)
     C.state_indices_value_checks(state_indices, state.shape[0], num_accepted_tokens)
+    C.log_decay("g", g)
     b = q.shape[0]
     return DiagArgs(q, k, v, g, None, False, None, b, state=state, state_indices=state_indices,
                     num_accepted_tokens=num_accepted_tokens)
@@ -59,6 +61,10 @@ def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False,
 
     q, k, v, g (B, T, H, D); ``initial_state`` (N, H, D) float32; with ``cu_seqlens`` B == 1.
     Returns ``(o (B, T, H, D), final_state (N, H, D) float32 or None)``.
+
+    g is a log decay and must be <= 0 (``-inf`` resets the state): a positive entry is a ``ValueError``
+    naming g, checked on the host wherever value checks run (not under CUDA-graph capture, torch.compile
+    tracing or ``DELTA_ATTN_SKIP_VALUE_CHECKS=1``, where the caller keeps g <= 0).
 
     Non-finite inputs: the recurrence is evaluated as written, sequence by sequence (every backend).
     A NaN in ``g`` at token p of a sequence makes that sequence's state NaN from p on, so its outputs
@@ -85,7 +91,8 @@ def gated_diag_step(q, k, v, g, state, *, state_indices=None, num_accepted_token
     ``state_indices`` None (``state[b]``), (B,) (one slot per sequence, read and written), or (B, T) for
     speculative decoding (the state after token t goes to ``state[state_indices[b, t]]``; the step starts
     from ``state_indices[b, num_accepted_tokens[b] - 1]``, from column 0 when ``num_accepted_tokens`` is
-    None). Capturable in a CUDA graph; under capture the host-side value checks of the slots are skipped.
+    None). Capturable in a CUDA graph; under capture the host-side value checks of the slots and of g (a log
+    decay <= 0, as in :func:`gated_diag_attn`) are skipped.
     A NaN gate makes its own slot NaN, as in :func:`gated_diag_attn`; other sequences' slots and outputs are
     unaffected.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ...backends import Capability, register
 
 _PKG = "delta_attn.ops.diag"
@@ -13,7 +14,7 @@ FEATURES = frozenset({"varlen", "initial_state", "final_state", "state_indices",
 _TORCH = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=FEATURES)
 # CPU tensors under TRITON_INTERPRET=1 only (the registry's device rule)
 _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
-               features=FEATURES, requires=("triton",), install_hint="pip install triton")
+               features=FEATURES, requires=("triton",), install_hint=_install.TRITON)
 
 
 def register_backends() -> None:

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ... import backends as B
 from ...backends import Call, Capability, register
 from . import cudnn, sdpa
@@ -47,14 +48,13 @@ def triton_head_dims(dims) -> Optional[str]:
     return None
 
 
-_TRITON = dict(head_dims=triton_head_dims, requires=("triton",), install_hint="pip install triton")
+_TRITON = dict(head_dims=triton_head_dims, requires=("triton",), install_hint=_install.TRITON)
 
 # ---------------------------------------------------------------------------------------------
 # cudnn: SDPA's cuDNN kernel and cudnn-frontend graphs (cudnn.py)
 # ---------------------------------------------------------------------------------------------
 
-CUDNN_FRONTEND_HINT = ("pip install 'delta-attn[cudnn]' (nvidia-cudnn-frontend; its classic graph API also works "
-                       "installed with --no-deps, see docs/DISPATCH.md)")
+CUDNN_FRONTEND_HINT = _install.CUDNN
 CUDNN_MAX_HEAD_DIM = 128     # declared (and tested) for cuDNN 9.x on sm90; larger dims are not claimed
 
 

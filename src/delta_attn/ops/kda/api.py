@@ -11,9 +11,42 @@ from typing import Optional
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ...backends import Call, Capability, explain_call, recurrent_features, register, select
 
 SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
+# FLA's keywords of chunk_kda / fused_recurrent_kda (fla-core 0.6) that delta-attn spells otherwise or does not
+# take: a call that passes one gets a TypeError saying what to pass instead (docs/MIGRATION.md lists them)
+_NO_KEYWORD = "delta-attn has no such keyword"
+FLA_KEYWORDS = {
+    "use_qk_l2norm_in_kernel": "delta-attn's keyword is use_qk_l2norm=",
+    "use_gate_in_kernel": "delta-attn has no flag: pass A_log= (and dt_bias=), and g is then the raw gate input",
+    "use_beta_sigmoid_in_kernel": f"{_NO_KEYWORD}: pass beta.sigmoid() as beta",
+    "allow_neg_eigval": f"{_NO_KEYWORD}: pass 2 * beta.sigmoid() as beta",
+    "safe_gate": f"{_NO_KEYWORD}: lower_bound= (any finite value < 0) is the bounded gate",
+    "state_v_first": f"{_NO_KEYWORD}: states are (..., K, V); pass a V-first state as state.transpose(-1, -2)",
+    "transpose_state_layout": f"{_NO_KEYWORD}: states are (..., K, V); pass a V-first state as "
+                              "state.transpose(-1, -2)",
+    "cu_seqlens_cpu": "delta-attn's keyword is cu_seqlens= alone (it reads the lengths on the host itself)",
+    "cp_context": "context parallelism is delta_attn.distributed.kda (docs/DISTRIBUTED.md)",
+    "disable_recompute": f"{_NO_KEYWORD} (no equivalent in this version)",
+    "return_intermediate_states": f"{_NO_KEYWORD} (no equivalent in this version)",
+    "chunk_size": f"{_NO_KEYWORD}: the backend picks its chunking",
+    "use_graph": f"{_NO_KEYWORD}: capture kda_step in a CUDA graph yourself (docs/SERVING.md)",
+    "max_num_seqs": f"{_NO_KEYWORD} (no equivalent in this version)",
+}
+# and those of fused_recurrent_kda's decode use, for kda_step
+FLA_STEP_KEYWORDS = dict(
+    FLA_KEYWORDS,
+    initial_state="kda_step's state (the positional (P, HV, K, V) pool) is read and updated in place",
+    output_final_state=f"{_NO_KEYWORD}: kda_step updates state in place and returns o only",
+    inplace_final_state=f"{_NO_KEYWORD}: kda_step always updates state in place",
+    ssm_state_indices="delta-attn's keyword is state_indices=",
+    cu_seqlens=f"{_NO_KEYWORD}: every sequence brings the same T new tokens (q is (B, T, H, K))",
+)
+# what a positive raw log decay usually means: the gate's input passed without its gate
+RAW_GATE_HINT = ("for a raw gate input (any sign) pass A_log (and dt_bias): the decay is then "
+                 "-exp(A_log) * softplus(g + dt_bias), FLA's use_gate_in_kernel=True")
 
 
 @dataclass(frozen=True)
@@ -105,6 +138,8 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
              use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False) -> KDAArgs:
     scale, lower_bound = _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
                                    lower_bound)
+    if A_log is None:
+        C.log_decay("g", g, RAW_GATE_HINT)
     C.flag("output_final_state", output_final_state)
     C.flag("allow_tf32", allow_tf32)
     b, t, _, kd = q.shape
@@ -140,13 +175,16 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
     scale, lower_bound = C.memoized("kda_step", _check_step, q, k, v, g, beta, state, state_indices,
                                     num_accepted_tokens, scale, use_qk_l2norm, A_log, dt_bias, lower_bound)
     C.state_indices_value_checks(state_indices, state.shape[0], num_accepted_tokens)
+    if A_log is None:
+        C.log_decay("g", g, RAW_GATE_HINT)
     b = q.shape[0]
     return KDAArgs(q, k, v, g, beta, scale, None, False, None, b, use_qk_l2norm, A_log, dt_bias, lower_bound,
                    state=state, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False, backend="auto"):
+        use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False, backend="auto",
+        **unknown):
     """Kimi Delta Attention over whole sequences (chunked on the Triton backend).
 
     q, k (B, T, H, K); v (B, T, HV, V), HV % H == 0; g (B, T, HV, K) log decay (or the raw gate
@@ -154,9 +192,17 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     ``cu_seqlens`` B == 1 and N = len(cu_seqlens) - 1. Returns ``(o (B, T, HV, V), final_state)``,
     final_state (N, HV, K, V) float32 when ``output_final_state`` else None.
 
+    Domain of the decay: without ``A_log``, g is a log decay and must be <= 0 (``-inf`` resets the state);
+    a positive entry is a ``ValueError`` naming g, checked on the host wherever value checks run (not under
+    CUDA-graph capture, torch.compile tracing or ``DELTA_ATTN_SKIP_VALUE_CHECKS=1``, where the caller keeps
+    g <= 0). A NaN in g is not refused: it makes its own sequence's outputs and state NaN and leaves the
+    other sequences of the batch untouched. With ``A_log``, g is the raw gate input and may have any sign.
+
     Precision: fp16 / bf16 inputs accumulate in fp32; fp32 inputs give fp32-accurate results (IEEE
     dots) unless ``allow_tf32=True``, which lets the Triton backend use tf32 tensor cores (about 1e-3
-    relative error; K <= 128 only: larger K stays IEEE). ``scale`` must be finite.
+    relative error; K <= 128 only: larger K stays IEEE). ``scale`` must be finite. A keyword of FLA's
+    ``chunk_kda`` that delta-attn spells otherwise (``use_qk_l2norm_in_kernel``...) is a TypeError that says
+    what to pass instead.
 
     >>> import torch, delta_attn as da
     >>> q, k = torch.randn(2, 1, 6, 2, 8).unbind(0)
@@ -165,17 +211,19 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     >>> o.shape, s.shape
     (torch.Size([1, 6, 2, 8]), torch.Size([1, 2, 8, 8]))
     """
+    C.unknown_keywords("kda", unknown, FLA_KEYWORDS)
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32)
     return select(args.call("kda", backend), backend)(args)
 
 
-def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens=None, scale=None,
-             use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, backend="auto"):
+def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_tokens=None, scale=None,
+             use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, backend="auto", **unknown):
     """Decode: KDA over a few new tokens per sequence from a state pool, updated in place.
 
     q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32 (or float64). Inference only.
-    Returns o (B, T, HV, V). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
+    Returns o (B, T, HV, V). g as in :func:`kda`: without ``A_log`` a log decay <= 0 (a positive entry is a
+    ``ValueError``, checked where value checks run). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
 
     - ``state_indices`` None: sequence b reads and writes ``state[b]`` (P == B);
     - (B,): sequence b starts from ``state[state_indices[b]]`` and writes its state after the last
@@ -186,6 +234,9 @@ def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens
       [1, T]: how many tokens of the previous step were accepted; None starts from
       ``state_indices[b, 0]``). The engine keeps the slot table and passes the accepted counts of the
       last verification: no state is copied.
+
+    FLA's keywords (``initial_state=``, ``ssm_state_indices=``, ``use_qk_l2norm_in_kernel=``...) are a
+    TypeError that says what to pass instead.
 
     CUDA graphs: the call can be captured (no host synchronisation); under capture the checks that read
     the values of ``state_indices`` / ``num_accepted_tokens`` on the host are skipped (shapes, dtypes and
@@ -204,6 +255,10 @@ def kda_step(q, k, v, g, beta, state, *, state_indices=None, num_accepted_tokens
     >>> o.shape
     torch.Size([2, 3, 1, 8])
     """
+    C.unknown_keywords("kda_step", unknown, FLA_STEP_KEYWORDS)
+    if state is None:     # required: None only so that FLA's initial_state= above is named first
+        raise TypeError("kda_step() missing 1 required positional argument: 'state' (the (P, HV, K, V) state pool, "
+                        "updated in place)")
     args = validate_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, A_log, dt_bias,
                          lower_bound, num_accepted_tokens)
     return select(args.call("kda_step"), backend)(args)
@@ -228,7 +283,7 @@ def _triton_head_dims_lazy(dims):
 
 
 _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
-               features=_FEATURES, requires=("triton",), install_hint="pip install triton",
+               features=_FEATURES, requires=("triton",), install_hint=_install.TRITON,
                head_dims=_triton_head_dims_lazy)
 register("triton", "kda", Capability(impl="delta_attn.ops.kda.autograd:kda", **_TRITON))
 register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.autograd:kda_step", backward=False, **_TRITON))

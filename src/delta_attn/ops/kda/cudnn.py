@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from ... import _checks as C
+from ... import _install
 from ... import backends as B
 from ...backends import Call, UnsupportedError
 
@@ -64,8 +65,7 @@ MIN_LOG_DECAY = -5.0
 STRONG_DECAY_REASON = (f"cuDNN KDA's sm_90 engine returns NaN for log decays g below about {MIN_LOG_DECAY:g} (measured "
                        f"on the H200: -5 everywhere passes, -8 everywhere or -10 at 15 % of the entries give NaN); "
                        f"this call's g goes below {MIN_LOG_DECAY:g}: use backend='triton'")
-INSTALL_HINT = ("pip install --no-deps 'nvidia-cudnn-frontend>=1.32' and pip install cuda-python (the sm_90 KDA "
-                "engine compiles with NVRTC and needs the CUDA headers: CUDA_HOME or the nvidia-cuda-runtime wheel)")
+INSTALL_HINT = _install.CUDNN        # the frontend, and cuda-python: the sm_90 engine compiles with NVRTC
 
 BACKWARD_L2NORM_REASON = ("cuDNN KDA backward needs q/k pre-normalised (use_qk_l2norm=False): its sm_90 backward "
                           "kernel has no in-kernel L2 norm; normalise q and k before the call "

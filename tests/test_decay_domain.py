@@ -1,0 +1,131 @@
+"""The domain of a raw log decay: g <= 0 (issue 29).
+
+Without ``A_log``, g of ``kda``, ``kda_step``, ``gated_diag_attn``, ``gated_diag_step`` and of their
+context-parallel forms is a log decay: a positive entry (a state that grows) is a ValueError naming g, checked
+wherever value checks run (``_checks.value_checks_enabled``: not while torch.compile traces, not under CUDA-graph
+capture, not with DELTA_ATTN_SKIP_VALUE_CHECKS=1). NaN keeps its documented meaning (tests/test_diag_nan.py) and
+is not refused; with ``A_log`` g is the raw gate input and may have any sign.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import delta_attn as da
+import delta_attn.distributed as dd
+from delta_attn import _checks
+
+B, T, H, D = 1, 5, 2, 16
+
+
+def _inputs(g):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen) for _ in range(3))
+    return q, k, v, g, torch.rand(B, T, H, generator=gen)
+
+
+def _kda(g, **kw):
+    return da.kda(*_inputs(g), backend="torch", **kw)
+
+
+def _kda_step(g, **kw):
+    q, k, v, g, beta = _inputs(g)
+    return da.kda_step(q, k, v, g, beta, torch.zeros(B, H, D, D), backend="torch", **kw)
+
+
+def _diag(g):
+    return da.gated_diag_attn(*_inputs(g)[:4], backend="torch")
+
+
+def _diag_step(g):
+    return da.gated_diag_step(*_inputs(g)[:4], torch.zeros(B, H, D), backend="torch")
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """One gloo rank: the context-parallel forms with world size 1."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def _dd_kda(g, **kw):
+    return dd.kda(*_inputs(g), backend="torch", **kw)
+
+
+def _dd_diag(g):
+    return dd.gated_diag_attn(*_inputs(g)[:4], backend="torch")
+
+
+OPS = {"kda": _kda, "kda_step": _kda_step, "gated_diag_attn": _diag, "gated_diag_step": _diag_step,
+       "dd.kda": _dd_kda, "dd.gated_diag_attn": _dd_diag}
+
+
+@pytest.fixture(params=list(OPS))
+def op(request):
+    if request.param.startswith("dd."):
+        request.getfixturevalue("gloo")
+    return OPS[request.param]
+
+
+def _g(value=None, where=(0, 3, 1, 7)):
+    g = -torch.rand(B, T, H, D)
+    if value is not None:
+        g[where] = value
+    return g
+
+
+@pytest.mark.parametrize("value", [1e-3, 2.0, float("inf")])
+def test_a_positive_log_decay_is_refused_naming_g(op, value):
+    with pytest.raises(ValueError, match=r"^g is a log decay and must be <= 0") as e:
+        op(_g(value))
+    assert f"got a value of {value:g}" in str(e.value)
+
+
+@pytest.mark.parametrize("value", [0.0, -1e4, float("-inf"), float("nan")])
+def test_zero_full_decay_reset_and_nan_are_in_the_domain(op, value):
+    op(_g(value))
+
+
+def test_nan_does_not_hide_a_positive_entry(op):
+    g = _g(float("nan"))
+    g[0, 1, 0, 2] = 0.5
+    with pytest.raises(ValueError, match="got a value of 0.5"):
+        op(g)
+
+
+@pytest.mark.parametrize("call", [_kda, _kda_step, _dd_kda])
+def test_with_a_log_g_is_the_raw_gate_and_may_be_positive(call, request):
+    if call is _dd_kda:
+        request.getfixturevalue("gloo")
+    call(torch.randn(B, T, H, D).abs() + 0.1, A_log=torch.zeros(H))
+
+
+def test_kda_names_the_gate_for_a_raw_gate_input():
+    with pytest.raises(ValueError, match="pass A_log"):
+        _kda(_g(1.0))
+
+
+def test_skipped_where_value_checks_are(op, monkeypatch):
+    """The switch of the cu_seqlens value checks: DELTA_ATTN_SKIP_VALUE_CHECKS=1, torch.compile tracing,
+    CUDA-graph capture (no host read there); the caller then keeps g <= 0."""
+    monkeypatch.setenv("DELTA_ATTN_SKIP_VALUE_CHECKS", "1")
+    op(_g(1.0))
+    monkeypatch.delenv("DELTA_ATTN_SKIP_VALUE_CHECKS")
+    for switch in ("_tracing", "_capturing"):
+        with monkeypatch.context() as m:
+            m.setattr(_checks, switch, lambda: True)
+            op(_g(1.0))
+    with pytest.raises(ValueError, match="^g is a log decay"):
+        op(_g(1.0))
+
+
+def test_one_reduction_and_one_host_read(monkeypatch):
+    """The check costs one reduction over g and one device-to-host read (a second pass only when g holds NaN)."""
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self.numel()) or item(self))
+    _checks.log_decay("g", _g())
+    assert reads == [1]
