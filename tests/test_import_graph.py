@@ -20,7 +20,7 @@ PACKAGE = "delta_attn"
 # (fnmatch) of the module name without the leading "delta_attn."; "" is delta_attn/__init__.py
 OPERATORS = ("ops.flash", "ops.diag", "ops.kda")
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("base", ("settings", "_outputs", "_reference_diag")),
+    ("base", ("settings", "_outputs", "_reference_diag", "_install")),
     ("contract", ("reference", "_checks", "backends", "testing")),
     ("ops helpers", ("ops", "ops._*")),
     ("operators", tuple(p for op in OPERATORS for p in (op, op + ".*"))),
