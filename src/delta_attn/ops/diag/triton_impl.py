@@ -25,7 +25,8 @@ from ... import settings
 from ..._outputs import empty
 from .._launch import Tiles, cdiv, eager_or_op, index, launch, next_pow2, optional, param, sm_count, tiles
 from .api import DiagArgs
-from .kernels import _diag_bwd_rows_kernel, _diag_fwd_rows_kernel, _diag_step_kernel
+from .kernels import (_diag_bwd_rows_kernel, _diag_fwd_rows_kernel, _diag_step_kernel, _diag_summary_combine_kernel,
+                      _diag_summary_kernel)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,64 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
                   max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt),
                  dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None))
     return dq, dk, dv, dg, dh0
+
+
+@dataclass(frozen=True)
+class SummaryConfig:
+    """The launch config of context parallelism's summary (``_diag_summary_kernel``): BT rows unrolled per
+    step, BD channels per program, and enough chunks of each segment that the grid has ``programs_per_sm``
+    programs per SM (chunks of at least ``min_chunk_steps`` steps; more chunks: one combine launch)."""
+    bt: int
+    bd: int
+    warps: int
+    programs_per_sm: int
+    min_chunk_steps: int
+
+
+# Not measured yet (a first choice, one read of three operands at BD = 128 channels of one warp-row per step)
+SUMMARY_CONFIG = SummaryConfig(bt=8, bd=128, warps=4, programs_per_sm=4, min_chunk_steps=16)
+INTERP_SUMMARY_CONFIG = SummaryConfig(bt=4, bd=16, warps=1, programs_per_sm=1, min_chunk_steps=1)
+
+
+def diag_summary(x, y, g, t0: int, t1: int, edge=None, reverse: bool = False,
+                 config: Optional[SummaryConfig] = None):
+    """Context parallelism's per-channel summary of rows [t0, t1) of every batch row of x, y, g (B, T, H, D),
+    one read of the three (no output the size of the inputs). Returns ``(decay, s)`` (B, H, D) float32, decay =
+    prod exp(g) over the rows and
+
+    - forward (x, y = k, v): s = the state after the rows from ``edge`` (B, H, D; 0 when None);
+    - ``reverse`` (x, y = q, do): s = d state before the rows of sum_t <do_t, q_t s_t> + <edge, s_last>, i.e.
+      ``sum_t exp(g_t0 + .. + g_t) q_t do_t + decay * edge``.
+
+    No host synchronisation: ``t0``, ``t1`` are host ints (a plan's)."""
+    x, y, g, edge = map(param, (x, y, g, edge))
+    b, t, h, d = x.shape
+    hd = h * d
+    out_m = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+    out_s = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+    rows = t1 - t0
+    if rows <= 0 or b == 0:
+        out_m.fill_(1.0)
+        if edge is not None:
+            out_s.copy_(edge)
+        else:
+            out_s.zero_()
+        return out_m, out_s
+    cfg = config or (INTERP_SUMMARY_CONFIG if settings.triton_interpreter() else SUMMARY_CONFIG)
+    bd = min(cfg.bd, next_pow2(hd))
+    n_cb = cdiv(hd, bd)
+    want = max(1, cdiv(cfg.programs_per_sm * sm_count(x.device), b * n_cb))
+    n_chunks = max(1, min(want, rows // (cfg.bt * cfg.min_chunk_steps)))
+    chunk_rows = cdiv(cdiv(rows, n_chunks), cfg.bt) * cfg.bt
+    n_chunks = cdiv(rows, chunk_rows)
+    single = n_chunks == 1
+    part = out_m if single else torch.empty((b, n_chunks, 2, h, d), dtype=torch.float32, device=x.device)
+    meta = dict(HD=hd, BD=bd, REVERSE=reverse, HAS_EDGE=edge is not None, num_warps=max(1, min(cfg.warps, bd // 32)))
+    _diag_summary_kernel[(b * n_chunks, n_cb)](x, y, g, optional(edge, out_m), out_m, out_s, part, t, t0, t1,
+                                               chunk_rows, n_chunks, BT=cfg.bt, SINGLE=single, **meta)
+    if not single:
+        _diag_summary_combine_kernel[(b, n_cb)](part, optional(edge, out_m), out_m, out_s, n_chunks, **meta)
+    return out_m, out_s
 
 
 STEP_WIDE_CHANNELS = 2 ** 21     # B * H * D from which the step takes 2048-channel programs
