@@ -280,7 +280,10 @@ def prepare(*, seqlen: Optional[int] = None, cu_seqlens=None, group=None, layout
         C.cu_seqlens_values("cu_seqlens_k", cu_k, seqlen_k)
     for name, n in (("seqlen", seqlen), ("seqlen_k", seqlen_k)):
         local_length(n, world, layout, name)
-    return Plan(group, rank, world, layout, device, seqlen, seqlen_k, cu, cu_k)
+    plan = Plan(group, rank, world, layout, device, seqlen, seqlen_k, cu, cu_k)
+    if layout == "contiguous" and cu_k == cu:
+        plan.linear()                       # the linear operators' tables now, not at the first call
+    return plan
 
 
 def resolve(plan: Optional[Plan], op: str, group, build: Callable[[], Plan], **call) -> Plan:

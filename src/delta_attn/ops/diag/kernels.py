@@ -39,6 +39,12 @@ Backward (``_diag_bwd_rows_kernel``), the same scheme run from the last tile to 
 
 Decode (``_diag_step_kernel``): the recurrence token by token on a state pool, in place; a program owns a
 block of the flattened H * D channels of one sequence (``ops/_slots.py`` gives its slots).
+
+Context parallelism's summary (``_diag_summary_kernel``, ``_diag_summary_combine_kernel``; used by
+``delta_attn/distributed/diag.py``): per channel of rows [t0, t1) of every batch row, the decay product and
+the state from 0 (forward: one read of k, v, g) or the gradient of the state before the rows (reverse: one
+read of q, do, g), with an edge term (the rows' initial state, or the final state's gradient); programs own
+chunks of rows, composed in time order by a second launch when there are several.
 """
 from __future__ import annotations
 

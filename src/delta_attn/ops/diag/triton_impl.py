@@ -2,6 +2,7 @@
 
 ``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels.py`` with the
 configs chosen below (:data:`FWD_CONFIG`, :data:`BWD_CONFIG`: measured fastest, docs/PERFORMANCE.md);
+``diag_summary`` launches context parallelism's per-piece summaries (:data:`SUMMARY_CONFIG`, not measured);
 ``delta_attn::diag_fwd``, ``delta_attn::diag_bwd`` and ``delta_attn::diag_step`` wrap them as custom
 ops with fake implementations (``torch.compile(fullgraph=True)`` traces through them),
 :class:`GatedDiagFunction` ties forward and backward together, and the backend entries take the
