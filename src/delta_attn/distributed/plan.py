@@ -257,6 +257,8 @@ def prepare(*, seqlen: Optional[int] = None, cu_seqlens=None, group=None, layout
         else:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     cu = cu_k = None
     if cu_seqlens is not None:
         cu = _host_offsets("cu_seqlens", cu_seqlens)

@@ -194,8 +194,9 @@ class SummaryConfig:
     min_chunk_steps: int
 
 
-# Not measured yet (a first choice, one read of three operands at BD = 128 channels of one warp-row per step)
-SUMMARY_CONFIG = SummaryConfig(bt=8, bd=128, warps=4, programs_per_sm=4, min_chunk_steps=16)
+# Not measured yet (a first choice: 128 channels on 4 warps, 16 rows of three operands in flight per step,
+# chunks of >= 128 rows, about 4 programs per SM)
+SUMMARY_CONFIG = SummaryConfig(bt=16, bd=128, warps=4, programs_per_sm=4, min_chunk_steps=8)
 INTERP_SUMMARY_CONFIG = SummaryConfig(bt=4, bd=16, warps=1, programs_per_sm=1, min_chunk_steps=1)
 
 
