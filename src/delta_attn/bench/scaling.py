@@ -1,6 +1,6 @@
 """``delta-attn bench scaling``: context parallelism (``delta_attn.distributed``) on N GPUs.
 
-Run under ``torchrun --nproc-per-node N python -m delta_attn.cli bench scaling --out DIR`` (N = 1 runs
+Run under ``torchrun --nproc-per-node N -m delta_attn.cli bench scaling --out DIR`` (N = 1 runs
 without torchrun too). Every rank runs the same rows in lockstep; rank 0 writes the report.
 
 - weak scaling: tokens per GPU fixed (``T_local``), N x T_local in all;
