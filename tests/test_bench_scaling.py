@@ -31,8 +31,16 @@ def _scaling_body(rank, world, out):
         for key in ("ms", "local_ms", "comm_ms", "one_gpu_ms", "tokens_per_s", "efficiency"):
             assert r[key] is not None and r[key] > 0, (key, r)
         assert abs(r["efficiency"] - r["tokens_per_s"] / (world * r["one_gpu_tokens_per_s"])) < 1e-9
+        # against one GPU's time on all the work / N: for linear work the efficiency itself; attention (weak,
+        # quadratic work) against the single-GPU operator measured at T_total (it fits at toy sizes)
+        assert abs(r["efficiency_vs_ideal"] - r["ideal_ms"] / r["ms"]) < 1e-9
+        want = "measured" if r["mode"] == "strong" or r["op"] == "flash" else "linear"
+        assert r["ideal_source"] == want, r
+        if want == "linear":
+            assert abs(r["efficiency_vs_ideal"] - r["efficiency"]) < 1e-9
+        assert r["peak_mib"] is None and r["local_peak_mib"] is None       # CUDA only
     report = open(os.path.join(out, "report.md")).read()
-    assert "| kda | weak | allgather |" in report and "efficiency" in report
+    assert "| kda | weak | allgather |" in report and "efficiency" in report and "vs ideal" in report
 
 
 def test_scaling_suite_runs_on_two_gloo_ranks(tmp_path):

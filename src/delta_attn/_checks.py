@@ -9,6 +9,8 @@ host read is not allowed; shape, dtype and device checks always run.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -149,12 +151,28 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+# set while a caller runs operators on index tensors whose values it has checked itself (context parallelism:
+# the per-rank cu_seqlens a plan derived from the checked global one), see :func:`values_checked`
+_VALUES_CHECKED = contextvars.ContextVar("delta_attn_values_checked", default=False)
+
+
+@contextlib.contextmanager
+def values_checked():
+    """Within the block, operators skip the value checks of index tensors (no host read): for callers that
+    pass index tensors they built from values they checked (``delta_attn.distributed``'s plans)."""
+    token = _VALUES_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _VALUES_CHECKED.reset(token)
+
+
 def value_checks_enabled() -> bool:
     """Checks that read device values on the host (one sync per call): off while torch.compile
     traces, while a CUDA graph is being captured (a host read cannot be captured: the caller validates
-    the indices it captures), or when the user sets DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches
-    asynchronous."""
-    return (not _tracing() and not _capturing()
+    the indices it captures), inside :func:`values_checked`, or when the user sets
+    DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches asynchronous."""
+    return (not _VALUES_CHECKED.get() and not _tracing() and not _capturing()
             and not settings.skip_value_checks())
 
 

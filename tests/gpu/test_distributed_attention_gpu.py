@@ -1,6 +1,7 @@
 """dd.flash_attn_func / dd.flash_attn_varlen_func on CUDA with NCCL: one rank on one GPU (world size 1, in
 this process) with backends triton and cudnn in bf16 / fp16, and 2 ranks (spawned, one GPU each) when two
-GPUs are visible. Every rank's out, lse and gradients against the float64 reference with the DESIGN rule."""
+GPUs are visible. Every rank's out, lse and gradients against the float64 reference with the DESIGN rule;
+the cases of odd seed are given the batch's plan (``dd.prepare``)."""
 import os
 import tempfile
 
@@ -37,12 +38,16 @@ def _check_case(*, varlen, layout, backend, dtype, kw, shapes, cu=None, seed=0, 
             w_out = torch.randn(o.shape, device="cuda", generator=g, dtype=torch.float32)
         res[name] = (o, l, *torch.autograd.grad(o, xs, w_out.to(dt)))
     loc = [dd.shard(t, dim=tdim, layout=layout).requires_grad_() for t in (q, k, v)]
+    extra = {}
+    if seed % 2:                    # the batch's plan: built once, the call reads nothing on the host
+        extra["plan"] = (dd.prepare(cu_seqlens=cu, cu_seqlens_k=cu_k, layout=layout) if varlen else
+                         dd.prepare(seqlen=q.shape[1], seqlen_k=k.shape[1], layout=layout, device=q.device))
     if varlen:
         m, mk = int((cu[1:] - cu[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
         o, l, _ = dd.flash_attn_varlen_func(*loc, cu, cu_k, m, mk, return_attn_probs=True, shard_layout=layout,
-                                            backend=backend, **kw)
+                                            backend=backend, **kw, **extra)
     else:
-        o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw)
+        o, l, _ = dd.flash_attn_func(*loc, return_attn_probs=True, layout=layout, backend=backend, **kw, **extra)
     got = (o, l, *torch.autograd.grad(o, loc, dd.shard(w_out.to(dtype), dim=tdim, layout=layout)))
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         dim = -1 if name == "lse" else tdim

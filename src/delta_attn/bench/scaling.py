@@ -1,13 +1,14 @@
 """``delta-attn bench scaling``: context parallelism (``delta_attn.distributed``) on N GPUs.
 
-Run under ``torchrun --nproc-per-node N python -m delta_attn.cli bench scaling --out DIR`` (N = 1 runs
+Run under ``torchrun --nproc-per-node N -m delta_attn.cli bench scaling --out DIR`` (N = 1 runs
 without torchrun too). Every rank runs the same rows in lockstep; rank 0 writes the report.
 
 - weak scaling: tokens per GPU fixed (``T_local``), N x T_local in all;
 - strong scaling: ``--tokens`` in all (default 1M), T_total / N per GPU.
 
 Per row: the context-parallel call (``dd.kda`` / ``dd.gated_diag_attn`` with each state-passing scheme,
-``dd.flash_attn_func`` causal zigzag), the single-GPU operator on one rank's shard (``local_ms``: the
+``dd.flash_attn_func`` causal zigzag; each given the batch's ``dd.prepare`` plan, built once per row as a
+training step builds it once per batch), the single-GPU operator on one rank's shard (``local_ms``: the
 compute alone) and on the whole sequence (strong: ``one_gpu_ms``), and the collectives alone
 (``comm_ms``: the linear ops' summary exchange, attention's all-gather of K and V, each with its
 backward for fwd+bwd rows). Efficiency = N-GPU throughput / (N x one-GPU throughput), the one-GPU
@@ -15,6 +16,18 @@ throughput being the single-GPU operator on T_local tokens (weak) or on all of t
 the timer's protocol (bench/timer.py) with the repeat count agreed by all ranks; a row's time is the
 slowest rank's median. A correctness probe (sharded result vs float64 reference, the error rule of docs/TESTING.md) runs
 before a row is timed.
+
+``efficiency_vs_ideal`` = ``ideal_ms / ms``, the ideal being one GPU's time on all the work divided by N:
+``t1(T_total) / N``. Linear operators do work linear in the tokens, so for them it equals the efficiency
+(weak: ``t1(N T_local) = N t1(T_local)``). Causal attention does work quadratic in the tokens: under weak
+scaling N GPUs get N^2 times the work of one, and the plain efficiency (against N x one GPU at T_local)
+understates them by N. Its ideal is ``t1(T_total)`` measured on one GPU when that fits (strong rows always;
+weak rows: the single-GPU operator at T_total, skipped on out-of-memory), else the model
+``t1(T_local) N^2``; ``ideal_source`` says which ("measured" / "model N^2" / "linear").
+
+Memory (CUDA only): ``peak_mib``, the peak of the allocator over one context-parallel call (fwd, or fwd+bwd
+with the gradients) above what was allocated before it, and ``local_peak_mib``, the same for the single-GPU
+operator on the shard (T_local tokens); ``mem_ratio`` = their ratio (each the largest over the ranks).
 """
 from __future__ import annotations
 
@@ -88,21 +101,24 @@ def _inputs(op: str, t: int, h: int, d: int, dt, device, seed: int):
 
 
 def _calls(op: str, state_passing: Optional[str], device: torch.device):
-    """(single-GPU call, context-parallel call, layout) of ``op``. GPU: backend "auto"; CPU (the tiny
-    check that the suite runs): the "torch" reference path, as the Triton interpreter would take minutes."""
+    """(single-GPU call, context-parallel call, layout) of ``op``; the context-parallel call takes the batch's
+    plan as its keyword ``plan``. GPU: backend "auto"; CPU (the tiny check that the suite runs): the "torch"
+    reference path, as the Triton interpreter would take minutes."""
     import delta_attn as da
     import delta_attn.distributed as dd
     kw = {"backend": "auto" if device.type == "cuda" else "torch"}
     if op == "kda":
         return (lambda *x: da.kda(*x, use_qk_l2norm=True, **kw)[0],
-                lambda *x: dd.kda(*x, use_qk_l2norm=True, state_passing=state_passing, **kw)[0], "contiguous")
+                lambda *x, plan=None: dd.kda(*x, use_qk_l2norm=True, state_passing=state_passing, plan=plan,
+                                             **kw)[0], "contiguous")
     if op == "diag":
         return (lambda *x: da.gated_diag_attn(*x, **kw)[0],
-                lambda *x: dd.gated_diag_attn(*x, state_passing=state_passing, **kw)[0], "contiguous")
+                lambda *x, plan=None: dd.gated_diag_attn(*x, state_passing=state_passing, plan=plan, **kw)[0],
+                "contiguous")
     if not hasattr(dd, "flash_attn_func"):
         return None
     return (lambda *x: da.flash_attn_func(*x, causal=True, **kw),
-            lambda *x: dd.flash_attn_func(*x, causal=True, layout="zigzag", **kw), "zigzag")
+            lambda *x, plan=None: dd.flash_attn_func(*x, causal=True, layout="zigzag", plan=plan, **kw), "zigzag")
 
 
 def _agree_max(x: float, device) -> float:
@@ -150,23 +166,41 @@ def _timed_local(fn, s: Settings, device, direction: str, leaves) -> Dict:
     return {"ms": _agree_max(t.median_ms, device)}
 
 
-def _comm_call(op: str, state_passing: Optional[str], x_local: List[torch.Tensor], device):
-    """The op's collectives alone, on tensors of the sizes the call exchanges."""
-    from ..distributed import _comm, linear
+def _comm_call(op: str, state_passing: Optional[str], x_local: List[torch.Tensor], device, direction: str):
+    """The op's collectives alone, on tensors of the sizes the call exchanges: ``(call, leaves, direction to
+    time it as)``. Linear operators: the summary exchange (and its reverse for fwd+bwd) with the tables of a
+    dense batch; attention: the all-gather of K and V (and the reduce-scatter of their gradients)."""
+    from ..distributed import _carry, _comm
+    from ..distributed.plan import _dense_linear
     b, t, h, d = x_local[0].shape
     if op == "flash":                       # all-gather of the K and V shards (reduce-scatter of dK, dV)
         kv = torch.stack([x_local[1], x_local[2]]).detach().requires_grad_()
-        return (lambda: _comm.all_gather(kv)), [kv]
-    n = h * d * (d + d) if op == "kda" else 2 * h * d    # (M, B) per sequence, float32
-    if state_passing == "allgather":
-        summary = torch.zeros(b, n, device=device, requires_grad=True)
-        return (lambda: _comm.all_gather(summary)), [summary]
-    shape = (b, h, d, d) if op == "kda" else (b, h, d)
-    M = torch.zeros(shape, device=device, requires_grad=True)
-    B = torch.zeros(shape, device=device, requires_grad=True)
-    apply = linear._KDA.apply if op == "kda" else linear._Diag.apply
+        return (lambda: _comm.all_gather(kv)), [kv], direction
     rank, world = dist.get_rank(), dist.get_world_size()
-    return (lambda: linear._RingCarry.apply(M, B, apply, None, rank, world)), [M, B]
+    lp = _dense_linear(rank, world, t)
+    shape = (b, h, d, d) if op == "kda" else (b, h, d)
+    m = torch.zeros((b, h, d, d) if op == "kda" else shape, device=device)
+    s = torch.zeros(shape, device=device)
+    aff = _carry.Affine(matrix=op == "kda")
+
+    def call():
+        c, ms = _carry.carry(lp, aff, m, s, state_passing, None)
+        if direction != "fwd":
+            _carry.carry_grad(lp, aff, m, ms, c if lp.cont[rank] else None, s, state_passing, None)
+    return call, [], "fwd"
+
+
+def _peak_mib(call: Callable[[], object], device) -> Optional[float]:
+    """The allocator's peak over one ``call()`` above what was allocated before it (MiB; the largest over the
+    ranks); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    call()
+    torch.cuda.synchronize(device)
+    return _agree_max((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20, device)
 
 
 def _probe(op: str, state_passing, dt, device, s: Settings) -> Optional[str]:
@@ -230,6 +264,27 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
     return path
 
 
+def _whole_ms(single, c: Dict, dt, device, s: Settings, direction: str, grad: bool) -> float:
+    """The single-GPU operator on all T_total tokens (every rank runs it on its own GPU: the slowest)."""
+    whole = [x.detach().clone().requires_grad_(grad) for x in
+             _inputs(c["op"], c["T_total"], c["H"], c["D"], dt, device, s.seed)]
+    return _timed_local(lambda: single(*whole), s, device, direction, whole)["ms"]
+
+
+def _ideal(c: Dict, out: Dict, world: int, single, dt, device, s: Settings, direction: str, grad: bool) -> Dict:
+    """``ideal_ms`` = one GPU's time on all the work / N, and where that time comes from (module docstring)."""
+    if c["mode"] == "strong" or world == 1:
+        return {"ideal_ms": out["one_gpu_ms"] / world, "ideal_source": "measured"}
+    if c["op"] != "flash":
+        return {"ideal_ms": out["local_ms"], "ideal_source": "linear"}
+    try:
+        return {"ideal_ms": _whole_ms(single, c, dt, device, s, direction, grad) / world, "ideal_source": "measured"}
+    except torch.cuda.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"ideal_ms": out["local_ms"] * world, "ideal_source": "model N^2"}
+
+
 def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Dict:
     import delta_attn.distributed as dd
     if c.get("skip"):
@@ -250,22 +305,26 @@ def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Di
         del full
         out = {}
         ctx = torch.enable_grad() if grad else torch.no_grad()
+        plan = dd.prepare(seqlen=c["T_total"], layout=layout, device=device)     # once per batch
         with ctx:
-            out.update(_timed(lambda: parallel(*local), s, device, direction, local))
+            out.update(_timed(lambda: parallel(*local, plan=plan), s, device, direction, local))
             out["local_ms"] = _timed_local(lambda: single(*local), s, device, direction, local)["ms"]
-            comm, leaves = _comm_call(c["op"], sp, local, device)
-            out["comm_ms"] = _timed(comm, s, device, direction, leaves)["ms"]
+            out["peak_mib"] = _peak_mib(_direction(lambda: parallel(*local, plan=plan), direction, local), device)
+            out["local_peak_mib"] = _peak_mib(_direction(lambda: single(*local), direction, local), device)
+            comm, leaves, comm_dir = _comm_call(c["op"], sp, local, device, direction)
+            out["comm_ms"] = _timed(comm, s, device, comm_dir, leaves)["ms"]
             if c["mode"] == "strong" and world > 1:
-                whole = [x.detach().clone().requires_grad_(grad) for x in
-                         _inputs(c["op"], c["T_total"], c["H"], c["D"], dt, device, s.seed)]
-                out["one_gpu_ms"] = _timed_local(lambda: single(*whole), s, device, direction, whole)["ms"]
-                del whole
+                out["one_gpu_ms"] = _whole_ms(single, c, dt, device, s, direction, grad)
             else:                           # weak, or one rank: the shard is what one GPU runs
                 out["one_gpu_ms"] = out["local_ms"]
+            out.update(_ideal(c, out, world, single, dt, device, s, direction, grad))
+        if out["peak_mib"] is not None and out["local_peak_mib"]:
+            out["mem_ratio"] = out["peak_mib"] / out["local_peak_mib"]
         one_gpu_tokens = c["T_local"] if c["mode"] == "weak" else c["T_total"]
         out["tokens_per_s"] = c["T_total"] / (out["ms"] / 1e3)
         out["one_gpu_tokens_per_s"] = one_gpu_tokens / (out["one_gpu_ms"] / 1e3)
         out["efficiency"] = out["tokens_per_s"] / (world * out["one_gpu_tokens_per_s"])
+        out["efficiency_vs_ideal"] = out["ideal_ms"] / out["ms"]
         return out
     except torch.cuda.OutOfMemoryError:
         return {"status": "skipped", "note": "out of memory"}
@@ -279,10 +338,14 @@ def markdown(run: Dict, rows: List[Dict]) -> str:
     lines = [f"# delta-attn bench scaling: {run['world_size']} rank(s), {run['backend']}", "",
              f"Command: `{run['command']}`  ", f"Started {run['started']} UTC, {run['duration_s']:.0f} s.", "",
              "Efficiency = N-GPU tokens/s / (N x one-GPU tokens/s); one GPU runs the single-GPU operator on "
-             "T_local tokens (weak) or on all of them (strong). `local` = the single-GPU operator on one shard "
-             "(the compute alone), `comm` = the op's collectives alone. Times: slowest rank's median.", ""]
+             "T_local tokens (weak) or on all of them (strong). `vs ideal` = ideal ms / ms, the ideal being one "
+             "GPU's time on all the work / N (`measured` at T_total, or the causal `model N^2` from T_local; "
+             "`linear` = the efficiency). `local` = the single-GPU operator on one shard (the compute alone), "
+             "`comm` = the op's collectives alone. Memory: the allocator's peak over one call above what was "
+             "allocated before it, context-parallel vs the single-GPU operator on the shard (MiB, largest rank). "
+             "Times: slowest rank's median.", ""]
     head = ["op", "mode", "exchange", "dtype", "dir", "tokens (per GPU)", "ms", "local ms", "comm ms",
-            "one-GPU ms", "tokens/s", "efficiency", "status"]
+            "one-GPU ms", "tokens/s", "efficiency", "ideal ms", "vs ideal", "peak MiB (local)", "status"]
     body = []
     for r in rows:
         exch = r["state_passing"] or "K/V all-gather (zigzag)"
@@ -290,6 +353,10 @@ def markdown(run: Dict, rows: List[Dict]) -> str:
         body.append([r["op"], r["mode"], exch, r["dtype"], r["direction"], per, _f(r.get("ms")), _f(r.get("local_ms")),
                      _f(r.get("comm_ms")), _f(r.get("one_gpu_ms")),
                      _f(r.get("tokens_per_s")), _pct(r.get("efficiency")),
+                     _f(r.get("ideal_ms")) + (f" ({r['ideal_source']})" if r.get("ideal_source") else ""),
+                     _pct(r.get("efficiency_vs_ideal")),
+                     f"{_f(r.get('peak_mib'))} ({_f(r.get('local_peak_mib'))})" if r.get("peak_mib") is not None
+                     else "",
                      r["status"] + (f": {r['note']}" if r["note"] else "")])
     lines += [_table(head, body), "", "## Environment", "", env_block(run), ""]
     return "\n".join(lines)

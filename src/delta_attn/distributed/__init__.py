@@ -3,6 +3,8 @@
 
 >>> import delta_attn.distributed as dd        # doctest: +SKIP
 >>> o, final_state = dd.kda(q_local, k_local, v_local, g_local, beta_local, output_final_state=True)  # doctest: +SKIP
+>>> plan = dd.prepare(cu_seqlens=cu_seqlens)    # once per batch; calls given it never sync  # doctest: +SKIP
+>>> o, _ = dd.gated_diag_attn(q_local, k_local, v_local, g_local, plan=plan)  # doctest: +SKIP
 
 Ranks hold consecutive shards in rank order (``layout="contiguous"``); attention also takes
 ``layout="zigzag"`` (rank r holds chunks r and 2W-1-r of 2W). docs/DISTRIBUTED.md: usage with FSDP and
@@ -10,11 +12,13 @@ DeviceMesh, gradients of replicated inputs, and the communication each operator 
 """
 from __future__ import annotations
 
-from .linear import gated_diag_attn, kda
+from .diag import gated_diag_attn
+from .linear import kda
+from .plan import Plan, prepare
 from .sharding import LAYOUTS, chunk_ranges, local_length, positions, shard, unshard, zigzag_chunks
 
-__all__ = ["shard", "unshard", "kda", "gated_diag_attn", "LAYOUTS", "chunk_ranges", "local_length", "positions",
-           "zigzag_chunks"]
+__all__ = ["shard", "unshard", "kda", "gated_diag_attn", "prepare", "Plan", "LAYOUTS", "chunk_ranges",
+           "local_length", "positions", "zigzag_chunks"]
 
 # Attention (its own module) is re-exported where present.
 try:

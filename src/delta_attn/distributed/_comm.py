@@ -40,15 +40,20 @@ def _reduce_own_slice(stacked: torch.Tensor, rank: int, group) -> torch.Tensor:
     return total[rank]
 
 
+def gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
+    """All-gather outside autograd: ``(W, *x.shape)``, row r is rank r's ``x``."""
+    out = torch.empty((world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+    return out
+
+
 class _AllGather(torch.autograd.Function):
     """x (...) on every rank -> (W, ...) stacked in rank order; backward: reduce-scatter of the gradient."""
 
     @staticmethod
     def forward(ctx, x, group, rank, world):
         ctx.group, ctx.rank = group, rank
-        out = torch.empty((world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
-        return out
+        return gather(x, group, world)
 
     @staticmethod
     def backward(ctx, grad):

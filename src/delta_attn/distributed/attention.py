@@ -48,7 +48,7 @@ seed, and per-rank calls cannot reproduce it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ from .. import _checks as C
 from ..ops.flash import api as flash_api
 from ..reference import accumulation_dtype
 from ._comm import group_rank_world
+from .plan import Plan, prepare, resolve, upload
 from .sharding import check_layout, chunk_ranges, local_length
 
 # key-head groups whose gathers are pipelined with the attention of the previous group: 2 keeps every
@@ -167,14 +168,54 @@ def plan_varlen(chunks: Sequence[Tuple[int, int]], cu_q: Sequence[int], cu_k: Se
 # ---------------------------------------------------------------------------------------------
 
 
+def _offsets(call: _Call) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """The local cu_seqlens (q, k) of a varlen call (one sequence when the plan gave none)."""
+    if call.cu is not None:
+        return call.cu
+    return (0, call.rows[1] - call.rows[0]), (0, call.keys[1] - call.keys[0])
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """This rank's calls for one batch and one set of mask options, planned once per plan (``Plan.cached``):
+    the row blocks, the global order of the gathered key chunks, whether any rank merges by LSE, and
+    (varlen) each call's cu_seqlens on the device with its longest sequences."""
+    blocks: Tuple[Tuple[_Call, ...], ...]
+    order: Tuple[Tuple[int, int, int], ...]     # global chunks: (source rank, local start, length)
+    merges: bool                                # some rank merges ALiBi parts by LSE (the same on every rank)
+    offsets: Dict[tuple, tuple]                 # _offsets(call) -> (cu_q, cu_k on the device, max_q, max_k)
+
+
+def _layout(p: Plan, window: Tuple[int, int], alibi: bool) -> _Layout:
+    """Plan every rank's calls (a refusal is raised on every rank alike, before any collective) and keep
+    this rank's, with the device copies of their cu_seqlens (uploaded without a host synchronisation)."""
+    def build():
+        if p.varlen:
+            plans = [plan_varlen(chunk_ranges(p.t_local, r, p.world, p.layout), p.cu_seqlens, p.cu_seqlens_k,
+                                 window, alibi) for r in range(p.world)]
+        else:
+            plans = [plan_dense(chunk_ranges(p.t_local, r, p.world, p.layout), p.seqlen, p.seqlen_k, window, alibi)
+                     for r in range(p.world)]
+        blocks = tuple(tuple(b) for b in plans[p.rank])
+        offsets = {}
+        for call in (c for b in blocks for c in b):
+            key = _offsets(call)
+            if p.varlen and key not in offsets:
+                cu_q, cu_k = key
+                offsets[key] = (upload(cu_q, p.device), upload(cu_k, p.device),
+                                max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:])))
+        return _Layout(blocks, _order(p.tk_local, p.world, p.layout), any(len(b) > 1 for q in plans for b in q),
+                       offsets)
+    return p.cached(("attention", window, alibi), build)
+
+
 @dataclass(frozen=True)
 class _Spec:
-    """Everything but the tensors: options of the op, layout of the tensors, the plan, the group."""
+    """Everything but the tensors: options of the op, layout of the tensors, the planned calls, the group."""
     tdim: int                   # token dim of q/k/v: 1 dense, 0 "thd", 1 "htd"
     hdim: int                   # head dim index
     varlen_layout: Optional[str]
-    blocks: Tuple[Tuple[_Call, ...], ...]
-    order: Tuple[Tuple[int, int, int], ...]     # global chunks: (source rank, local start, length)
+    layout: _Layout
     softmax_scale: float
     softcap: float
     deterministic: bool
@@ -182,7 +223,6 @@ class _Spec:
     group: object
     rank: int
     world: int
-    merges: bool                # some rank merges ALiBi parts by LSE (the same on every rank)
 
 
 def _narrow(x, dim, rng):
@@ -210,14 +250,10 @@ def _attend(q, k, v, alibi, call: _Call, spec: _Spec):
     if spec.varlen_layout is None:
         out, lse, _ = flash_api.flash_attn_func(qc, kc, vc, **kw)
     else:
-        cu_q, cu_k = call.cu if call.cu is not None else ((0, qc.shape[td]), (0, kc.shape[td]))
-        lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
-        lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-        dev = q.device
-        out, lse, _ = flash_api.flash_attn_varlen_func(
-            qc, kc, vc, torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            torch.tensor(cu_k, dtype=torch.int32, device=dev), max(lens_q), max(lens_k),
-            layout=spec.varlen_layout, **kw)
+        cu_q, cu_k, max_q, max_k = spec.layout.offsets[_offsets(call)]
+        with C.values_checked():            # the plan's offsets, from the checked global ones
+            out, lse, _ = flash_api.flash_attn_varlen_func(qc, kc, vc, cu_q, cu_k, max_q, max_k,
+                                                           layout=spec.varlen_layout, **kw)
     if call.reversed:
         out, lse = out.flip(td), lse.flip(-1)
         if slopes is not None:      # reversed upper part: the op's distance was one short
@@ -253,7 +289,7 @@ def _merge(parts, spec: _Spec):
 
 def _global_order(stacked, spec: _Spec):
     """(W, ..local..) gathered shards -> the tensor in global token order."""
-    parts = [stacked[r].narrow(spec.tdim, start, n) for r, start, n in spec.order]
+    parts = [stacked[r].narrow(spec.tdim, start, n) for r, start, n in spec.layout.order]
     return parts[0] if len(parts) == 1 else torch.cat(parts, spec.tdim)
 
 
@@ -262,11 +298,11 @@ def _run_group(q, kv_stacked, d, alibi, spec: _Spec):
     kv = _global_order(kv_stacked, spec)
     k, v = kv.narrow(-1, 0, d), kv.narrow(-1, d, kv.shape[-1] - d)
     outs = []
-    for block in spec.blocks:
+    for block in spec.layout.blocks:
         parts = [_attend(q, k, v, alibi, call, spec) for call in block]
         # guard (no backend that takes ALiBi trips it today): a merge by an LSE without gradient would give
         # a wrong gradient; checked on every rank (the last one may have no merge of its own)
-        if spec.merges and torch.is_grad_enabled() and parts[0][0].requires_grad:
+        if spec.layout.merges and torch.is_grad_enabled() and parts[0][0].requires_grad:
             if not all(lse.requires_grad for _, lse in parts):
                 raise ValueError(
                     f"alibi_slopes with keys after the queries (causal=False and window right bound != 0) over "
@@ -429,29 +465,26 @@ def _global_lengths(tq: int, tk: int, world: int, layout: str, what_q: str, what
                  for t, what in ((tq, what_q), (tk, what_k)))
 
 
-def _apply(q, k, v, alibi_slopes, plan, tq: int, tk: int, layout: str, *, tdim: int, hdim: int,
+def _apply(q, k, v, alibi_slopes, p: Plan, window: Tuple[int, int], *, tdim: int, hdim: int,
            varlen_layout: Optional[str], softmax_scale: float, softcap: float, return_lse: bool,
-           deterministic: bool, backend: str, group, rank: int, world: int):
-    """Plan every rank's calls (a refusal is raised on every rank alike, before any collective), then run
-    this rank's. ``plan(chunks)``: the row blocks of the query chunks ``chunks``; keys are sharded by
-    ``layout`` too, tk per rank."""
-    plans = [plan(chunk_ranges(tq, r, world, layout)) for r in range(world)]
-    spec = _Spec(tdim=tdim, hdim=hdim, varlen_layout=varlen_layout, blocks=tuple(tuple(b) for b in plans[rank]),
-                 order=_order(tk, world, layout), softmax_scale=softmax_scale, softcap=softcap,
-                 deterministic=deterministic, backend=backend, group=group, rank=rank, world=world,
-                 merges=any(len(b) > 1 for p in plans for b in p))
+           deterministic: bool, backend: str, group):
+    """This rank's planned calls (once per plan and mask options) run under ``ContextParallelAttnFunction``."""
+    spec = _Spec(tdim=tdim, hdim=hdim, varlen_layout=varlen_layout, layout=_layout(p, window, alibi_slopes is not None),
+                 softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, backend=backend,
+                 group=group, rank=p.rank, world=p.world)
     out, lse = ContextParallelAttnFunction.apply(q, k, v, alibi_slopes, spec)
     return (out, lse, None) if return_lse else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, group=None,
-                    layout="contiguous", backend="auto"):
+                    layout=None, backend="auto", plan: Optional[Plan] = None):
     """Context-parallel ``da.flash_attn_func``: q (B, Sq_local, Hq, D) is this rank's shard of the Sq =
     W * Sq_local queries and k, v (B, Sk_local, Hk, D / Dv) its shards of the Sk = W * Sk_local keys (W ranks
     of ``group``, default the world group), all three laid out by ``layout`` ("contiguous": rank r holds
     positions [r S_local, (r + 1) S_local); "zigzag": chunks r and 2W - 1 - r of 2W, which balances causal
-    work when Sq == Sk), i.e. ``dd.shard(q)``, ``dd.shard(k)``, ``dd.shard(v)`` with that layout.
+    work when Sq == Sk), i.e. ``dd.shard(q)``, ``dd.shard(k)``, ``dd.shard(v)`` with that layout. ``layout``
+    defaults to the plan's, else "contiguous".
 
     Sq may differ from Sk (both layouts): masks and ALiBi are the single-GPU op's, on global positions and
     aligned bottom-right (query i sees key j when i + Sk - Sq - wl <= j <= i + Sk - Sq + wr); rows that see
@@ -460,44 +493,57 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Every option of ``da.flash_attn_func`` but dropout (refused: per-rank masks cannot match the single-GPU
     op's). ALiBi with keys after the diagonal (causal=False, right window bound != 0) may be refused when
     Sq >= Sk + 2 (ValueError on every rank, as in ``flash_attn_varlen_func``): where a query chunk that starts
-    before query Sq - Sk - 1 sees keys past the diagonal of its last row.
+    before query Sq - Sk - 1 sees keys past the diagonal of its last row. ``plan``: the batch's
+    ``dd.prepare(seqlen=Sq, seqlen_k=Sk, layout=...)``: the calls' planning is done once, on its first call
+    with a set of mask options (the calls are planned on the host either way; no call reads the device).
 
     >>> import delta_attn.distributed as dd      # doctest: +SKIP
     >>> o = dd.flash_attn_func(dd.shard(q), dd.shard(k), dd.shard(v), causal=True)   # doctest: +SKIP
     """
-    rank, world = group_rank_world(group)
-    check_layout(layout)
+    _, world = group_rank_world(group)
+    if layout is not None:
+        check_layout(layout)
     args = flash_api.validate_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                     alibi_slopes, deterministic, return_attn_probs)
     _refuse_dropout(args.dropout_p)
     tq, tk = q.shape[1], k.shape[1]
     C.positive_dim("q local sequence length (q.shape[1])", tq)
     C.positive_dim("k local sequence length (k.shape[1])", tk)
-    sq, sk = _global_lengths(tq, tk, world, layout, "the global query length Sq", "the global key length Sk")
-    alibi = alibi_slopes is not None
-    return _apply(q, k, v, alibi_slopes, lambda chunks: plan_dense(chunks, sq, sk, args.window, alibi), tq, tk,
-                  layout, tdim=1, hdim=2, varlen_layout=None, softmax_scale=args.softmax_scale, softcap=args.softcap,
-                  return_lse=args.return_lse, deterministic=deterministic, backend=backend, group=group, rank=rank,
-                  world=world)
+
+    def build():
+        lay = layout or "contiguous"
+        sq, sk = _global_lengths(tq, tk, world, lay, "the global query length Sq", "the global key length Sk")
+        return prepare(seqlen=sq, seqlen_k=sk, group=group, layout=lay, device=q.device)
+
+    p = resolve(plan, "dd.flash_attn_func", group, build, device=q.device, varlen=False, t_local=tq, tk_local=tk,
+                layout=layout)
+    return _apply(q, k, v, alibi_slopes, p, args.window, tdim=1, hdim=2, varlen_layout=None,
+                  softmax_scale=args.softmax_scale, softcap=args.softcap, return_lse=args.return_lse,
+                  deterministic=deterministic, backend=backend, group=group)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, *, group=None,
-                           shard_layout="contiguous", layout="thd", backend="auto"):
+                           shard_layout=None, layout="thd", backend="auto", plan: Optional[Plan] = None):
     """Context-parallel ``da.flash_attn_varlen_func``: q is this rank's equal share (Tq_local tokens) of the
     packed queries (W * Tq_local tokens), k and v its equal share (Tk_local tokens) of the packed keys
-    (W * Tk_local tokens), both split by ``shard_layout`` ("contiguous" or "zigzag", as ``dd.shard``).
+    (W * Tk_local tokens), both split by ``shard_layout`` ("contiguous" or "zigzag", as ``dd.shard``; default
+    the plan's, else "contiguous").
     ``cu_seqlens_q`` / ``cu_seqlens_k`` describe the whole packed batch with global offsets; they may differ
     (Sq != Sk per sequence, bottom-right alignment as in the single-GPU op: query i of sequence s sees key
     j when i + Sk_s - Sq_s - wl <= j <= i + Sk_s - Sq_s + wr), and a sequence may span ranks in q and in k.
     ``layout`` is the tensors' layout as in ``da.flash_attn_varlen_func`` ("thd" / "htd"). Returns this
     rank's out, or ``(out, lse (Hq, Tq_local), None)``. Dropout is refused; ALiBi with keys after the
     diagonal (causal=False, right window bound != 0) is refused where a q shard boundary cuts a sequence
-    with Sq_s >= Sk_s + 2 (no single-GPU call aligns its distance there).
+    with Sq_s >= Sk_s + 2 (no single-GPU call aligns its distance there). ``plan``: the batch's
+    ``dd.prepare(cu_seqlens=..., cu_seqlens_k=..., layout=...)``; with it the call reads nothing on the host
+    (without it, the offsets are read once), and ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``,
+    ``max_seqlen_k`` may be None (the plan's).
     """
-    rank, world = group_rank_world(group)
-    C.one_of("shard_layout", shard_layout, ("contiguous", "zigzag"))
+    _, world = group_rank_world(group)
+    if shard_layout is not None:
+        C.one_of("shard_layout", shard_layout, ("contiguous", "zigzag"))
     C.one_of("layout", layout, flash_api.LAYOUTS)
     doc = "(total, heads, head_dim)" if layout == "thd" else "(heads, total, head_dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -506,20 +552,36 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     C.dim_equal("local token count", "v", v.shape[tdim], "k", k.shape[tdim])
     C.dim_equal("heads", "v", v.shape[hdim], "k", k.shape[hdim])
     tq, tk = q.shape[tdim], k.shape[tdim]
-    total_q, total_k = _global_lengths(tq, tk, world, shard_layout, "the packed query count", "the packed key count")
-    _, _, n = C.cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, q.device)
-    values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
-    cu_q, cu_k = values[:n + 1], values[n + 1:]
-    C.cu_seqlens_values("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q")
-    C.cu_seqlens_values("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k")
-    common = flash_api._common(q, k, v, q.shape[hdim], k.shape[hdim], n, dropout_p, softmax_scale, causal,
+
+    def build():
+        lay = shard_layout or "contiguous"
+        total_q, total_k = _global_lengths(tq, tk, world, lay, "the packed query count", "the packed key count")
+        C.cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, q.device)
+        n = C.cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, q.device) - 1
+        values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()      # the one host read of a call without plan
+        cu_q, cu_k = values[:cu_seqlens_q.numel()], values[cu_seqlens_q.numel():]
+        if len(cu_k) != len(cu_q):
+            raise ValueError(f"cu_seqlens_k must describe as many sequences as cu_seqlens_q ({len(cu_q) - 1}), "
+                             f"got {n}")
+        C.cu_seqlens_values("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q")
+        C.cu_seqlens_values("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k")
+        return prepare(seqlen=total_q, seqlen_k=total_k, cu_seqlens=cu_q, cu_seqlens_k=cu_k, group=group,
+                       layout=lay, device=q.device)
+
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None or plan is None:
+            C.max_seqlen(name, m)
+    p = resolve(plan, "dd.flash_attn_varlen_func", group, build, device=q.device, varlen=True, t_local=tq,
+                tk_local=tk, layout=shard_layout, cu_seqlens=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    for name, m, want in (("max_seqlen_q", max_seqlen_q, p.max_seqlen), ("max_seqlen_k", max_seqlen_k, p.max_seqlen_k)):
+        if m is not None and m < want:
+            raise ValueError(f"{name} must be >= the longest sequence ({want}), got {m}")
+    common = flash_api._common(q, k, v, q.shape[hdim], k.shape[hdim], p.num_seqs, dropout_p, softmax_scale, causal,
                                window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     _refuse_dropout(common["dropout_p"])
-    alibi = alibi_slopes is not None
-    return _apply(q, k, v, alibi_slopes, lambda chunks: plan_varlen(chunks, cu_q, cu_k, common["window"], alibi), tq,
-                  tk, shard_layout, tdim=tdim, hdim=hdim, varlen_layout=layout,
+    return _apply(q, k, v, alibi_slopes, p, common["window"], tdim=tdim, hdim=hdim, varlen_layout=layout,
                   softmax_scale=common["softmax_scale"], softcap=common["softcap"], return_lse=common["return_lse"],
-                  deterministic=deterministic, backend=backend, group=group, rank=rank, world=world)
+                  deterministic=deterministic, backend=backend, group=group)
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "ContextParallelAttnFunction", "PIPELINE_GROUPS"]

@@ -3,11 +3,12 @@ receives.
 
 ``diag_fwd`` / ``diag_bwd`` launch the single-pass decoupled look-back scans of ``kernels_scan.py`` with the
 configs chosen below (:data:`FWD_CONFIG`, :data:`BWD_CONFIG`: measured fastest, docs/PERFORMANCE.md);
-``diag_step`` launches the decode step of ``kernels_decode.py``. The forward returns, besides ``o`` and the final
-states, its workspace: the state at the end of every time tile (of every segment for a training forward),
-which the backward uses as carries (int64 words, 8 bytes per channel every ``bt`` or, training, every
-``bt / split`` tokens). The custom ops, the autograd Function and the backend entries over these launchers are
-in ``autograd.py``.
+``diag_step`` launches the decode step of ``kernels_decode.py``; ``diag_summary`` context parallelism's
+per-piece summaries of ``kernels_summary.py`` (:data:`SUMMARY_CONFIG`, not measured). The forward returns,
+besides ``o`` and the final states, its workspace: the state at the end of every time tile (of every segment
+for a training forward), which the backward uses as carries (int64 words, 8 bytes per channel every ``bt``
+or, training, every ``bt / split`` tokens). The custom ops, the autograd Function and the backend entries over
+these launchers are in ``autograd.py``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..._outputs import empty
 from .._launch import Tiles, cdiv, index, launch, next_pow2, optional, param, sm_count, tiles
 from .kernels_decode import _diag_step_kernel
 from .kernels_scan import _diag_bwd_rows_kernel, _diag_fwd_rows_kernel
+from .kernels_summary import _diag_summary_combine_kernel, _diag_summary_kernel
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,67 @@ def diag_bwd(q, k, v, g, do, ws, initial_state=None, dfinal=None, cu_seqlens=Non
                   max(t_seq, 1), total, n, n_tiles, cfg.bt // fbt),
                  dict(HAS_H0=initial_state is not None, HAS_DHT=dfinal is not None))
     return dq, dk, dv, dg, dh0
+
+
+@dataclass(frozen=True)
+class SummaryConfig:
+    """The launch config of context parallelism's summary (``_diag_summary_kernel``): BT rows unrolled per
+    step, BD channels per program, and enough chunks of each segment that the grid has ``programs_per_sm``
+    programs per SM (chunks of at least ``min_chunk_steps`` steps; more chunks: one combine launch)."""
+    bt: int
+    bd: int
+    warps: int
+    programs_per_sm: int
+    min_chunk_steps: int
+
+
+# Not measured yet (a first choice: 128 channels on 4 warps, 16 rows of three operands in flight per step,
+# chunks of >= 128 rows, about 4 programs per SM)
+SUMMARY_CONFIG = SummaryConfig(bt=16, bd=128, warps=4, programs_per_sm=4, min_chunk_steps=8)
+INTERP_SUMMARY_CONFIG = SummaryConfig(bt=4, bd=16, warps=1, programs_per_sm=1, min_chunk_steps=1)
+
+
+def diag_summary(x, y, g, t0: int, t1: int, edge=None, reverse: bool = False,
+                 config: Optional[SummaryConfig] = None):
+    """Context parallelism's per-channel summary of rows [t0, t1) of every batch row of x, y, g (B, T, H, D),
+    one read of the three (no output the size of the inputs). Returns ``(decay, s)`` (B, H, D) float32, decay =
+    prod exp(g) over the rows and
+
+    - forward (x, y = k, v): s = the state after the rows from ``edge`` (B, H, D; 0 when None);
+    - ``reverse`` (x, y = q, do): s = d state before the rows of sum_t <do_t, q_t s_t> + <edge, s_last>, i.e.
+      ``sum_t exp(g_t0 + .. + g_t) q_t do_t + decay * edge``.
+
+    No host synchronisation: ``t0``, ``t1`` are host ints (a plan's)."""
+    x, y, g, edge = map(param, (x, y, g, edge))
+    b, t, h, d = x.shape
+    hd = h * d
+    out_m = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+    out_s = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+    rows = t1 - t0
+    if rows <= 0 or b == 0:
+        out_m.fill_(1.0)
+        if edge is not None:
+            out_s.copy_(edge)
+        else:
+            out_s.zero_()
+        return out_m, out_s
+    cfg = config or (INTERP_SUMMARY_CONFIG if settings.triton_interpreter() else SUMMARY_CONFIG)
+    bd = min(cfg.bd, next_pow2(hd))
+    n_cb = cdiv(hd, bd)
+    want = max(1, cdiv(cfg.programs_per_sm * sm_count(x.device), b * n_cb))
+    n_chunks = max(1, min(want, rows // (cfg.bt * cfg.min_chunk_steps)))
+    chunk_rows = cdiv(cdiv(rows, n_chunks), cfg.bt) * cfg.bt
+    n_chunks = cdiv(rows, chunk_rows)
+    single = n_chunks == 1
+    part = out_m if single else torch.empty((b, n_chunks, 2, h, d), dtype=torch.float32, device=x.device)
+    meta = dict(HD=hd, BD=bd, REVERSE=reverse, HAS_EDGE=edge is not None, num_warps=max(1, min(cfg.warps, bd // 32)))
+    _diag_summary_kernel[(b * n_chunks, n_cb)](x, y, g, optional(edge, out_m), out_m, out_s, part, t, t0, t1,
+                                               chunk_rows, n_chunks, BT=cfg.bt, SINGLE=single, **meta)
+    if not single:
+        _diag_summary_combine_kernel[(b, n_cb)](part, optional(edge, out_m), out_m, out_s, n_chunks, **meta)
+    return out_m, out_s
+
+
 
 
 STEP_WIDE_CHANNELS = 2 ** 21     # B * H * D from which the step takes 2048-channel programs
