@@ -99,6 +99,7 @@ def _memory_body(rank, world):
     t_local, b, h, d = 32, 2, 2, 16
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(b, world * t_local, h, d, generator=gen) for _ in range(4)]
+    full[3] = torch.nn.functional.logsigmoid(full[3])          # g: a log decay <= 0
     loc = [dd.shard(x).detach().requires_grad_() for x in full]
     for scheme in ("allgather", "ring"):
         cp, _ = _saved_bytes(lambda: dd.gated_diag_attn(*loc, backend="triton", state_passing=scheme)[0])
