@@ -172,7 +172,8 @@ def value_checks_enabled() -> bool:
     traces, while a CUDA graph is being captured (a host read cannot be captured: the caller validates
     the indices it captures), inside :func:`values_checked`, or when the user sets
     DELTA_ATTN_SKIP_VALUE_CHECKS=1 to keep launches asynchronous."""
-    return (not _VALUES_CHECKED.get() and not _tracing() and not _capturing()
+    # _tracing first: torch.compile does not trace ContextVar.get (and skips these checks anyway)
+    return (not _tracing() and not _VALUES_CHECKED.get() and not _capturing()
             and not settings.skip_value_checks())
 
 
