@@ -33,7 +33,7 @@ from ..ops.diag import api as diag_api
 from ..reference import accumulation_dtype
 from ._carry import Affine, carry, carry_grad
 from .linear import distribute_finals, initial_rows, num_states, setup
-from .plan import LinearPlan, Plan
+from .plan import LinearPlan, Plan, value_checks
 from . import _comm
 
 DIAG_MAP = Affine(matrix=False)
@@ -185,7 +185,8 @@ def gated_diag_attn(q, k, v, g, *, group=None, state_passing: str = "allgather",
     """Context-parallel :func:`delta_attn.gated_diag_attn` on this rank's shards of dim 1 (see :func:`kda`
     for the layout, ``cu_seqlens``, ``initial_state``, gradients, ``state_passing`` and ``plan``). g is a log
     decay <= 0, as in :func:`delta_attn.gated_diag_attn`."""
-    diag_api.validate(q, k, v, g, None, output_final_state, None)
+    with value_checks(plan):
+        diag_api.validate(q, k, v, g, None, output_final_state, None)
     lp = setup("dd.gated_diag_attn", q, cu_seqlens, group, state_passing, plan)
     C.state("initial_state", initial_state, (num_states(lp, q),) + tuple(q.shape[2:]), q.device, "(N, H, D) float32")
     run = _Run(lp, _Local(_backend(q, k, v, g, lp.cu_local, backend)), state_passing, group, output_final_state,

@@ -33,7 +33,7 @@ from ..reference import accumulation_dtype
 from . import _comm
 from ._carry import STATE_PASSING, Affine, CarryExchange
 from ._comm import group_rank_world
-from .plan import LinearPlan, Plan, prepare, resolve
+from .plan import LinearPlan, Plan, prepare, resolve, value_checks
 
 KDA_MAP = Affine(matrix=True)
 
@@ -197,7 +197,8 @@ def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale
 
     Ranks of ``group`` (default: the world) hold consecutive, equal shards in rank order. Keywords are
     those of ``delta_attn.kda``, and so is the domain of g (without ``A_log`` a log decay <= 0: a positive
-    entry of this rank's shard is a ``ValueError`` naming g, where value checks run). ``initial_state``
+    entry of this rank's shard is a ``ValueError`` naming g, where value checks run: not in a call given a plan,
+    which reads nothing on the host). ``initial_state``
     (N, HV, K, V) is the state before the whole
     sequence (the same on every rank); ``cu_seqlens`` describes the whole packed batch (global offsets,
     ending at W * T_local) and a sequence may span ranks. Returns ``(o_local, final_state)`` with the
@@ -209,8 +210,9 @@ def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale
     do that sum for parameters).
     """
     C.unknown_keywords("kda", unknown, kda_api.FLA_KEYWORDS)
-    kda_api.validate(q, k, v, g, beta, scale, None, output_final_state, None, use_qk_l2norm, A_log, dt_bias,
-                     lower_bound, allow_tf32)
+    with value_checks(plan):
+        kda_api.validate(q, k, v, g, beta, scale, None, output_final_state, None, use_qk_l2norm, A_log, dt_bias,
+                         lower_bound, allow_tf32)
     lp = setup("dd.kda", q, cu_seqlens, group, state_passing, plan)
     C.state("initial_state", initial_state, (num_states(lp, q),) + (v.shape[2], q.shape[3], v.shape[3]), q.device,
             "(N, HV, K, V) float32")

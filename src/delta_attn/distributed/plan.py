@@ -12,6 +12,7 @@ only from pinned memory without blocking (:func:`upload`). A call without a plan
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -20,6 +21,13 @@ import torch
 from .. import _checks as C
 from ._comm import group_rank_world
 from .sharding import check_layout, local_length
+
+
+def value_checks(plan) -> "contextlib.AbstractContextManager":
+    """The context of a call's input validation: a call given a plan reads nothing on the host, so the value
+    checks that would (g <= 0, as under CUDA-graph capture) are skipped and the caller keeps g <= 0; a call
+    without one checks everything."""
+    return C.values_checked() if plan is not None else contextlib.nullcontext()
 
 
 def upload(values: Sequence[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
