@@ -311,14 +311,15 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     db = empty((B, T, HV), f32, dev)
     dg = empty((B, T, HV, K), f32, dev)
     dal = torch.zeros(NC, HV, dtype=f32, device=dev)
+    ddt = torch.empty(NC, HV, K, dtype=f32, device=dev) if dt_bias is not None else None
     if NC > 0:
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
         flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
         for exact in (False, True):
             launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
                    (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
-                                                    db, dg, dal, flags, float(scale), float(lower_bound or 0.0),
-                                                    H, HV),
+                                                    db, dg, dal, optional(ddt, q), flags, float(scale),
+                                                    float(lower_bound or 0.0), H, HV),
                    dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                         DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact, TWO_FLOAT=prec.two_float,
                         **gate_kw),
@@ -327,8 +328,9 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     G = HV // H
     dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
     dk = (dk_h.view(B, T, H, G, K).sum(3) if G > 1 else dk_h).to(k.dtype)
+    # the gate parameters' gradients: sums of the per-chunk partials (dal, ddt) the intra-chunk backward formed
     dA_log = dal.sum(0) if A_log is not None else None
-    ddt = dg.sum((0, 1)).reshape(-1) if dt_bias is not None else None
+    ddt = ddt.sum(0).reshape(-1) if dt_bias is not None else None
     return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, dA_log, ddt
 
 
