@@ -47,10 +47,12 @@ def test_inference_chunk_lengths(monkeypatch, chunk, decay):
 @pytest.mark.parametrize("factor_max", [-1.0, 1e9])
 @pytest.mark.parametrize("grad", [False, True])
 def test_exact_and_factored_products(monkeypatch, factor_max, grad):
-    """Each chunk forms exp(G_i - G_j) factored (every |G| <= FACTOR_MAX) or exactly: force each in turn
-    (forward and backward). Half the channels decay by ~1.5 per token (~96 per 64-token chunk: exp(96)
-    overflows fp32, so only the middle-token reference keeps the factored path finite)."""
+    """Each chunk forms exp(G_i - G_j) factored (every |G| <= FACTOR_MAX and, for fp32 gate gradients, every
+    cumulative gate tangent <= TANGENT_MAX) or exactly: force each in turn (forward and backward). Half the
+    channels decay by ~1.5 per token (~96 per 64-token chunk: exp(96) overflows fp32, so only the middle-token
+    reference keeps the factored path finite)."""
     monkeypatch.setattr(pipeline, "FACTOR_MAX", factor_max)
+    monkeypatch.setattr(pipeline, "TANGENT_MAX", factor_max)
     c = _case(11, B=2, T=130, cu=None, H=1, HV=2, K=32, V=16, dtype="fp32", gate="softplus", l2=True, h0=True,
               final=True, grad=grad)
     assert not properties.kda_check(c)

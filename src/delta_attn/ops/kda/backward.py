@@ -153,17 +153,20 @@ def _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC: tl.constexpr, ROUND_TF
 
 
 @triton.jit
-def _kda_bwd_factored_pairs(dGp, Wa, Wal, Wx, Wxl, i, BT: tl.constexpr, TWO_FLOAT: tl.constexpr,
-                            GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+def _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
     """The pair terms' part of the gate parameters' gradients (``_kda_tangent_sum``) on a factored slice, per
-    channel: sum_{i >= j} pair_ij (W_i - W_j) = sum_i (W_i - W_m) dGp_i (each pair adds to dGp at i and
-    subtracts at j), with W relative to the factors' middle token m, as the factors: (A_log part, dt_bias part)."""
+    channel: sum_{i >= j} pair_ij (W_i - W_j) = sum_i (W_i - W_r) dGp_i for any row r (each pair adds to dGp at
+    i and subtracts at j). Ra, Rx: W_i - W_r for the A_log and dt_bias tangents, r the middle of the chunk's rows,
+    (L - 1) // 2: the rounding of every dGp_i is weighted by |W_i - W_r|, and the middle row keeps that at most
+    half the chunk's cumulative tangent (CPU property seed 241, a 23-row chunk: dA_log at 0.81 of the error rule
+    with r = the factors' row 31, 0.15 with r = 11); with fp32 inputs a slice whose weight exceeds TANGENT_MAX
+    takes the exact products instead. Returns (A_log part, dt_bias part)."""
     pwa = tl.zeros([dGp.shape[1]], tl.float32)
     pwx = tl.zeros([dGp.shape[1]], tl.float32)
     if GATE != 0:
-        pwa = tl.sum(_kda_rel(Wa, Wal, i, BT // 2 - 1, TWO_FLOAT) * dGp, 0)
+        pwa = tl.sum(Ra * dGp, 0)
         if HAS_DT_BIAS:
-            pwx = tl.sum(_kda_rel(Wx, Wxl, i, BT // 2 - 1, TWO_FLOAT) * dGp, 0)
+            pwx = tl.sum(Rx * dGp, 0)
     return pwa, pwx
 
 
@@ -288,16 +291,18 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                             HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
-                            DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, EXACT: tl.constexpr,
-                            TWO_FLOAT: tl.constexpr):
+                            TANGENT_MAX: tl.constexpr, DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
+                            EXACT: tl.constexpr, TWO_FLOAT: tl.constexpr):
     """Backward through one 64-token chunk (parallel over chunks x value heads), from the partial
     gradients of ``_kda_bwd_chunk_grads_kernel``: the UT transform, the decayed
     intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm.
 
     Two launches: EXACT=False (every chunk, factored products only: the strong-decay code is compiled
     out, which keeps registers for the common case) flags the (chunk, head) pairs with a K slice that
-    decays by more than FACTOR_MAX from the middle token; EXACT=True returns at once for unflagged
-    pairs and redoes the flagged ones with the exact per-block products where needed.
+    decays by more than FACTOR_MAX from the middle token (or, fp32 with a gate, whose cumulative gate tangent
+    spreads by more than TANGENT_MAX from the chunk's middle row: ``_kda_bwd_factored_pairs``); EXACT=True
+    returns at once for unflagged pairs and redoes the flagged ones with the exact per-block products where
+    needed.
 
     The gate parameters' gradients of the chunk (DALOG (NC, HV): summed over K; DDT (NC, HV, K): dt_bias, per
     channel) are formed from the parts of the log-decay gradient, each weighted by the cumulative tangent over
@@ -355,12 +360,17 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                                        HAS_DT_BIAS, FLOOR, TWO_FLOAT)
         dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
         # the cumulative tangents of the floored log decay along A_log and dt_bias (in two floats, as G)
+        # (Ra, Rx: relative to the chunk's middle row, for the factored products)
         Wa, Wal = G, Gl
         Wx, Wxl = G, Gl
+        Ra = G
+        Rx = G
         if GATE != 0:
             Wa, Wal = _kda_cumsum(_kda_tangent(dA_, d, m, FLOOR), FLOOR, TWO_FLOAT)
+            Ra = _kda_rel(Wa, Wal, i, (L - 1) // 2, TWO_FLOAT)
             if HAS_DT_BIAS:
                 Wx, Wxl = _kda_cumsum(_kda_tangent(dx, d, m, FLOOR), FLOOR, TWO_FLOAT)
+                Rx = _kda_rel(Wx, Wxl, i, (L - 1) // 2, TWO_FLOAT)
         G_last = _kda_row_at(G, i, L - 1)
         eG = tl.exp(G)
         eL = tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT))
@@ -372,10 +382,15 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
         Gm = _kda_rel(G, Gl, i, BT // 2 - 1, TWO_FLOAT)
         fast = tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX
+        if GATE != 0:
+            if TWO_FLOAT:       # fp32: a tangent spread over more than TANGENT_MAX takes the exact products too
+                fast = fast & (tl.max(tl.max(tl.abs(Ra), 1), 0) <= TANGENT_MAX)
+                if HAS_DT_BIAS:
+                    fast = fast & (tl.max(tl.max(tl.abs(Rx), 1), 0) <= TANGENT_MAX)
         if EXACT:
             if fast:
                 P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
-                pwa, pwx = _kda_bwd_factored_pairs(dGp, Wa, Wal, Wx, Wxl, i, BT, TWO_FLOAT, GATE, HAS_DT_BIAS)
+                pwa, pwx = _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE, HAS_DT_BIAS)
             else:
                 P1, P3, P24, dGp, pwa, pwx = _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, Wa, Wal, Wx, Wxl,
                                                                BT, BC, BK, DOT_PREC, ROUND_TF32, TWO_FLOAT, GATE,
@@ -384,7 +399,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
             if not fast:        # this chunk is redone by the EXACT launch (whatever is written here)
                 tl.store(FLAGS + c * HV + hv, 1)
             P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
-            pwa, pwx = _kda_bwd_factored_pairs(dGp, Wa, Wal, Wx, Wxl, i, BT, TWO_FLOAT, GATE, HAS_DT_BIAS)
+            pwa, pwx = _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE, HAS_DT_BIAS)
         dqs = eG * dqg + P1
         dks = P24 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
         db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)

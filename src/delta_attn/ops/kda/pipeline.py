@@ -31,6 +31,10 @@ from .scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
+TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
+                      # the gate parameters' gradients are formed from the factored products, whose rounding it
+                      # weights (CPU fuzz, K 16, V 48, gate input + 1: dA_log at 0.91 of the rule without this
+                      # limit, 0.04 with it); beyond, the exact products (backward.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,8 +325,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                                                     db, dg, dal, optional(ddt, q), flags, float(scale),
                                                     float(lower_bound or 0.0), H, HV),
                    dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                        DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact, TWO_FLOAT=prec.two_float,
-                        **gate_kw),
+                        TANGENT_MAX=TANGENT_MAX, DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact,
+                        TWO_FLOAT=prec.two_float, **gate_kw),
                    bwd_intra_tiles(K, V))
     # GVA: the query / key heads' gradients are the sums over their value heads
     G = HV // H
