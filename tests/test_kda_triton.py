@@ -47,13 +47,33 @@ def test_inference_chunk_lengths(monkeypatch, chunk, decay):
 @pytest.mark.parametrize("factor_max", [-1.0, 1e9])
 @pytest.mark.parametrize("grad", [False, True])
 def test_exact_and_factored_products(monkeypatch, factor_max, grad):
-    """Each chunk forms exp(G_i - G_j) factored (every |G| <= FACTOR_MAX) or exactly: force each in turn
-    (forward and backward). Half the channels decay by ~1.5 per token (~96 per 64-token chunk: exp(96)
-    overflows fp32, so only the middle-token reference keeps the factored path finite)."""
+    """Each chunk forms exp(G_i - G_j) factored (every |G| <= FACTOR_MAX and, for fp32 gate gradients, every
+    cumulative gate tangent <= TANGENT_MAX) or exactly: force each in turn (forward and backward). Half the
+    channels decay by ~1.5 per token (~96 per 64-token chunk: exp(96) overflows fp32, so only the middle-token
+    reference keeps the factored path finite)."""
     monkeypatch.setattr(pipeline, "FACTOR_MAX", factor_max)
+    monkeypatch.setattr(pipeline, "TANGENT_MAX", factor_max)
     c = _case(11, B=2, T=130, cu=None, H=1, HV=2, K=32, V=16, dtype="fp32", gate="softplus", l2=True, h0=True,
               final=True, grad=grad)
     assert not properties.kda_check(c)
+
+
+def test_gate_parameter_gradients_strong_decay():
+    """fp32 dA_log and d dt_bias stay fp32-accurate where every token decays strongly (gate input + 3: log decays
+    of about -4 a token, hundreds over a 64-token chunk) and a tenth of the tokens reset (gate input + 40: below the
+    floor), with GVA (HV = 2H), K 16, V 48. Formed as sum_t (d decay_t / d A_log) dd_t, the rounding of every
+    per-token term of dd was weighted by the cumulative decay (here dA_log 3.7x over the error rule: the error was
+    all in the intra-chunk backward, fp32 against fp64 on the same inputs); the kernel weights each term by the
+    decay over the tokens it spans instead (``gate._kda_tangent_sum``)."""
+    seed = 1
+    c = _case(seed, B=1, T=64, cu=None, H=1, HV=2, K=16, V=48, dtype="fp32", gate="softplus", l2=True, h0=False,
+              final=False, grad=True, scale=None, decay=None, fp32_gb=False)
+    xs, kw = properties.kda_inputs(c, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    reset = torch.rand(xs[3].shape[:3] + (1,), generator=gen) < 0.1
+    xs[3] = xs[3] + torch.where(reset, 40.0, 3.0)
+    bad, _ = properties.kda_compare(xs, kw, True, seed, use_qk_l2norm=True)
+    assert not bad, f"{c}: " + "; ".join(bad)
 
 
 def test_tri_inverse_dots_matches_inverse():

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .scan import _scan_program, _scan_rows
-from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_gate_grads, _kda_gdiff, _kda_l2norm_bwd_rows, _kda_rel,
-                   _kda_round_tf32, _kda_row_at, _kda_row_norms_sliced)
+from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_gate_grads, _kda_gdiff, _kda_l2norm_bwd_rows,
+                   _kda_rel, _kda_round_tf32, _kda_row_at, _kda_row_norms_sliced, _kda_tangent, _kda_tangent_sum)
 
 
 @triton.jit
@@ -153,8 +153,37 @@ def _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC: tl.constexpr, ROUND_TF
 
 
 @triton.jit
-def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                        DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, TWO_FLOAT: tl.constexpr):
+def _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """The pair terms' part of the gate parameters' gradients (``_kda_tangent_sum``) on a factored slice, per
+    channel: sum_{i >= j} pair_ij (W_i - W_j) = sum_i (W_i - W_r) dGp_i for any row r (each pair adds to dGp at
+    i and subtracts at j). Ra, Rx: W_i - W_r for the A_log and dt_bias tangents, r the middle of the chunk's rows,
+    (L - 1) // 2: the rounding of every dGp_i is weighted by |W_i - W_r|, and the middle row keeps that at most
+    half the chunk's cumulative tangent (CPU property seed 241, a 23-row chunk: dA_log at 0.81 of the error rule
+    with r = the factors' row 31, 0.15 with r = 11); with fp32 inputs a slice whose weight exceeds TANGENT_MAX
+    takes the exact products instead. Returns (A_log part, dt_bias part)."""
+    pwa = tl.zeros([dGp.shape[1]], tl.float32)
+    pwx = tl.zeros([dGp.shape[1]], tl.float32)
+    if GATE != 0:
+        pwa = tl.sum(Ra * dGp, 0)
+        if HAS_DT_BIAS:
+            pwx = tl.sum(Rx * dGp, 0)
+    return pwa, pwx
+
+
+@triton.jit
+def _kda_block_pairs(pair, W, Wl, on, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, TWO_FLOAT: tl.constexpr):
+    """sum_{i, j} pair_ij (W_i - W_j) per channel over one diagonal block (``on`` selects it) of the cumulative
+    tangent W + Wl; pair (BC_i, BC_j, BK) is zero above the diagonal."""
+    Ws = tl.sum(tl.where(on, tl.reshape(W, (NB, BC, BK)), 0.0), 0)
+    Ls = tl.sum(tl.where(on, tl.reshape(Wl, (NB, BC, BK)), 0.0), 0)
+    Wij = _kda_gdiff(Ws[:, None, :], Ls[:, None, :], Ws[None, :, :], Ls[None, :, :], TWO_FLOAT)
+    return tl.sum(tl.sum(pair * Wij, 0), 0)
+
+
+@triton.jit
+def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, Wa, Wal, Wx, Wxl, BT: tl.constexpr, BC: tl.constexpr,
+                      BK: tl.constexpr, DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, TWO_FLOAT: tl.constexpr,
+                      GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
     """The decayed products of the backward with exact per-channel decays (strong decays, -inf
     included; no exponent > 0), for one K slice: P1, P3, P2 + P4 and the pair terms of dG
     (qs P1 - ks (P2 + P4) + Xa P3) with
@@ -162,7 +191,13 @@ def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.c
     P4_j = sum_i dA_ij Xa_i E_ij, E_ij = exp(G_i - G_j), i >= j.
     Off-diagonal 16x16 blocks are factored at the row block's boundary token (as in the prep; the
     tf32 factors rounded once for both sides, as in ``_kda_bwd_factored``), diagonal blocks are
-    pairwise in fp32. G + Gl: the cumulative log decays in two floats (``_kda_cumsum``)."""
+    pairwise in fp32. G + Gl: the cumulative log decays in two floats (``_kda_cumsum``).
+
+    Also the pair terms' part of the gate parameters' gradients (``_kda_tangent_sum``), per channel:
+    sum_{i >= j} pair_ij (W_i - W_j) for the cumulative tangents Wa + Wal (A_log, with a gate) and Wx + Wxl
+    (dt_bias), each pair weighted by the tangent over the tokens it decays across: on the off-diagonal blocks
+    relative to the row block's boundary token (as the factors), on the diagonal blocks pair by pair. Returns
+    (P1, P3, P24, dGp, pairs' A_log part, pairs' dt_bias part)."""
     NB: tl.constexpr = BT // BC
     blk = i // BC
     # (runtime loops, not unrolled: this rare path would otherwise add seconds of compile time)
@@ -179,6 +214,8 @@ def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.c
     d3 = tl.zeros([BT, BK], tl.float32)
     P24 = tl.zeros([BT, BK], tl.float32)
     dGp = tl.zeros([BT, BK], tl.float32)
+    pwa = tl.zeros([BK], tl.float32)
+    pwx = tl.zeros([BK], tl.float32)
     for sa in range(1, NB):
         # column factor exp(G_ref(a) - G_j) for the columns before row block a (exponent <= 0), else 0
         cf = tl.exp(tl.where(i[:, None] < sa * BC, -_kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT), float("-inf")))
@@ -193,7 +230,12 @@ def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.c
         d1 += r1
         d3 += r3
         P24 += cf * c24
-        dGp += fq * r1 + fx * r3 - fb * c24
+        dGs = fq * r1 + fx * r3 - fb * c24
+        dGp += dGs
+        if GATE != 0:        # rows of block a and columns before it, weighted relative to its boundary token
+            pwa += tl.sum(_kda_rel(Wa, Wal, i, sa * BC - 1, TWO_FLOAT) * dGs, 0)
+            if HAS_DT_BIAS:
+                pwx += tl.sum(_kda_rel(Wx, Wxl, i, sa * BC - 1, TWO_FLOAT) * dGs, 0)
     P1 = eR * d1
     P3 = eR * d3
     # diagonal blocks: pairwise exp(G_i - G_j), i >= j inside each 16-token block, one block at a time
@@ -217,8 +259,10 @@ def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.c
         dqs_ = tl.sum(tl.where(on, dq4, 0.0), 0)[:, :, None]
         das_ = tl.sum(tl.where(on, da4, 0.0), 0)[:, :, None]
         kE = tl.sum(tl.where(on, k4, 0.0), 0)[None, :, :] * E
-        qE = tl.sum(tl.where(on, q4, 0.0), 0)[:, None, :] * E
-        xE = tl.sum(tl.where(on, x4, 0.0), 0)[:, None, :] * E
+        qb = tl.sum(tl.where(on, q4, 0.0), 0)[:, None, :]
+        xb = tl.sum(tl.where(on, x4, 0.0), 0)[:, None, :]
+        qE = qb * E
+        xE = xb * E
         p1 = tl.sum(dqs_ * kE, 1)
         p3 = tl.sum(das_ * kE, 1)
         p2 = tl.sum(dqs_ * qE, 0)
@@ -231,27 +275,38 @@ def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT: tl.constexpr, BC: tl.c
         P3 += p3
         P24 += p24
         dGp += qs * p1 - ks * p24 + Xa * p3
-    return P1, P3, P24, dGp
+        if GATE != 0:        # the block's pairs (i >= j), each weighted by W_i - W_j
+            pair = (dqs_ * qb + das_ * xb) * kE
+            pwa += _kda_block_pairs(pair, Wa, Wal, on, NB, BC, BK, TWO_FLOAT)
+            if HAS_DT_BIAS:
+                pwx += _kda_block_pairs(pair, Wx, Wxl, on, NB, BC, BK, TWO_FLOAT)
+    return P1, P3, P24, dGp, pwa, pwx
 
 
 @triton.jit
 def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                             DU, DQG, DKD, DW, DAQK, DGC,
-                            DQ, DK, DV, DB, DG, DALOG, FLAGS,
+                            DQ, DK, DV, DB, DG, DALOG, DDT, FLAGS,
                             scale, lower_bound, H, HV,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                             HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
-                            DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr, EXACT: tl.constexpr,
-                            TWO_FLOAT: tl.constexpr):
+                            TANGENT_MAX: tl.constexpr, DOT_PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
+                            EXACT: tl.constexpr, TWO_FLOAT: tl.constexpr):
     """Backward through one 64-token chunk (parallel over chunks x value heads), from the partial
     gradients of ``_kda_bwd_chunk_grads_kernel``: the UT transform, the decayed
     intra-chunk products, the cumulative decays, the clamp, the gate and the l2 norm.
 
     Two launches: EXACT=False (every chunk, factored products only: the strong-decay code is compiled
     out, which keeps registers for the common case) flags the (chunk, head) pairs with a K slice that
-    decays by more than FACTOR_MAX from the middle token; EXACT=True returns at once for unflagged
-    pairs and redoes the flagged ones with the exact per-block products where needed."""
+    decays by more than FACTOR_MAX from the middle token (or, fp32 with a gate, whose cumulative gate tangent
+    spreads by more than TANGENT_MAX from the chunk's middle row: ``_kda_bwd_factored_pairs``); EXACT=True
+    returns at once for unflagged pairs and redoes the flagged ones with the exact per-block products where
+    needed.
+
+    The gate parameters' gradients of the chunk (DALOG (NC, HV): summed over K; DDT (NC, HV, K): dt_bias, per
+    channel) are formed from the parts of the log-decay gradient, each weighted by the cumulative tangent over
+    the tokens it spans (``_kda_tangent_sum``), not as sums of the per-token gradients times the tangent."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     if EXACT:
@@ -292,7 +347,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
     # 4. per K slice: through the decayed products, qg, kd, Kb, the cumulative sum, floor and gate
     dotq = tl.zeros([BT], tl.float32)
     dotk = tl.zeros([BT], tl.float32)
-    dal = tl.zeros([BT], tl.float32)
+    dal = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         mc = cols < K
@@ -303,6 +358,19 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         ks = kr * rk[:, None]
         x, d, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
                                        HAS_DT_BIAS, FLOOR, TWO_FLOAT)
+        dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
+        # the cumulative tangents of the floored log decay along A_log and dt_bias (in two floats, as G)
+        # (Ra, Rx: relative to the chunk's middle row, for the factored products)
+        Wa, Wal = G, Gl
+        Wx, Wxl = G, Gl
+        Ra = G
+        Rx = G
+        if GATE != 0:
+            Wa, Wal = _kda_cumsum(_kda_tangent(dA_, d, m, FLOOR), FLOOR, TWO_FLOAT)
+            Ra = _kda_rel(Wa, Wal, i, (L - 1) // 2, TWO_FLOAT)
+            if HAS_DT_BIAS:
+                Wx, Wxl = _kda_cumsum(_kda_tangent(dx, d, m, FLOOR), FLOOR, TWO_FLOAT)
+                Rx = _kda_rel(Wx, Wxl, i, (L - 1) // 2, TWO_FLOAT)
         G_last = _kda_row_at(G, i, L - 1)
         eG = tl.exp(G)
         eL = tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT))
@@ -314,16 +382,24 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
         Gm = _kda_rel(G, Gl, i, BT // 2 - 1, TWO_FLOAT)
         fast = tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX
+        if GATE != 0:
+            if TWO_FLOAT:       # fp32: a tangent spread over more than TANGENT_MAX takes the exact products too
+                fast = fast & (tl.max(tl.max(tl.abs(Ra), 1), 0) <= TANGENT_MAX)
+                if HAS_DT_BIAS:
+                    fast = fast & (tl.max(tl.max(tl.abs(Rx), 1), 0) <= TANGENT_MAX)
         if EXACT:
             if fast:
                 P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
+                pwa, pwx = _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE, HAS_DT_BIAS)
             else:
-                P1, P3, P24, dGp = _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, BT, BC, BK, DOT_PREC,
-                                                       ROUND_TF32, TWO_FLOAT)
+                P1, P3, P24, dGp, pwa, pwx = _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, Wa, Wal, Wx, Wxl,
+                                                               BT, BC, BK, DOT_PREC, ROUND_TF32, TWO_FLOAT, GATE,
+                                                               HAS_DT_BIAS)
         else:
             if not fast:        # this chunk is redone by the EXACT launch (whatever is written here)
                 tl.store(FLAGS + c * HV + hv, 1)
             P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
+            pwa, pwx = _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE, HAS_DT_BIAS)
         dqs = eG * dqg + P1
         dks = P24 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
         db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
@@ -331,15 +407,18 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         # (G_i = sum_{s<=i} d_s): a reverse cumulative sum. kd = k e^(G_last - G) and e^(G_last) depend on
         # d_t through G_last - G_i = sum_{i<s<=L-1} d_s: an exclusive forward sum plus a constant, formed
         # directly (total minus reverse partial sums would cancel catastrophically near the chunk's end)
-        dG = qs * eG * dqg + dGp + Xa * eG * dKb
-        dG = tl.where(m, dG, 0.0)
+        dGo = tl.where(m, qs * eG * dqg + Xa * eG * dKb, 0.0)
+        dG = tl.where(m, dGo + dGp, 0.0)
         kdd = ks * eL * dkd
-        dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + (tl.exp(G_last) * dgc)[None, :]
+        end = tl.exp(G_last) * dgc
+        dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + end[None, :]
         dd = tl.where(d < -FLOOR, 0.0, dd)       # a select that keeps a NaN gate NaN (see _kda_floor)
-        dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
         tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
         if GATE != 0:
-            dal += tl.sum(tl.where(m, dd * dA_, 0.0), 1)
+            dal += _kda_tangent_sum(Wa, Wal, dGo, kdd, end, i, L, TWO_FLOAT) + pwa
+            if HAS_DT_BIAS:
+                tl.store(DDT + (c * HV + hv) * K + cols, _kda_tangent_sum(Wx, Wxl, dGo, kdd, end, i, L, TWO_FLOAT)
+                         + pwx, mask=mc)
         gq = dqs * rq[:, None]
         gk = dks * rk[:, None]
         if L2NORM:

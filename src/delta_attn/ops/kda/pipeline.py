@@ -32,6 +32,10 @@ from .scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
+TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
+                      # the gate parameters' gradients are formed from the factored products, whose rounding it
+                      # weights (CPU fuzz, K 16, V 48, gate input + 1: dA_log at 0.91 of the rule without this
+                      # limit, 0.04 with it); beyond, the exact products (backward.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,24 +318,26 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     db = empty((B, T, HV), f32, dev)
     dg = empty((B, T, HV, K), f32, dev)
     dal = torch.zeros(NC, HV, dtype=f32, device=dev)
+    ddt = torch.empty(NC, HV, K, dtype=f32, device=dev) if dt_bias is not None else None
     if NC > 0:
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
         flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
         for exact in (False, True):
             launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
                    (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
-                                                    db, dg, dal, flags, float(scale), float(lower_bound or 0.0),
-                                                    H, HV),
+                                                    db, dg, dal, optional(ddt, q), flags, float(scale),
+                                                    float(lower_bound or 0.0), H, HV),
                    dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                        DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact, TWO_FLOAT=prec.two_float,
-                        **gate_kw),
+                        TANGENT_MAX=TANGENT_MAX, DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact,
+                        TWO_FLOAT=prec.two_float, **gate_kw),
                    bwd_intra_tiles(K, V))
     # GVA: the query / key heads' gradients are the sums over their value heads
     G = HV // H
     dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
     dk = (dk_h.view(B, T, H, G, K).sum(3) if G > 1 else dk_h).to(k.dtype)
+    # the gate parameters' gradients: sums of the per-chunk partials (dal, ddt) the intra-chunk backward formed
     dA_log = dal.sum(0) if A_log is not None else None
-    ddt = dg.sum((0, 1)).reshape(-1) if dt_bias is not None else None
+    ddt = ddt.sum(0).reshape(-1) if dt_bias is not None else None
     return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, dA_log, ddt
 
 
