@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from distributed_harness import run_ranks
 
@@ -45,6 +46,42 @@ def _scaling_body(rank, world, out):
 
 def test_scaling_suite_runs_on_two_gloo_ranks(tmp_path):
     run_ranks(2, _scaling_body, str(tmp_path / "scaling"))
+
+
+def _oom_body(rank, world):
+    """A rank that runs out of memory on the single-GPU operator skips the row, and so do the others (no rank
+    is left waiting in a collective of the context-parallel call)."""
+    from delta_attn.bench import scaling
+    from delta_attn.bench.runner import Settings
+
+    def single_that_runs_out_on_rank_1():
+        if rank == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    device = torch.device("cpu")
+    assert scaling._fits_on_every_rank(lambda: None, device)
+    assert not scaling._fits_on_every_rank(single_that_runs_out_on_rank_1, device)
+    s = Settings(device="cpu", tiny=True, dtypes=("fp32",))
+    c = [x for x in scaling.cases(s, world) if x["op"] == "diag" and x["mode"] == "weak"][0]
+    real = scaling._calls
+
+    def calls(op, sp, dev):
+        single, parallel, layout = real(op, sp, dev)
+
+        def single_oom(*a, **k):
+            if rank == 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return single(*a, **k)
+        return single_oom, parallel, layout
+    scaling._calls = calls
+    try:
+        row = scaling._row(c, "allgather", torch.float32, "fwd", device, s, world)
+    finally:
+        scaling._calls = real
+    assert row["status"] == "skipped" and "out of memory" in row["note"], row
+
+
+def test_out_of_memory_on_one_rank_skips_the_row_on_every_rank():
+    run_ranks(2, _oom_body)
 
 
 def test_scaling_cases_divide():

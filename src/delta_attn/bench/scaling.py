@@ -203,6 +203,34 @@ def _peak_mib(call: Callable[[], object], device) -> Optional[float]:
     return _agree_max((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20, device)
 
 
+# the context-parallel call's peak memory over the single-GPU operator's on the shard, with headroom (4 x H100:
+# 1.4x for KDA weak fwd+bwd, 1.7x for KDA strong fwd)
+CP_MEMORY_FACTOR = 2.0
+
+
+def _fits_on_every_rank(call: Callable[[], object], device) -> bool:
+    """Whether the row fits on every rank. Each rank runs the single-GPU operator on its shard once (no
+    collective inside, so a rank that runs out of memory cannot leave the others waiting in one) and, on CUDA,
+    checks that CP_MEMORY_FACTOR times that peak fits its free memory; one all-reduce then makes the ranks
+    agree, so a row runs on every rank or on none."""
+    ok = 1.0
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+            ok = float(CP_MEMORY_FACTOR * peak <= torch.cuda.mem_get_info(device)[0])
+    except torch.cuda.OutOfMemoryError:
+        ok = 0.0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return -_agree_max(-ok, device) > 0.5
+
+
 def _probe(op: str, state_passing, dt, device, s: Settings) -> Optional[str]:
     """Sharded result against the float64 reference on a small shape (docs/TESTING.md's rule); the failure or None."""
     import delta_attn.distributed as dd
@@ -305,6 +333,12 @@ def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Di
         del full
         out = {}
         ctx = torch.enable_grad() if grad else torch.no_grad()
+        with ctx:
+            fits = _fits_on_every_rank(_direction(lambda: single(*local), direction, local), device)
+        if not fits:
+            return {"status": "skipped", "note": f"out of memory: the single-GPU operator on a shard, times "
+                                                 f"{CP_MEMORY_FACTOR:g} for the context-parallel call, does not fit "
+                                                 f"on every rank"}
         plan = dd.prepare(seqlen=c["T_total"], layout=layout, device=device)     # once per batch
         with ctx:
             out.update(_timed(lambda: parallel(*local, plan=plan), s, device, direction, local))
