@@ -43,6 +43,7 @@ def test_test_sh_installs_the_cpu_torch_without_a_gpu(tmp_path):
         "-c import torch",
         f"-m pip install -q torch==2.13.0 {CPU_INDEX}",
         "-m pip install -q -e .[test]",
+        "-m ruff check src",
         "-m pytest -q -n 2 -k x",
     ]
 
