@@ -15,7 +15,7 @@ import torch
 
 from .._launch import eager_or_op
 from .api import KDAArgs
-from .pipeline import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
+from .launch import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
                        train_forward)
 
 _Opt = Optional[torch.Tensor]

@@ -1,7 +1,7 @@
 """Intra-chunk stage of KDA (Triton): per chunk and value head, the operands of the state scan.
 
 Per chunk (parallel over chunks x value heads), with G the chunk-local cumulative log decay
-(``gate.py``) and ``D_ij = diag(exp(G_i - G_j))``:
+(``kernels_gate.py``) and ``D_ij = diag(exp(G_i - G_j))``:
 
 1. the intra-chunk products ``Akk_ij = beta_i k_i . D_ij . k_j`` (i > j) and ``Aqk_ij = q_i . D_ij . k_j``
    (i >= j), factored as ``exp(G_i - G_ref) exp(G_ref - G_j)`` while every exponent stays in fp32 range,
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay, _kda_rel,
+from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay, _kda_rel,
                    _kda_row_at, _kda_row_norms_sliced)
 
 
