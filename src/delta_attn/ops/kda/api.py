@@ -77,7 +77,8 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
         if dt_bias is not None:
             raise ValueError("dt_bias needs A_log: the in-kernel gate is -exp(A_log) * softplus(g + dt_bias)")
         if lower_bound is not None:
-            raise ValueError("lower_bound needs A_log: the bounded gate is lower_bound * sigmoid(exp(A_log) * (g + dt_bias))")
+            raise ValueError("lower_bound needs A_log: the bounded gate is "
+                             "lower_bound * sigmoid(exp(A_log) * (g + dt_bias))")
     else:
         C.tensor("A_log", A_log, 1, (torch.float32, torch.float64), "(HV,)")
         C.shape_equal("A_log", A_log, (hv,), "(HV,)")
@@ -180,7 +181,8 @@ def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_t
 
     q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32 (or float64). Inference only.
     Returns o (B, T, HV, V). g as in :func:`kda`: without ``A_log`` a log decay <= 0 (a positive entry is a
-    ``ValueError``, checked where value checks run). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
+    ``ValueError``, checked where value checks run). The slots (int32 / int64, on the inputs' device, distinct,
+    in [0, P)):
 
     - ``state_indices`` None: sequence b reads and writes ``state[b]`` (P == B);
     - (B,): sequence b starts from ``state[state_indices[b]]`` and writes its state after the last

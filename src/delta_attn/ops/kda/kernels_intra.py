@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay, _kda_rel,
-                   _kda_row_at, _kda_row_norms_sliced)
+from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay,
+                           _kda_rel, _kda_row_at, _kda_row_norms_sliced)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
     N = tl.where(blk[:, None] > blk[None, :], A, 0.0)
     M = tl.dot(Dinv, N, input_precision=DOT_PREC)
     X = Dinv
-    for it in tl.static_range(1, NB):
+    for _ in tl.static_range(1, NB):
         X = Dinv - tl.dot(M, X, input_precision=DOT_PREC)
     return X
 
