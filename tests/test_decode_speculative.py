@@ -262,7 +262,7 @@ def test_explicit_launch_configs_match_the_reference(which, dims, config):
     result with (B, T) slots and accepted counts."""
     from delta_attn.ops._launch import tiles
     from delta_attn.ops.diag.launch import diag_step
-    from delta_attn.ops.kda.pipeline import decode_step
+    from delta_attn.ops.kda.launch import decode_step
     op = Op(which, B=2, T=3, seed=11)
     if which == "kda":
         op.K, op.V = dims

@@ -14,8 +14,8 @@ import triton.language as tl
 import delta_attn as da
 from delta_attn.backends import UnsupportedError
 from delta_attn.ops import _launch
-from delta_attn.ops.kda import pipeline
-from delta_attn.ops.kda.intra import _kda_tri_inverse_dots
+from delta_attn.ops.kda import launch
+from delta_attn.ops.kda.kernels_intra import _kda_tri_inverse_dots
 
 import properties
 
@@ -38,7 +38,7 @@ def _case(seed, **over):
 @pytest.mark.parametrize("decay", [None, -1e4, float("-inf")])
 def test_inference_chunk_lengths(monkeypatch, chunk, decay):
     """The inference chunk length is chosen by shape (16, or 32 for few long sequences): force each."""
-    monkeypatch.setattr(pipeline, "infer_chunk", lambda *a: chunk)
+    monkeypatch.setattr(launch, "infer_chunk", lambda *a: chunk)
     c = _case(7, T=77, cu=None, B=2, K=48, V=32, decay=decay, gate=None, grad=False, h0=True, final=True,
               dtype="fp16")
     assert not properties.kda_check(c)
@@ -51,8 +51,8 @@ def test_exact_and_factored_products(monkeypatch, factor_max, grad):
     cumulative gate tangent <= TANGENT_MAX) or exactly: force each in turn (forward and backward). Half the
     channels decay by ~1.5 per token (~96 per 64-token chunk: exp(96) overflows fp32, so only the middle-token
     reference keeps the factored path finite)."""
-    monkeypatch.setattr(pipeline, "FACTOR_MAX", factor_max)
-    monkeypatch.setattr(pipeline, "TANGENT_MAX", factor_max)
+    monkeypatch.setattr(launch, "FACTOR_MAX", factor_max)
+    monkeypatch.setattr(launch, "TANGENT_MAX", factor_max)
     c = _case(11, B=2, T=130, cu=None, H=1, HV=2, K=32, V=16, dtype="fp32", gate="softplus", l2=True, h0=True,
               final=True, grad=grad)
     assert not properties.kda_check(c)
@@ -64,7 +64,7 @@ def test_gate_parameter_gradients_strong_decay():
     floor), with GVA (HV = 2H), K 16, V 48. Formed as sum_t (d decay_t / d A_log) dd_t, the rounding of every
     per-token term of dd was weighted by the cumulative decay (here dA_log 3.7x over the error rule: the error was
     all in the intra-chunk backward, fp32 against fp64 on the same inputs); the kernel weights each term by the
-    decay over the tokens it spans instead (``gate._kda_tangent_sum``)."""
+    decay over the tokens it spans instead (``kernels_gate._kda_tangent_sum``)."""
     seed = 1
     c = _case(seed, B=1, T=64, cu=None, H=1, HV=2, K=16, V=48, dtype="fp32", gate="softplus", l2=True, h0=False,
               final=False, grad=True, scale=None, decay=None, fp32_gb=False)
@@ -234,7 +234,7 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
 def test_precision_rules():
     """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots. tf32 on
     fp32 tiles only for K <= 128 (IEEE beyond)."""
-    p = pipeline.precision
+    p = launch.precision
     assert (p(torch.float32, False, 64).dot, p(torch.float32, False, 64).scan) == ("ieee", "ieee")
     assert (p(torch.float32, True, 128).dot, p(torch.float32, True, 128).scan) == ("tf32", "tf32")
     assert p(torch.bfloat16, False, 64).work == torch.bfloat16 and p(torch.bfloat16, False, 64).dot == "tf32"
@@ -276,7 +276,7 @@ def test_decode_step_gluon_layout_and_choice(monkeypatch):
     """On CUDA the decode step runs the Gluon kernel (explicit layout: 16-byte vectors along V, the remaining
     lanes and the warps along K); on CPU, under the interpreter or without Gluon, the Triton kernel."""
     from delta_attn.ops import _gluon
-    from delta_attn.ops.kda import decode
+    from delta_attn.ops.kda import kernels_decode as decode
     assert not _gluon.available(torch.device("cpu"))
     if _gluon.gluon is None:
         pytest.skip("this Triton has no Gluon (older than 3.6)")

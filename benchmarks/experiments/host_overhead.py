@@ -30,7 +30,7 @@ import delta_attn as da  # noqa: E402
 from delta_attn.ops import _launch  # noqa: E402
 from delta_attn.ops.diag import launch as diag_launch  # noqa: E402
 from delta_attn.ops.flash import launch as flash_launch  # noqa: E402
-from delta_attn.ops.kda import pipeline as kda_pipeline  # noqa: E402
+from delta_attn.ops.kda import launch as kda_launch  # noqa: E402
 
 
 class NoLaunch:
@@ -47,7 +47,7 @@ class NoLaunch:
 
 
 def stub_kernels() -> None:
-    for module, names in ((kda_pipeline, ("_kda_step_kernel",)), (diag_launch, ("_diag_step_kernel",)),
+    for module, names in ((kda_launch, ("_kda_step_kernel",)), (diag_launch, ("_diag_step_kernel",)),
                           (flash_launch, ("_kvcache_append_kernel", "_kvcache_attn_kernel",
                                           "_kvcache_merge_kernel"))):
         for name in names:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import delta_attn as da
-from delta_attn.ops.kda import pipeline
+from delta_attn.ops.kda import launch
 
 SHAPES = [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]
 H, D = 16, 128
@@ -63,7 +63,7 @@ def ours_fn(q, k, v, g, beta):
 def _stats():
     """Registers, spills and shared memory of the inference intra-chunk kernel compiled last."""
     try:
-        caches = pipeline._kda_infer_intra_kernel.device_caches
+        caches = launch._kda_infer_intra_kernel.device_caches
         cache = next(iter(caches.values()))[0]
         k = list(cache.values())[-1]
         return dict(regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
@@ -110,8 +110,8 @@ def main():
                 configs += ["tf32"]
             for cfg in configs:
                 if cfg is not None:      # the inference intra-chunk dots on fp32 operands in tf32
-                    orig = pipeline.precision
-                    pipeline.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), infer_op=tl.float32)
+                    orig = launch.precision
+                    launch.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), infer_op=tl.float32)
                 try:
                     t_o = bench(ours_fn(*x))
                 except Exception as e:  # noqa: BLE001
@@ -119,7 +119,7 @@ def main():
                     print("ours failed", cfg, type(e).__name__, str(e)[:200])
                 finally:
                     if cfg is not None:
-                        pipeline.precision = orig
+                        launch.precision = orig
                 row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
                            floor_frac=floor_ms / t_o, rel_diff=diff)
                 rows.append(row)

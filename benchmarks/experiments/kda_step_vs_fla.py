@@ -5,7 +5,7 @@ bytes (read + written) for scale. Outputs of the three are compared before timin
 import json, sys
 import torch
 import delta_attn as da
-from delta_attn.ops.kda import pipeline as kp
+from delta_attn.ops.kda import launch as kp
 from fla.ops.kda import fused_recurrent_kda
 from steps_vs_copy_common import graph_ms
 

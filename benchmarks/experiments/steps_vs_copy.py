@@ -5,7 +5,7 @@ import json, sys
 import torch
 import delta_attn as da
 from steps_vs_copy_common import ceiling_tbps, graph_ms
-from delta_attn.ops.kda import pipeline as kp
+from delta_attn.ops.kda import launch as kp
 
 dev = torch.device("cuda")
 H, D = 16, 128

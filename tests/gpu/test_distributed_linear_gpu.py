@@ -215,7 +215,7 @@ def _kda_sync_body(rank, world):
     _assert_sync_free(_sync_free_calls(world, ("kda",)))
 
 
-@pytest.mark.xfail(strict=False, reason="KDA's own launcher plans its chunk tables on the host (ops/kda/pipeline.py "
+@pytest.mark.xfail(strict=False, reason="KDA's own launcher plans its chunk tables on the host (ops/kda/launch.py "
                                         "chunk_tables: cu_seqlens read, tables uploaded with blocking copies); the "
                                         "fused-KDA rewrite is to take them from the plan (docs/DISTRIBUTED.md)")
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")

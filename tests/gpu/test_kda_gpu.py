@@ -37,8 +37,8 @@ def test_long_sequence_bf16(T, grad):
 
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_inference_chunk_lengths_bf16(monkeypatch, chunk):
-    from delta_attn.ops.kda import pipeline
-    monkeypatch.setattr(pipeline, "infer_chunk", lambda *a: chunk)
+    from delta_attn.ops.kda import launch
+    monkeypatch.setattr(launch, "infer_chunk", lambda *a: chunk)
     c = properties.KDACase(seed=2, B=2, T=777, cu=None, H=2, HV=4, K=128, V=128, dtype="bf16", gate="softplus",
                        l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=False, grad=False)
     assert not properties.kda_check(c, DEV)

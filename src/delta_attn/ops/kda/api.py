@@ -1,18 +1,17 @@
 """Public Kimi Delta Attention entry points (``kda``, ``kda_step``) and their validation.
 
-Backends receive a normalised :class:`KDAArgs` / :class:`KDAStepArgs`. ``kda`` returns
+Each validates every argument before anything runs, builds a :class:`~delta_attn.ops.kda.args.KDAArgs` and hands
+it to the backend the registry selects (``register.py`` declares what each backend supports). ``kda`` returns
 ``(o, final_state or None)``; ``kda_step`` returns o and updates ``state`` in place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from ... import _checks as C
-from ... import _install
-from ...backends import Call, Capability, explain_call, recurrent_features, register, select
+from ...backends import Call, explain_call, select
+from . import cudnn
+from .args import KDAArgs
 
 SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
 # FLA's keywords of chunk_kda / fused_recurrent_kda (fla-core 0.6) that delta-attn spells otherwise or does not
@@ -49,48 +48,6 @@ RAW_GATE_HINT = ("for a raw gate input (any sign) pass A_log (and dt_bias): the 
                  "-exp(A_log) * softplus(g + dt_bias), FLA's use_gate_in_kernel=True")
 
 
-@dataclass(frozen=True)
-class KDAArgs:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    scale: float
-    initial_state: Optional[torch.Tensor]
-    output_final_state: bool
-    cu_seqlens: Optional[torch.Tensor]
-    num_seqs: int
-    use_qk_l2norm: bool
-    A_log: Optional[torch.Tensor]
-    dt_bias: Optional[torch.Tensor]
-    lower_bound: Optional[float]
-    state: Optional[torch.Tensor] = None            # kda_step: the state pool, updated in place
-    state_indices: Optional[torch.Tensor] = None    # kda_step: slot of each sequence (B,) or token (B, T)
-    num_accepted_tokens: Optional[torch.Tensor] = None   # kda_step with (B, T) slots: start slot column + 1
-    allow_tf32: bool = False                        # fp32 inputs: tf32 tensor-core dots allowed
-
-    def call(self, op: str, backend: str = "auto") -> Call:
-        feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
-        if backend == "cudnn" and _cudnn_kda.log_decay_out_of_range(self.g, self.A_log):
-            feats.add("strong_decay")     # read from the values (one host sync), only for an explicit cuDNN call
-        if self.use_qk_l2norm:
-            feats.add("qk_l2norm")
-        if self.A_log is not None:
-            feats.add("gate_lower_bound" if self.lower_bound is not None else "gate_softplus")
-        if self.v.shape[2] != self.q.shape[2]:
-            feats.add("gva")
-        return Call(op=op, device=self.q.device, dtype=self.q.dtype,
-                    head_dims=(self.q.shape[-1], self.v.shape[-1]), features=frozenset(feats),
-                    needs_grad=self.needs_grad())
-
-    def needs_grad(self) -> bool:
-        """Grad mode on and some differentiable input requires grad (under ``torch.no_grad`` inputs that
-        require grad still get the forward without gradient)."""
-        tensors = (self.q, self.k, self.v, self.g, self.beta, self.initial_state, self.A_log, self.dt_bias)
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias, lower_bound):
     C.tensor("q", q, 4, shape_doc="(B, T, H, K)")
     C.tensor("k", k, 4, shape_doc="(B, T, H, K)")
@@ -120,7 +77,8 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
         if dt_bias is not None:
             raise ValueError("dt_bias needs A_log: the in-kernel gate is -exp(A_log) * softplus(g + dt_bias)")
         if lower_bound is not None:
-            raise ValueError("lower_bound needs A_log: the bounded gate is lower_bound * sigmoid(exp(A_log) * (g + dt_bias))")
+            raise ValueError("lower_bound needs A_log: the bounded gate is "
+                             "lower_bound * sigmoid(exp(A_log) * (g + dt_bias))")
     else:
         C.tensor("A_log", A_log, 1, (torch.float32, torch.float64), "(HV,)")
         C.shape_equal("A_log", A_log, (hv,), "(HV,)")
@@ -158,14 +116,8 @@ def _check_step(q, k, v, g, beta, state, state_indices, num_accepted_tokens, sca
                 lower_bound):
     """The checks of a decode step that read no device value. Returns (scale, lower_bound) normalised."""
     scale, lower_bound = _validate(q, k, v, g, beta, scale, None, use_qk_l2norm, A_log, dt_bias, lower_bound)
-    b, t, _, kd = q.shape
-    hv, vd = v.shape[2], v.shape[3]
-    C.positive_dim("new tokens per sequence (q.shape[1])", t)
-    C.tensor("state", state, 4, (torch.float32, torch.float64), "(P, HV, K, V) float32 state pool")
-    C.shape_equal("state", state, (state.shape[0], hv, kd, vd), "(P, HV, K, V)")
-    if state.device != q.device:
-        raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")
-    C.state_indices(state_indices, b, state.shape[0], q.device, t, num_accepted_tokens, values=False)
+    per_slot = (v.shape[2], q.shape[3], v.shape[3])      # (HV, K, V)
+    C.decode_step(q, state, per_slot, "(P, HV, K, V)", state_indices, num_accepted_tokens)
     return scale, lower_bound
 
 
@@ -180,6 +132,12 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
     b = q.shape[0]
     return KDAArgs(q, k, v, g, beta, scale, None, False, None, b, use_qk_l2norm, A_log, dt_bias, lower_bound,
                    state=state, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
+
+
+def _call(args: KDAArgs, op: str, backend: str) -> Call:
+    """``args.call(op)``; for an explicit ``backend="cudnn"`` a raw log decay below what its kernel takes is read
+    from the values (one host sync: ``cudnn.log_decay_out_of_range``) and declared as ``strong_decay``."""
+    return args.call(op, strong_decay=backend == "cudnn" and cudnn.log_decay_out_of_range(args.g, args.A_log))
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -214,7 +172,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     C.unknown_keywords("kda", unknown, FLA_KEYWORDS)
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32)
-    return select(args.call("kda", backend), backend)(args)
+    return select(_call(args, "kda", backend), backend)(args)
 
 
 def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_tokens=None, scale=None,
@@ -223,7 +181,8 @@ def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_t
 
     q, k (B, T, H, K) with T new tokens; ``state`` (P, HV, K, V) float32 (or float64). Inference only.
     Returns o (B, T, HV, V). g as in :func:`kda`: without ``A_log`` a log decay <= 0 (a positive entry is a
-    ``ValueError``, checked where value checks run). The slots (int32 / int64, on the inputs' device, distinct, in [0, P)):
+    ``ValueError``, checked where value checks run). The slots (int32 / int64, on the inputs' device, distinct,
+    in [0, P)):
 
     - ``state_indices`` None: sequence b reads and writes ``state[b]`` (P == B);
     - (B,): sequence b starts from ``state[state_indices[b]]`` and writes its state after the last
@@ -264,34 +223,5 @@ def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_t
     return select(args.call("kda_step"), backend)(args)
 
 
-kda.plan = lambda *a, backend="auto", **kw: explain_call(validate(*a, **kw).call("kda", backend), backend)
+kda.plan = lambda *a, backend="auto", **kw: explain_call(_call(validate(*a, **kw), "kda", backend), backend)
 kda_step.plan = lambda *a, backend="auto", **kw: explain_call(validate_step(*a, **kw).call("kda_step"), backend)
-
-_FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_softplus",
-                       "gate_lower_bound", "gva", "state_indices", "speculative", "strong_decay"})
-_ANY = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=_FEATURES)
-register("torch", "kda", Capability(impl="delta_attn.ops.kda.torch_impl:kda", **_ANY))
-register("torch", "kda_step", Capability(impl="delta_attn.ops.kda.torch_impl:kda_step", backward=False, **_ANY))
-
-
-def _triton_head_dims_lazy(dims):
-    kd, vd = dims
-    for name, d in (("K", kd), ("V", vd)):
-        if d % 16 != 0 or d > 256:
-            return f"head dim {name} = {d} unsupported: the triton KDA kernels need a multiple of 16 up to 256"
-    return None
-
-
-_TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat16, torch.float32),
-               features=_FEATURES, requires=("triton",), install_hint=_install.TRITON,
-               head_dims=_triton_head_dims_lazy)
-register("triton", "kda", Capability(impl="delta_attn.ops.kda.autograd:kda", **_TRITON))
-register("triton", "kda_step", Capability(impl="delta_attn.ops.kda.autograd:kda_step", backward=False, **_TRITON))
-
-# backend="cudnn": cuDNN frontend's KDA op (sm_90 engine); what it declares and refuses is in ops/kda/cudnn.py
-from . import cudnn as _cudnn_kda  # noqa: E402 — imports no cudnn package until a call runs
-
-register("cudnn", "kda", Capability(
-    impl="delta_attn.ops.kda.cudnn:kda", dtypes=_cudnn_kda.DTYPES, features=_cudnn_kda.FEATURES,
-    min_compute_capability=_cudnn_kda.SM90, requires=("cudnn",), install_hint=_cudnn_kda.INSTALL_HINT,
-    head_dims=_cudnn_kda.head_dims, check=_cudnn_kda.check))

@@ -14,8 +14,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .._launch import eager_or_op
-from .api import KDAArgs
-from .pipeline import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
+from .args import KDAArgs
+from .launch import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
                        train_forward)
 
 _Opt = Optional[torch.Tensor]

@@ -52,7 +52,7 @@ from ... import backends as B
 from ...backends import Call, UnsupportedError
 
 if TYPE_CHECKING:   # pragma: no cover
-    from .api import KDAArgs
+    from .args import KDAArgs
 
 HEAD_DIM = 128                          # the sm_90 engine's only K and V
 SM90 = (9, 0)                           # kda_hopper_cuda runs on compute capability 9.0 exactly

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ... import reference
 from .._state import step_on_pool
-from .api import KDAArgs
+from .args import KDAArgs
 
 
 def _run(a: KDAArgs, q, k, v, g, beta, initial_state, output_final_state):

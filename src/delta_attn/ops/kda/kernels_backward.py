@@ -15,9 +15,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scan import _scan_program, _scan_rows
-from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_gate_grads, _kda_gdiff, _kda_l2norm_bwd_rows,
-                   _kda_rel, _kda_round_tf32, _kda_row_at, _kda_row_norms_sliced, _kda_tangent, _kda_tangent_sum)
+from .kernels_scan import _scan_program, _scan_rows
+from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_gate_grads, _kda_gdiff,
+                           _kda_l2norm_bwd_rows, _kda_rel, _kda_round_tf32, _kda_row_at, _kda_row_norms_sliced,
+                           _kda_tangent, _kda_tangent_sum)
 
 
 @triton.jit

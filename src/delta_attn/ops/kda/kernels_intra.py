@@ -1,7 +1,7 @@
 """Intra-chunk stage of KDA (Triton): per chunk and value head, the operands of the state scan.
 
 Per chunk (parallel over chunks x value heads), with G the chunk-local cumulative log decay
-(``gate.py``) and ``D_ij = diag(exp(G_i - G_j))``:
+(``kernels_gate.py``) and ``D_ij = diag(exp(G_i - G_j))``:
 
 1. the intra-chunk products ``Akk_ij = beta_i k_i . D_ij . k_j`` (i > j) and ``Aqk_ij = q_i . D_ij . k_j``
    (i >= j), factored as ``exp(G_i - G_ref) exp(G_ref - G_j)`` while every exponent stays in fp32 range,
@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay, _kda_rel,
-                   _kda_row_at, _kda_row_norms_sliced)
+from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay,
+                           _kda_rel, _kda_row_at, _kda_row_norms_sliced)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
     N = tl.where(blk[:, None] > blk[None, :], A, 0.0)
     M = tl.dot(Dinv, N, input_precision=DOT_PREC)
     X = Dinv
-    for it in tl.static_range(1, NB):
+    for _ in tl.static_range(1, NB):
         X = Dinv - tl.dot(M, X, input_precision=DOT_PREC)
     return X
 

@@ -24,18 +24,18 @@ import triton.language as tl
 from ..._outputs import empty
 from .._gluon import available as gluon_available
 from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, param, sm_count, tiles
-from .backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
-from .decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
-from .gate import DECAY_FLOOR
-from .intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
-from .scan import _kda_fwd_scan_kernel
+from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
+from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
+from .kernels_gate import DECAY_FLOOR
+from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
+from .kernels_scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
 TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
                       # the gate parameters' gradients are formed from the factored products, whose rounding it
                       # weights (CPU fuzz, K 16, V 48, gate input + 1: dA_log at 0.91 of the rule without this
-                      # limit, 0.04 with it); beyond, the exact products (backward.py)
+                      # limit, 0.04 with it); beyond, the exact products (kernels_backward.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -49,21 +49,20 @@ class Precision:
     dot: str               # per-chunk dots (intra-chunk products, U / W, backward intra)
     scan: str              # dots of the backward state scan and of the per-chunk operand gradients
     fwd_scan: str          # dots of the forward state scan (they make the output)
-    two_float: bool        # cumulative log decays in two floats (fp32 with exact dots: gate._kda_cumsum)
+    two_float: bool        # cumulative log decays in two floats (fp32 with exact dots: kernels_gate._kda_cumsum)
     infer_op: tl.dtype     # operand dtype of the inference intra-chunk products and UT transform
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
-    """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's); the inference intra-chunk
-    products and UT transform on bf16 operands (bf16 tensor-core rate; their results are stored in bf16). fp16: exact per-chunk
-    dots (fp16's range is too narrow for the UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles
-    fp16's rounding (H200 property seeds: output 8 % over the rule with a tf32 forward scan, dbeta 60 % over with
-    tf32 backward scans), so fp16 scans run 3xTF32 or IEEE: the inference forward scan in 3xTF32 for K <= 128;
-    the training forward scan in 3xTF32 for K <= 64 and IEEE above (3xTF32 training scans with a 128-wide state
-    tile read out of bounds on the H200); the backward scans in IEEE. fp32: exact (IEEE) everywhere unless
-    ``allow_tf32``. With exact dots (fp32) the cumulative log
-    decays are kept in two floats (``gate._kda_cumsum``: one fp32 loses too much of an exponent G_i - G_j
-    formed near the end of a strongly decaying 64-token chunk).
+    """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's); the inference intra-chunk products
+    and UT transform on bf16 operands (bf16 tensor-core rate; their results are stored in bf16). fp16: exact per-chunk
+    dots (fp16's range is too narrow for the UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles fp16's
+    rounding (H200 property seeds: output 8 % over the rule with a tf32 forward scan, dbeta 60 % over with tf32 backward
+    scans), so fp16 scans run 3xTF32 or IEEE: the inference forward scan in 3xTF32 for K <= 128; the training forward
+    scan in 3xTF32 for K <= 64 and IEEE above (3xTF32 training scans with a 128-wide state tile read out of bounds on
+    the H200); the backward scans in IEEE. fp32: exact (IEEE) everywhere unless ``allow_tf32``. With exact dots (fp32)
+    the cumulative log decays are kept in two floats (``kernels_gate._kda_cumsum``: one fp32 loses too much of an
+    exponent G_i - G_j formed near the end of a strongly decaying 64-token chunk).
 
     tf32 dots on fp32 tiles are used only for K <= 128: with K > 128 (a 256-wide padded state tile) Triton
     3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
@@ -348,7 +347,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
 def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                 num_accepted_tokens=None, config: Optional[Tiles] = None):
     """Decode: updates ``state`` (P, HV, K, V) in place, returns o (B, T, HV, V). ``state_indices`` None, (B,)
-    or (B, T) (speculative, with ``num_accepted_tokens`` (B,) or None): see ``decode.py``. ``config``: the
+    or (B, T) (speculative, with ``num_accepted_tokens`` (B,) or None): see ``kernels_decode.py``. ``config``: the
     launch config (``BV``, warps; default :func:`step_tiles`). No host synchronisation: capturable."""
     q, k, v, g, beta, A_log, dt_bias = map(param, (q, k, v, g, beta, A_log, dt_bias))
     state_indices, num_accepted_tokens = index(state_indices), index(num_accepted_tokens)

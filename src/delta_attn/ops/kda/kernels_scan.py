@@ -2,7 +2,7 @@
 heads x V blocks.
 
 The fp32 state block S (K x BV) stays in registers while the program walks its sequence's chunks, reading
-the intra-chunk stage's operands (``intra.py``) once: ``u = U - W S`` (the delta-rule correction),
+the intra-chunk stage's operands (``kernels_intra.py``) once: ``u = U - W S`` (the delta-rule correction),
 ``o = qg S + Aqk u`` (the output), ``S <- exp(G_last) S + kd^T u`` (the state update). The training forward
 also stores the chunk-start states and u for the backward (``STORE_H``). ``PREC`` is the dots' input
 precision: ``ieee`` for fp32 inputs (fp32-accurate), ``tf32`` otherwise (bf16 operands, or the fp32 work

@@ -25,7 +25,7 @@ import triton.language as tl
 from .._gluon import gl, gluon
 from .._slots import _start_slot, _token_slot
 from .._triton_helpers import _ld, _st
-from .gate import _kda_gate
+from .kernels_gate import _kda_gate
 
 
 @triton.jit

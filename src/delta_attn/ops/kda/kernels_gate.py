@@ -73,8 +73,8 @@ def _kda_cumsum(df, FLOOR: tl.constexpr, TWO_FLOAT: tl.constexpr):
     Why two floats for fp32 inputs: over a 64-token chunk G reaches hundreds (floored decays of -30 at a
     few tokens, or a gate of -5 at every token), where fp32 holds G only to ~3e-5 absolute, and an exponent
     G_i - G_j formed from two such values carries that error: a 3e-5 relative error of exp(G_i - G_j) even
-    when the difference is small (CPU property seeds 148 and 194: final state, dk, dv, dg, dbeta,
-    d_dt_bias 1.1 - 4.4x over the error rule; with G in fp64 they pass). The exponents are formed by
+    when the difference is small (enough to put fp32 gradients over the error rule: docs/PERFORMANCE.md,
+    "fp32 with exact dots"). The exponents are formed by
     ``_kda_gdiff`` / ``_kda_rel`` from both parts instead, accurate to the rounding of the difference.
 
     How: df = dh + dl with dh = df rounded down to the 2^-12 grid, so every partial sum of dh is exact in
