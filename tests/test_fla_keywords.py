@@ -45,6 +45,15 @@ def test_a_typo_is_still_pythons_error():
         da.kda(*_inputs(), output_finalstate=True)
 
 
+def test_explain_names_them_too():
+    """``da.explain`` refuses an FLA keyword as the call does, naming what to pass instead."""
+    with pytest.raises(TypeError, match=r"^kda\(\) got use_qk_l2norm_in_kernel=, a keyword of FLA's KDA"):
+        da.explain(da.kda, *_inputs(), use_qk_l2norm_in_kernel=True)
+    with pytest.raises(TypeError, match="delta-attn's keyword is state_indices="):
+        da.explain(da.kda_step, *_inputs(), torch.zeros(B, H, K, K), ssm_state_indices=torch.tensor([0]))
+    assert da.explain(da.kda, *_inputs(), use_qk_l2norm=True, backend="torch").chosen == "torch"
+
+
 def test_context_parallel_kda_names_them_too():
     with pytest.raises(TypeError, match="delta-attn's keyword is use_qk_l2norm="):
         dd.kda(*_inputs(), use_qk_l2norm_in_kernel=True)

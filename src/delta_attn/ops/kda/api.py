@@ -6,6 +6,8 @@ it to the backend the registry selects (``register.py`` declares what each backe
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ... import _checks as C
@@ -223,5 +225,14 @@ def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_t
     return select(args.call("kda_step"), backend)(args)
 
 
-kda.plan = lambda *a, backend="auto", **kw: explain_call(_call(validate(*a, **kw), "kda", backend), backend)
-kda_step.plan = lambda *a, backend="auto", **kw: explain_call(validate_step(*a, **kw).call("kda_step"), backend)
+def _known(fn: str, validator, kw: dict, theirs: dict) -> dict:
+    """``kw`` when ``validator`` takes every keyword in it, else the TypeError of the public function (an FLA
+    keyword named with what to pass instead): ``explain`` refuses what the call refuses, the same way."""
+    C.unknown_keywords(fn, {n: v for n, v in kw.items() if n not in inspect.signature(validator).parameters}, theirs)
+    return kw
+
+
+kda.plan = lambda *a, backend="auto", **kw: explain_call(
+    _call(validate(*a, **_known("kda", validate, kw, FLA_KEYWORDS)), "kda", backend), backend)
+kda_step.plan = lambda *a, backend="auto", **kw: explain_call(
+    validate_step(*a, **_known("kda_step", validate_step, kw, FLA_STEP_KEYWORDS)).call("kda_step"), backend)
