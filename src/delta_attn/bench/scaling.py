@@ -190,17 +190,26 @@ def _comm_call(op: str, state_passing: Optional[str], x_local: List[torch.Tensor
     return call, [], "fwd"
 
 
-def _peak_mib(call: Callable[[], object], device) -> Optional[float]:
-    """The allocator's peak over one ``call()`` above what was allocated before it (MiB; the largest over the
-    ranks); None off CUDA."""
+def _local_peak_bytes(call: Callable[[], object], device) -> Optional[int]:
+    """Run ``call()``; on CUDA, the allocator's peak over it above what was allocated before it (bytes, this rank);
+    None off CUDA."""
     if device.type != "cuda":
+        call()
         return None
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     call()
     torch.cuda.synchronize(device)
-    return _agree_max((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20, device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _peak_mib(call: Callable[[], object], device) -> Optional[float]:
+    """The allocator's peak over one ``call()`` above what was allocated before it (MiB; the largest over the
+    ranks); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _agree_max(_local_peak_bytes(call, device) / 2 ** 20, device)
 
 
 # the context-parallel call's peak memory over the single-GPU operator's on the shard, with headroom (4 x H100:
@@ -215,14 +224,8 @@ def _fits_on_every_rank(call: Callable[[], object], device) -> bool:
     agree, so a row runs on every rank or on none."""
     ok = 1.0
     try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
+        peak = _local_peak_bytes(call, device)
+        if peak is not None:
             ok = float(CP_MEMORY_FACTOR * peak <= torch.cuda.mem_get_info(device)[0])
     except torch.cuda.OutOfMemoryError:
         ok = 0.0
