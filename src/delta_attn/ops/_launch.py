@@ -7,6 +7,10 @@ kernel fits the device's shared memory is launched, so an accepted call never fa
 a call pays one dictionary look-up after the first. Under the CPU interpreter there is no limit:
 the first candidate runs.
 
+:func:`compiled_together` batches a pipeline's launches: on a GPU the kernels not compiled yet compile
+concurrently (one thread each: Triton's compiler and ptxas release the GIL for most of their time), then
+every launch runs in order, so a pipeline's first call costs its slowest kernel's compile, not the sum.
+
 Every launcher prepares what its kernels receive with the helpers of :mod:`._prepare`, re-exported
 here: :func:`index` (contiguous int32 index tensors), :func:`param` (contiguous operands and
 parameters), :func:`unit_last`, :func:`optional` (a cached placeholder pointer for an absent input),
@@ -16,9 +20,13 @@ launcher imports it before its first launch.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,7 +36,7 @@ from ._prepare import index, optional, param, shared_memory, sm_count, unit_last
 _triton_interpreter.patch()
 
 __all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
-           "shared_memory", "eager_or_op", "cdiv", "next_pow2"]
+           "shared_memory", "eager_or_op", "cdiv", "next_pow2", "compiled_together"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -124,17 +132,85 @@ def fit(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candid
                        f"(needed {needs} for {[dict(t.meta) for t in candidates]})")
 
 
-def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candidates: Sequence[Tiles]) -> Tiles:
-    """Launch ``kernel[grid(t)](*args, **fixed, **t.meta)`` with the first candidate ``t`` that fits the
-    device's shared memory (GPU; :func:`fit`, cached per specialisation), or the first candidate (CPU
-    interpreter). Returns the tiles used."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    chosen = candidates[0]
-    if device.type == "cuda":
-        key = _fitted_key(kernel, args, fixed, candidates, device.index)
+@dataclass(frozen=True)
+class _Launch:
+    """One recorded launch: what :func:`launch` received."""
+    kernel: object
+    grid: Callable[[Tiles], tuple]
+    args: tuple
+    fixed: dict
+    candidates: Tuple[Tiles, ...]
+    device: torch.device
+
+    @property
+    def key(self) -> tuple:
+        return _fitted_key(self.kernel, self.args, self.fixed, self.candidates, self.device.index)
+
+
+class _Batch(threading.local):
+    pending: Optional[List[_Launch]] = None
+
+
+_BATCH = _Batch()
+
+
+@contextlib.contextmanager
+def compiled_together():
+    """Launches inside the block are recorded; at its end the kernels not compiled yet compile concurrently
+    (GPU), then every launch runs in the order it was made. The block may only allocate between launches
+    (nothing in it may read what a launch writes). A nested block joins the outer one."""
+    if _BATCH.pending is not None:
+        yield
+        return
+    _BATCH.pending = []
+    try:
+        yield
+        pending = _BATCH.pending
+    finally:
+        _BATCH.pending = None
+    _fit_concurrently([p for p in pending if p.device.type == "cuda"])
+    for p in pending:
+        _run(p)
+
+
+def _fit_one(p: _Launch) -> None:
+    with torch.cuda.device(p.device):
+        _FITTED[p.key] = fit(p.kernel, p.grid, p.args, p.fixed, p.candidates, shared_memory(p.device))
+
+
+def _fit_concurrently(launches: Sequence[_Launch]) -> None:
+    """Fit (compile) every launch whose specialisation is not fitted yet, one thread per kernel."""
+    todo = list({p.key: p for p in launches if p.key not in _FITTED}.values())
+    if len(todo) <= 1:
+        for p in todo:
+            _fit_one(p)
+        return
+    with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(_fit_one, p) for p in todo]:
+            f.result()
+
+
+def _run(p: _Launch) -> Tiles:
+    chosen = p.candidates[0]
+    if p.device.type == "cuda":
+        key = p.key
         chosen = _FITTED.get(key)
         if chosen is None:
-            chosen = _FITTED[key] = fit(kernel, grid, args, fixed, candidates, shared_memory(device))
-    kernel[grid(chosen)](*args, **fixed, **chosen.kwargs, num_warps=chosen.num_warps,
-                         num_stages=chosen.num_stages)
+            chosen = _FITTED[key] = fit(p.kernel, p.grid, p.args, p.fixed, p.candidates, shared_memory(p.device))
+    p.kernel[p.grid(chosen)](*p.args, **p.fixed, **chosen.kwargs, num_warps=chosen.num_warps,
+                             num_stages=chosen.num_stages)
     return chosen
+
+
+def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict,
+           candidates: Sequence[Tiles]) -> Optional[Tiles]:
+    """Launch ``kernel[grid(t)](*args, **fixed, **t.meta)`` with the first candidate ``t`` that fits the
+    device's shared memory (GPU; :func:`fit`, cached per specialisation), or the first candidate (CPU
+    interpreter). Returns the tiles used; None inside :func:`compiled_together` (the launch runs at the
+    block's end)."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    p = _Launch(kernel, grid, args, fixed, tuple(candidates), device)
+    if _BATCH.pending is not None:
+        _BATCH.pending.append(p)
+        return None
+    return _run(p)

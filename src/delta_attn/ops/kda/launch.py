@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ..._outputs import empty
 from .._gluon import available as gluon_available
-from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, param, sm_count, tiles
+from .._launch import (Tiles, cdiv, compiled_together, halving, index, launch, next_pow2, optional, param, sm_count,
+                       tiles)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .kernels_gate import DECAY_FLOOR
@@ -235,29 +236,30 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                  DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
-    # 1. intra-chunk stage
-    if NC > 0 and train:
-        launch(_kda_train_intra_kernel, lambda t: (NC, HV),
-               common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
-               dict(fixed, BC=16, INV_PREC=prec.dot), train_intra_tiles(K, V))
-    elif NC > 0:
-        flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
-        for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
-            launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
-                   common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
-                   dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.infer_op), infer_intra_tiles(K, V, bt))
-    # 2. state scan and output
-    o = empty((B, T, HV, V), v.dtype, q.device)
-    final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
-    HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device) if train else None
-    VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device) if train else None
-    if N > 0:
-        cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
-        launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
-               (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, optional(VNEW, q), optional(HS, q),
-                optional(final, q), HV, ch.ncmax),
-               dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
-                    STORE_H=train, PREC=prec.fwd_scan), cand)
+    with compiled_together():        # the stages' kernels compile concurrently on first use
+        # 1. intra-chunk stage
+        if NC > 0 and train:
+            launch(_kda_train_intra_kernel, lambda t: (NC, HV),
+                   common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
+                   dict(fixed, BC=16, INV_PREC=prec.dot), train_intra_tiles(K, V))
+        elif NC > 0:
+            flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
+            for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
+                launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
+                       common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
+                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.infer_op), infer_intra_tiles(K, V, bt))
+        # 2. state scan and output
+        o = empty((B, T, HV, V), v.dtype, q.device)
+        final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
+        HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device) if train else None
+        VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device) if train else None
+        if N > 0:
+            cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
+            launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
+                   (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, optional(VNEW, q), optional(HS, q),
+                    optional(final, q), HV, ch.ncmax),
+                   dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
+                        STORE_H=train, PREC=prec.fwd_scan), cand)
     saved = Saved(W, QG, KD, AQK, TM, GC, HS, VNEW) if train else None
     return o, final, saved
 
@@ -299,37 +301,38 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     DAQK = torch.empty(R, HV, bt, dtype=f32, device=dev)
     DGC = torch.empty(GC.shape, dtype=f32, device=dev)
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
-    # 1. reverse state scan: du and the chunk-end state gradients
-    if N > 0:
-        launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
-               (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
-               dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
-               scan_tiles(K, V, N * HV, bt, 64, 8, 2))
-    # 2. per-chunk gradients of the scan's operands
-    if NC > 0:
-        launch(_kda_bwd_chunk_grads_kernel, lambda t: (NC, HV, triton.cdiv(K, t.get("BKB"))),
-               (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
-               dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
-    # 3. intra-chunk backward (factored everywhere, then the flagged chunks exactly)
-    dq_h = empty((B, T, HV, K), f32, dev)
-    dk_h = empty((B, T, HV, K), f32, dev)
-    dv = empty((B, T, HV, V), v.dtype, dev)
-    db = empty((B, T, HV), f32, dev)
-    dg = empty((B, T, HV, K), f32, dev)
-    dal = torch.zeros(NC, HV, dtype=f32, device=dev)
-    ddt = torch.empty(NC, HV, K, dtype=f32, device=dev) if dt_bias is not None else None
-    if NC > 0:
-        gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
-        flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
-        for exact in (False, True):
-            launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
-                   (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
-                                                    db, dg, dal, optional(ddt, q), flags, float(scale),
-                                                    float(lower_bound or 0.0), H, HV),
-                   dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
-                        TANGENT_MAX=TANGENT_MAX, DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact,
-                        TWO_FLOAT=prec.two_float, **gate_kw),
-                   bwd_intra_tiles(K, V))
+    with compiled_together():        # the stages' kernels compile concurrently on first use
+        # 1. reverse state scan: du and the chunk-end state gradients
+        if N > 0:
+            launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
+                   (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
+                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
+                   scan_tiles(K, V, N * HV, bt, 64, 8, 2))
+        # 2. per-chunk gradients of the scan's operands
+        if NC > 0:
+            launch(_kda_bwd_chunk_grads_kernel, lambda t: (NC, HV, triton.cdiv(K, t.get("BKB"))),
+                   (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
+                   dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
+        # 3. intra-chunk backward (factored everywhere, then the flagged chunks exactly)
+        dq_h = empty((B, T, HV, K), f32, dev)
+        dk_h = empty((B, T, HV, K), f32, dev)
+        dv = empty((B, T, HV, V), v.dtype, dev)
+        db = empty((B, T, HV), f32, dev)
+        dg = empty((B, T, HV, K), f32, dev)
+        dal = torch.zeros(NC, HV, dtype=f32, device=dev)
+        ddt = torch.empty(NC, HV, K, dtype=f32, device=dev) if dt_bias is not None else None
+        if NC > 0:
+            gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
+            flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
+            for exact in (False, True):
+                launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
+                       (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
+                                                        db, dg, dal, optional(ddt, q), flags, float(scale),
+                                                        float(lower_bound or 0.0), H, HV),
+                       dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
+                            TANGENT_MAX=TANGENT_MAX, DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact,
+                            TWO_FLOAT=prec.two_float, **gate_kw),
+                       bwd_intra_tiles(K, V))
     # GVA: the query / key heads' gradients are the sums over their value heads
     G = HV // H
     dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
