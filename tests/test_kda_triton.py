@@ -210,16 +210,22 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
     class Compiled:
         def __init__(self, shared):
             self.metadata = type("M", (), {"shared": shared})()
+            self.loaded = False
+
+        def _init_handles(self):
+            self.loaded = True
 
     class Kernel:
         __name__ = "_fake_kernel"
 
         def __init__(self):
             self.calls = []
+            self.compiled = []
 
         def warmup(self, *args, grid, **kw):
             self.calls.append((grid, kw["BV"]))
-            return Compiled(1000 * kw["BV"])
+            self.compiled.append(Compiled(1000 * kw["BV"]))
+            return self.compiled[-1]
 
     first = _launch.tiles("tuned", num_stages=3, BV=64, BK=32)
     cands = _launch.halving(first, ("BV",))
@@ -227,8 +233,44 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
     k = Kernel()
     t = _launch.fit(k, lambda t: (t.get("BV"),), (), {}, cands, 40_000)
     assert t.get("BV") == 32 and [c[1] for c in k.calls] == [64, 64, 32] and k.calls[-1][0] == (32,)
+    # the chosen kernel is loaded (binary and launcher stub) where it was compiled; the others are not
+    assert [c.loaded for c in k.compiled] == [False, False, True]
     with pytest.raises(RuntimeError, match="_fake_kernel.*10000 bytes"):
         _launch.fit(Kernel(), lambda t: (1,), (), {}, cands, 10_000)
+
+
+def test_compiled_together_runs_launches_in_order_at_the_end():
+    """Launches inside compiled_together run at the block's end, in order; compile_only launches never run;
+    a nested block joins the outer one; a block that raises runs nothing."""
+    ran = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: ran.append((self.name, grid, kw["BV"]))
+
+    x = torch.zeros(1)
+    cand = (_launch.tiles("t", BV=16),)
+    with _launch.compiled_together():
+        _launch.launch(Kernel("a"), lambda t: (1,), (x,), {}, cand)
+        with _launch.compiled_together():
+            _launch.launch(Kernel("b"), lambda t: (2,), (x,), {}, cand)
+        with _launch.compile_only(x.device):
+            _launch.launch(Kernel("ahead"), lambda t: (3,), (x.to("meta"),), {}, cand)
+        assert ran == []
+    assert ran == [("a", (1,), 16), ("b", (2,), 16)]
+    ran.clear()
+    with pytest.raises(ValueError):
+        with _launch.compiled_together():
+            _launch.launch(Kernel("c"), lambda t: (1,), (x,), {}, cand)
+            raise ValueError
+    assert ran == []
+    with pytest.raises(RuntimeError, match="inside compiled_together"):
+        with _launch.compile_only(x.device):
+            pass
+    assert _launch.launch(Kernel("d"), lambda t: (1,), (x,), {}, cand).get("BV") == 16 and ran == [("d", (1,), 16)]
 
 
 def test_precision_rules():

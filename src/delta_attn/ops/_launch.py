@@ -8,8 +8,10 @@ a call pays one dictionary look-up after the first. Under the CPU interpreter th
 the first candidate runs.
 
 :func:`compiled_together` batches a pipeline's launches: on a GPU the kernels not compiled yet compile
-concurrently (one thread each: Triton's compiler and ptxas release the GIL for most of their time), then
-every launch runs in order, so a pipeline's first call costs its slowest kernel's compile, not the sum.
+concurrently (one thread each: Triton's compiler, ptxas and the C compiler of its launcher stubs release the
+GIL for most of their time), then every launch runs in order, so a pipeline's first call costs its slowest
+kernel's compile, not the sum. Inside it, :func:`compile_only` records launches that are compiled with the
+others but never run (a training forward compiles its backward's kernels that way).
 
 Every launcher prepares what its kernels receive with the helpers of :mod:`._prepare`, re-exported
 here: :func:`index` (contiguous int32 index tensors), :func:`param` (contiguous operands and
@@ -36,7 +38,8 @@ from ._prepare import index, optional, param, shared_memory, sm_count, unit_last
 _triton_interpreter.patch()
 
 __all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
-           "shared_memory", "eager_or_op", "cdiv", "next_pow2", "compiled_together"]
+           "shared_memory", "eager_or_op", "cdiv", "next_pow2", "compiled_together",
+           "compile_only"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -126,6 +129,7 @@ def fit(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candid
                                  num_stages=t.num_stages)
         needs.append(int(compiled.metadata.shared))
         if needs[-1] <= limit:
+            compiled._init_handles()       # loads the binary and builds the launcher stub now (not at first run)
             return t
     name = getattr(kernel, "__name__", None) or kernel.fn.__name__
     raise RuntimeError(f"{name}: no tile configuration fits the device's {limit} bytes of shared memory "
@@ -141,6 +145,7 @@ class _Launch:
     fixed: dict
     candidates: Tuple[Tiles, ...]
     device: torch.device
+    run: bool = True
 
     @property
     def key(self) -> tuple:
@@ -149,6 +154,7 @@ class _Launch:
 
 class _Batch(threading.local):
     pending: Optional[List[_Launch]] = None
+    compile_for: Optional[torch.device] = None      # inside compile_only: the device the launches compile for
 
 
 _BATCH = _Batch()
@@ -170,7 +176,23 @@ def compiled_together():
         _BATCH.pending = None
     _fit_concurrently([p for p in pending if p.device.type == "cuda"])
     for p in pending:
-        _run(p)
+        if p.run:
+            _run(p)
+
+
+@contextlib.contextmanager
+def compile_only(device: torch.device):
+    """Inside :func:`compiled_together`: the launches of the block (made on meta tensors of the right dtypes,
+    so nothing is allocated) are compiled for ``device`` with the batch and never run. Nothing is compiled for
+    a device other than CUDA."""
+    if _BATCH.pending is None:
+        raise RuntimeError("compile_only() is only meaningful inside compiled_together()")
+    outer = _BATCH.compile_for
+    _BATCH.compile_for = device
+    try:
+        yield
+    finally:
+        _BATCH.compile_for = outer
 
 
 def _fit_one(p: _Launch) -> None:
@@ -208,6 +230,9 @@ def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict,
     device's shared memory (GPU; :func:`fit`, cached per specialisation), or the first candidate (CPU
     interpreter). Returns the tiles used; None inside :func:`compiled_together` (the launch runs at the
     block's end)."""
+    if _BATCH.compile_for is not None:
+        _BATCH.pending.append(_Launch(kernel, grid, args, fixed, tuple(candidates), _BATCH.compile_for, run=False))
+        return None
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     p = _Launch(kernel, grid, args, fixed, tuple(candidates), device)
     if _BATCH.pending is not None:

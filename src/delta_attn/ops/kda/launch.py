@@ -23,8 +23,8 @@ import triton.language as tl
 
 from ..._outputs import empty
 from .._gluon import available as gluon_available
-from .._launch import (Tiles, cdiv, compiled_together, halving, index, launch, next_pow2, optional, param, sm_count,
-                       tiles)
+from .._launch import (Tiles, cdiv, compile_only, compiled_together, halving, index, launch, next_pow2, optional,
+                       param, sm_count, tiles)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .kernels_gate import DECAY_FLOOR
@@ -90,12 +90,20 @@ class Chunks(NamedTuple):
 
 
 def chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: int) -> Chunks:
+    """The chunk tables of a call: built once per shape for a dense batch (no host work after the first call);
+    from the offsets read on the host for a packed one."""
     if cu_seqlens is None:
-        starts = torch.arange(B, dtype=torch.int64) * T
-        lens = torch.full((B,), T, dtype=torch.int64)
-    else:
-        cu = cu_seqlens.to("cpu", torch.int64)
-        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+        return _dense_chunk_tables(B, T, torch.device(device), bt)
+    cu = cu_seqlens.to("cpu", torch.int64)
+    return _tables(cu[:-1], cu[1:] - cu[:-1], device, bt)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_chunk_tables(B: int, T: int, device: torch.device, bt: int) -> Chunks:
+    return _tables(torch.arange(B, dtype=torch.int64) * T, torch.full((B,), T, dtype=torch.int64), device, bt)
+
+
+def _tables(starts: torch.Tensor, lens: torch.Tensor, device, bt: int) -> Chunks:
     nch = (lens + bt - 1) // bt
     first = torch.cumsum(nch, 0) - nch
     seq_t = torch.stack([starts, lens, first], 1)
@@ -274,9 +282,36 @@ def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, s
 
 def train_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                   output_final_state, allow_tf32):
-    """Training forward: (o, final_state or None, Saved)."""
-    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                    use_qk_l2norm, output_final_state, allow_tf32, train=True)
+    """Training forward: (o, final_state or None, Saved). The first call of a specialisation also compiles
+    the backward's kernels, concurrently with its own (:func:`_compile_backward`)."""
+    with compiled_together():
+        o, final, saved = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                                   use_qk_l2norm, output_final_state, allow_tf32, train=True)
+        _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o, final, saved, scale,
+                          lower_bound, use_qk_l2norm, allow_tf32)
+    return o, final, saved
+
+
+_BACKWARD_COMPILED: set = set()
+
+
+def _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o, final, saved, scale,
+                      lower_bound, use_qk_l2norm, allow_tf32):
+    """Once per specialisation: :func:`train_backward` on meta tensors of the real dtypes and shapes under
+    ``compile_only``, so its kernels compile with the forward's (a final state is taken to get a gradient)."""
+    key = (q.device, q.dtype, v.dtype, g.dtype, beta.dtype, q.shape[2:], v.shape[2:], initial_state is not None,
+           final is not None, cu_seqlens is not None, A_log is not None, dt_bias is not None, lower_bound is not None,
+           use_qk_l2norm, allow_tf32)
+    if key in _BACKWARD_COMPILED:
+        return
+    _BACKWARD_COMPILED.add(key)
+
+    def meta(t):
+        return None if t is None else torch.empty_like(t, device="meta")
+
+    with compile_only(q.device):
+        train_backward(*map(meta, (q, k, v, g, beta, initial_state)), cu_seqlens, meta(A_log), meta(dt_bias),
+                       Saved(*map(meta, saved)), meta(o), meta(final), scale, lower_bound, use_qk_l2norm, allow_tf32)
 
 
 # ------------------------------------------------------------------------------------------------
