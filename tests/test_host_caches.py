@@ -20,12 +20,12 @@ def test_choice_cache_follows_triton_interpret(monkeypatch):
     assert da.explain(da.kda_step, q, k, v, g, beta, pool).chosen == "triton"
     backends.select(backends.Call("kda_step", q.device, q.dtype, (16, 16)))      # cached: triton
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    name = backends._choose("kda_step", q.device, q.dtype, (16, 16), (), False, False, "auto")
+    name = backends._choose("kda_step", q.device, q.dtype, (16, 16), (), False, False, 0, "auto")
     assert name == "torch"                  # the interpreter is part of the key: not the cached triton
 
 
 def test_choice_cache_cleared_by_register(monkeypatch):
-    call = ("kda_step", torch.device("cpu"), torch.float32, (16, 16), (), False, False, "auto")
+    call = ("kda_step", torch.device("cpu"), torch.float32, (16, 16), (), False, False, 0, "auto")
     first = backends._choose(*call)
     assert backends._CHOSEN                  # cached
     cap = backends.BACKENDS["torch"].capabilities["kda_step"]
@@ -36,7 +36,7 @@ def test_choice_cache_cleared_by_register(monkeypatch):
 
 
 def test_unsupported_is_never_cached():
-    call = ("kda_step", torch.device("cpu"), torch.float32, (16, 16), (), True, False, "triton")
+    call = ("kda_step", torch.device("cpu"), torch.float32, (16, 16), (), True, False, 0, "triton")
     for _ in range(2):
         with pytest.raises(backends.UnsupportedError, match="backward"):
             backends._choose(*call)

@@ -24,9 +24,9 @@ from delta_attn.ops.kda import cudnn as CK
 CUDA = torch.device("cuda", 0)
 
 
-def _call(dtype=torch.bfloat16, dims=(128, 128), feats=(), grad=False, compiling=False, op="kda"):
+def _call(dtype=torch.bfloat16, dims=(128, 128), feats=(), grad=False, compiling=False, op="kda", seqlen=0):
     return Call(op=op, device=CUDA, dtype=dtype, head_dims=dims, features=frozenset(feats), needs_grad=grad,
-                compiling=compiling)
+                compiling=compiling, seqlen=seqlen)
 
 
 def reasons(call):
@@ -165,26 +165,44 @@ def test_explicit_backend_raises_with_the_named_reason(fake_gpu):
         da.kda(q, q, q, -torch.rand(1, 4, 1, 128), torch.rand(1, 4, 1), backend="cudnn")
 
 
-def test_auto_order_is_unchanged_and_cudnn_is_explained(fake_gpu):
-    assert auto_order(_call())[:2] == ("triton", "torch")
-    ex = explain_call(_call(feats={"qk_l2norm"}, grad=True))
-    names = [n for n, _ in ex.considered]
-    assert "cudnn" in names and ex.chosen != "cudnn"
-    assert CK.BACKWARD_L2NORM_REASON in dict(ex.considered)["cudnn"]
-
-
-def test_prefer_cudnn_kda_rule(fake_gpu):
-    assert CK.prefer_cudnn_kda(_call())
-    assert CK.prefer_cudnn_kda(_call(feats={"initial_state", "final_state", "gva", "qk_l2norm"}))
-    assert CK.prefer_cudnn_kda(_call(feats={"initial_state", "final_state"}, grad=True))
-    # varlen: a new token total builds a new cuDNN graph (~40 ms), so varlen stays on Triton
-    assert reasons(_call(feats={"varlen"}, grad=True)) == [] and not CK.prefer_cudnn_kda(_call(feats={"varlen"}))
-    assert not CK.prefer_cudnn_kda(_call(feats={"qk_l2norm"}, grad=True))
-    assert not CK.prefer_cudnn_kda(_call(dtype=torch.float16))
-    assert not CK.prefer_cudnn_kda(_call(dims=(64, 64)))
-    assert not CK.prefer_cudnn_kda(_call(op="kda_step"))
+def test_auto_tries_cudnn_first_only_for_dense_training_calls_it_measured_faster(fake_gpu):
+    """auto's kda rule (ops/kda/register.py): cuDNN first for training calls on dense batches of sequences up to
+    32768 tokens that cuDNN can run on sm_90; Triton first for the rest, and explain says why."""
+    train = dict(feats={"initial_state", "final_state"}, grad=True)
+    assert auto_order(_call(seqlen=4096, **train))[:2] == ("cudnn", "triton")
+    assert auto_order(_call(seqlen=32768, **train))[0] == "cudnn"
+    assert auto_order(_call(seqlen=65536, **train))[:2] == ("triton", "torch")          # measured even there
+    assert auto_order(_call(seqlen=0, **train))[0] == "triton"                          # varlen: graph per total
+    assert auto_order(_call(seqlen=4096, feats={"varlen"}, grad=True))[0] == "triton"
+    assert auto_order(_call(seqlen=1024))[0] == "triton"                                # forward: graph per shape
+    assert auto_order(_call(seqlen=1024, feats={"qk_l2norm"}, grad=True))[0] == "triton"    # cuDNN refuses
+    assert auto_order(_call(seqlen=1024, dtype=torch.float16, grad=True))[0] == "triton"
+    assert auto_order(_call(seqlen=1024, feats={"strong_decay"}, grad=True))[0] == "triton"
+    assert auto_order(_call(seqlen=1024, op="kda_step", grad=True))[0] == "triton"
+    ex = explain_call(_call(seqlen=4096, **train))
+    assert ex.chosen == "cudnn" and "1.45-2.2x faster" in str(ex)
+    ex = explain_call(_call(seqlen=1024))
+    assert ex.chosen == "triton" and "forward only" in str(ex) and "40 ms" in str(ex)
+    assert "longer than 32768" in str(explain_call(_call(seqlen=65536, **train)))
+    ex = explain_call(_call(seqlen=1024, feats={"qk_l2norm"}, grad=True))
+    assert ex.chosen == "triton" and CK.BACKWARD_L2NORM_REASON in dict(ex.considered)["cudnn"]
     fake_gpu["cc"] = (10, 0)
-    assert not CK.prefer_cudnn_kda(_call())
+    assert auto_order(_call(seqlen=4096, **train))[0] == "triton"
+    fake_gpu["cc"], fake_gpu["cudnn"] = (9, 0), False
+    assert auto_order(_call(seqlen=4096, **train))[0] == "triton"
+
+
+def test_auto_reads_the_decay_range_only_where_it_would_try_cudnn(fake_gpu, monkeypatch):
+    """The host read of g's range (cuDNN's engine returns NaN below -5) happens for backend='cudnn' and for auto
+    calls that would try cuDNN first, and sends those to Triton when g is out of range."""
+    reads = []
+    monkeypatch.setattr(CK, "log_decay_out_of_range", lambda g, A_log: reads.append(1) or True)
+    args = types.SimpleNamespace(g=None, A_log=None, call=lambda op, strong_decay=False: _call(
+        seqlen=4096, feats={"strong_decay"} if strong_decay else set(), grad=True))
+    assert "strong_decay" in api._call(args, "kda", "auto").features and len(reads) == 1
+    assert "strong_decay" not in api._call(args, "kda", "triton").features and len(reads) == 1
+    args.call = lambda op, strong_decay=False: _call(seqlen=4096)          # forward only: Triton first, no read
+    assert "strong_decay" not in api._call(args, "kda", "auto").features and len(reads) == 1
 
 
 def _module(name, **attrs):

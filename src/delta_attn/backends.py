@@ -54,6 +54,7 @@ class Call:
     features: FrozenSet[str] = frozenset()
     needs_grad: bool = False
     compiling: bool = False          # traced by torch.compile: the backend must be traceable
+    seqlen: int = 0                  # tokens per sequence of a dense call, rounded up to a power of two (0: packed)
 
     def describe(self) -> str:
         feats = ", ".join(sorted(self.features)) or "no options"
@@ -392,16 +393,16 @@ def clear_dispatch_cache() -> None:
 
 
 def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[int, ...],
-            features: Tuple[str, ...], needs_grad: bool, compiling: bool, backend: str) -> str:
+            features: Tuple[str, ...], needs_grad: bool, compiling: bool, seqlen: int, backend: str) -> str:
     """The backend that runs the call (imports its implementation now). Runs eagerly even while
     torch.compile traces, so dispatch never breaks a graph: the choice is a constant of the trace."""
-    key = (op, device, dtype, head_dims, features, needs_grad, compiling, backend, triton_interpreter_on(),
+    key = (op, device, dtype, head_dims, features, needs_grad, compiling, seqlen, backend, triton_interpreter_on(),
            torch.cuda.is_available())
     chosen = _CHOSEN.get(key)
     if chosen is not None:
         BACKENDS[chosen].implementation(op)
         return chosen
-    call = Call(op, device, dtype, head_dims, frozenset(features), needs_grad, compiling)
+    call = Call(op, device, dtype, head_dims, frozenset(features), needs_grad, compiling, seqlen)
     # the first candidate with no reasons: what explain_call chooses, without asking the backends after it
     chosen = next((n for n in _candidates(call, backend) if not BACKENDS[n].not_supported_reasons(call)), None)
     warn_key = (call.op, call.dtype, call.head_dims, call.features)
@@ -446,5 +447,5 @@ _choose = _assume_constant_result(_choose)
 def select(call: Call, backend: str = "auto") -> Callable:
     """The implementation that runs ``call`` on ``backend`` (or raises UnsupportedError)."""
     name = _choose(call.op, call.device, call.dtype, tuple(call.head_dims), tuple(sorted(call.features)),
-                   call.needs_grad, torch.compiler.is_compiling(), backend)
+                   call.needs_grad, torch.compiler.is_compiling(), call.seqlen, backend)
     return getattr(BACKENDS[name].loaded, call.op)

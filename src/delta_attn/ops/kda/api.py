@@ -12,7 +12,7 @@ import torch
 
 from ... import _checks as C
 from ...backends import Call, explain_call, select
-from . import cudnn
+from . import cudnn, register
 from .args import KDAArgs
 
 SHAPES = "q, k (B, T, H, K); v (B, T, HV, V); g (B, T, HV, K); beta (B, T, HV)"
@@ -137,9 +137,14 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
 
 
 def _call(args: KDAArgs, op: str, backend: str) -> Call:
-    """``args.call(op)``; for an explicit ``backend="cudnn"`` a raw log decay below what its kernel takes is read
-    from the values (one host sync: ``cudnn.log_decay_out_of_range``) and declared as ``strong_decay``."""
-    return args.call(op, strong_decay=backend == "cudnn" and cudnn.log_decay_out_of_range(args.g, args.A_log))
+    """``args.call(op)``; where cuDNN would run it (``backend="cudnn"``, or ``auto`` trying cuDNN first) a raw log
+    decay below what its kernel takes is read from the values (one host sync: ``cudnn.log_decay_out_of_range``)
+    and declared as ``strong_decay``, which cuDNN refuses."""
+    call = args.call(op)
+    if backend == "cudnn" or (backend == "auto" and register.prefers_cudnn(call)):
+        if cudnn.log_decay_out_of_range(args.g, args.A_log):
+            return args.call(op, strong_decay=True)
+    return call
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,

@@ -32,8 +32,9 @@ class KDAArgs:
     allow_tf32: bool = False                        # fp32 inputs: tf32 tensor-core dots allowed
 
     def call(self, op: str, strong_decay: bool = False) -> Call:
-        """The registry's :class:`~delta_attn.backends.Call`. ``strong_decay``: g goes below what cuDNN's kernel
-        takes (read from the values by ``api.py``, one host sync, only for an explicit ``backend="cudnn"``)."""
+        """The registry's :class:`~delta_attn.backends.Call` (``seqlen``: T of a dense batch, rounded up to a power of
+        two; 0 when packed). ``strong_decay``: g goes below what cuDNN's kernel takes (read from the values by
+        ``api.py``, one host sync, only where cuDNN would run the call)."""
         feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
         if strong_decay:
             feats.add("strong_decay")
@@ -43,9 +44,11 @@ class KDAArgs:
             feats.add("gate_lower_bound" if self.lower_bound is not None else "gate_softplus")
         if self.v.shape[2] != self.q.shape[2]:
             feats.add("gva")
+        t = self.q.shape[1]
         return Call(op=op, device=self.q.device, dtype=self.q.dtype,
                     head_dims=(self.q.shape[-1], self.v.shape[-1]), features=frozenset(feats),
-                    needs_grad=self.needs_grad())
+                    needs_grad=self.needs_grad(),
+                    seqlen=1 << (t - 1).bit_length() if self.cu_seqlens is None and t > 0 else 0)
 
     def needs_grad(self) -> bool:
         """Grad mode on and some differentiable input requires grad (under ``torch.no_grad`` inputs that

@@ -158,21 +158,6 @@ def check(call: Call) -> List[str]:
     return reasons
 
 
-def prefer_cudnn_kda(call: Call) -> bool:
-    """The rule suggested for ``auto`` (not installed here): cuDNN for a ``kda`` call it can run, unless the call
-    is varlen.
-
-    Measured on one H200 through this backend (docs/DISPATCH.md; H = 16, K = V = 128, bf16): forward 1.25 ms vs
-    our Triton 1.68 ms at 8 x 4096, 1.41 vs 3.03 ms at 64 x 1024, 0.38 vs 0.48 ms at 1 x 1024; forward+backward
-    (q/k normalised by the caller) 4.32 vs 9.08 ms at 8 x 4096. But each new (token total, sequence count) builds
-    a cuDNN graph, about 40 ms against 1.9 ms for the cached call at 8000 tokens; varlen batches usually change
-    their total every step, so they stay on Triton. (Dense calls of ever-new lengths pay the same; the Call does
-    not carry the lengths, so that is left to the caller.)"""
-    if call.op != "kda" or "varlen" in call.features:
-        return False
-    return not B.BACKENDS["cudnn"].not_supported_reasons(call)
-
-
 # ---------------------------------------------------------------------------------------------
 # the adapter
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What each backend supports for Kimi Delta Attention (``kda``, ``kda_step``): the capability declarations of
-the registry (``delta_attn/backends.py``), registered once when the package is imported (``ops/kda/__init__.py``).
+the registry (``delta_attn/backends.py``) and ``auto``'s order for ``kda`` (:func:`auto_policy`), registered once
+when the package is imported (``ops/kda/__init__.py``).
 Implementations are ``"module:function"`` strings imported on first use; ``cudnn.py`` (what the cuDNN backend
 declares and refuses) imports no cudnn package until a call runs."""
 from __future__ import annotations
@@ -8,7 +9,8 @@ import torch
 
 from ... import _checks as C
 from ... import _install
-from ...backends import Capability, register
+from ... import backends as B
+from ...backends import Call, Capability, register, set_auto_policy
 from . import cudnn
 
 _PKG = "delta_attn.ops.kda"
@@ -30,6 +32,53 @@ _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat
                features=FEATURES, requires=("triton",), install_hint=_install.TRITON, head_dims=_triton_head_dims)
 
 
+# auto: cuDNN's KDA for training calls on dense batches of sequences up to this length (tokens per sequence)
+CUDNN_TRAINING_MAX_SEQLEN = 32768
+CUDNN_WHY = ("training on dense sequences of <= 32768 tokens: cuDNN's KDA measured 1.45-2.2x faster forward+backward "
+             "than Triton (H100, 65536 tokens per batch, sequences of 512-32768; docs/DISPATCH.md)")
+TRITON_WHY = {
+    "grad": "training on sequences longer than 32768 tokens: Triton and cuDNN measured even (1.05x at 65536)",
+    "varlen": "packed (varlen) batch: each new token total builds a cuDNN graph (about 40 ms), so Triton",
+    "forward": ("forward only: Triton (cuDNN's forward is faster for dense batches of sequences up to 8192 tokens, but "
+                "each new shape builds a cuDNN graph of about 40 ms, which prefill lengths that change per request "
+                "would pay on every call; ask for backend='cudnn' with fixed shapes)"),
+}
+
+
+def prefers_cudnn(call: Call) -> bool:
+    """Whether ``auto`` tries cuDNN first for a ``kda`` call: a training call on a dense batch of sequences of at
+    most ``CUDNN_TRAINING_MAX_SEQLEN`` tokens, on the sm_90 GPU cuDNN's engine runs, that cuDNN declares it can
+    run (decay range aside: ``api.py`` reads it only when this holds)."""
+    if call.op != "kda" or not call.needs_grad or call.device.type != "cuda" or not call.seqlen \
+            or "varlen" in call.features:
+        return False
+    if call.seqlen > CUDNN_TRAINING_MAX_SEQLEN or B.device_capability(call.device) != cudnn.SM90:
+        return False
+    return not B.BACKENDS["cudnn"].not_supported_reasons(call)
+
+
+def auto_policy(call: Call):
+    """``auto`` for ``kda``: cuDNN first where it measured faster (:func:`prefers_cudnn`), else Triton."""
+    return ("cudnn", "triton", "torch") if prefers_cudnn(call) else ("triton", "torch")
+
+
+def _auto_note(call: Call) -> str:
+    if prefers_cudnn(call):
+        return CUDNN_WHY
+    if call.device.type != "cuda":
+        return "not a CUDA call: Triton (the interpreter on CPU), then the reference"
+    if not call.needs_grad:
+        return TRITON_WHY["forward"]
+    if not call.seqlen:
+        return TRITON_WHY["varlen"]
+    if call.seqlen > CUDNN_TRAINING_MAX_SEQLEN:
+        return TRITON_WHY["grad"]
+    return "Triton first: cuDNN cannot run this call (its reasons are listed)"
+
+
+auto_policy.describe = _auto_note
+
+
 def register_backends() -> None:
     """Declare every backend of ``kda`` and ``kda_step``."""
     register("torch", "kda", Capability(impl=f"{_PKG}.torch_impl:kda", **_TORCH))
@@ -40,3 +89,4 @@ def register_backends() -> None:
     register("cudnn", "kda", Capability(
         impl=f"{_PKG}.cudnn:kda", dtypes=cudnn.DTYPES, features=cudnn.FEATURES, min_compute_capability=cudnn.SM90,
         requires=("cudnn",), install_hint=cudnn.INSTALL_HINT, head_dims=cudnn.head_dims, check=cudnn.check))
+    set_auto_policy("kda", auto_policy)
