@@ -3,7 +3,8 @@ empty Triton cache, and each kernel's compile time.
 
 python benchmarks/experiments/cold_start.py [--shape 8x4096] [--ops kda flash] [--serial]
 Each measurement runs in a new Python process with its own empty TRITON_CACHE_DIR. ``--serial`` also measures
-the pipelines compiling one kernel after another (``compiled_together`` replaced by a no-op) for comparison.
+the pipelines compiling one kernel after another (``compiled_together`` and the backward's compile ahead replaced by
+no-ops) for comparison.
 Prints one JSON line per run: import s, first call s, second call ms, and the compile s of each kernel.
 """
 import argparse
@@ -32,6 +33,7 @@ _launch.fit = timed_fit
 if serial:
     import delta_attn.ops.kda.launch as kl
     kl.compiled_together = contextlib.nullcontext
+    kl._compile_backward = lambda *a, **k: None
 H, D = 16, 128
 dev = "cuda"
 r = lambda *s: torch.randn(*s, device=dev)
