@@ -5,7 +5,8 @@ python benchmarks/experiments/cold_start.py [--shape 8x4096] [--ops kda flash] [
 Each measurement runs in a new Python process with its own empty TRITON_CACHE_DIR. ``--serial`` also measures
 the pipelines compiling one kernel after another (``compiled_together`` and the backward's compile ahead replaced by
 no-ops) for comparison.
-Prints one JSON line per run: import s, first call s, second call ms, and the compile s of each kernel.
+Prints one JSON line per run: import s, first call s, second call ms, and the compile s of each kernel
+(``--split-driver``: Triton's CUDA driver set-up, compiled on its first use, timed apart as driver_s).
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ import torch
 import delta_attn as da
 from delta_attn.ops import _launch
 t_import = time.perf_counter() - t0
-op, B, T, serial = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+op, B, T, serial, split = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
 compiles = []
 fit = _launch.fit
 def timed_fit(kernel, *a, **kw):
@@ -50,10 +51,15 @@ else:
         o = da.flash_attn_func(q, k, v, causal=True, backend="triton")
         o.sum().backward()
 torch.cuda.synchronize()
+driver = 0.0
+if split:      # Triton's CUDA driver module (compiled on first use) timed apart from the call
+    import triton
+    t = time.perf_counter(); triton.runtime.driver.active.get_current_target(); driver = time.perf_counter() - t
 t = time.perf_counter(); call(); torch.cuda.synchronize(); first = time.perf_counter() - t
 t = time.perf_counter(); call(); torch.cuda.synchronize(); second = time.perf_counter() - t
 print("RESULT " + json.dumps(dict(op=op, shape=f"{B}x{T}", serial=serial, import_s=round(t_import, 2),
-                                 first_s=round(first, 2), second_ms=round(second * 1e3, 1), compiles=compiles)))
+                                 driver_s=round(driver, 2), first_s=round(first, 2),
+                                 second_ms=round(second * 1e3, 1), compiles=compiles)))
 '''
 
 
@@ -62,13 +68,15 @@ def main():
     ap.add_argument("--shape", default="8x4096")
     ap.add_argument("--ops", nargs="+", default=["kda", "flash"])
     ap.add_argument("--serial", action="store_true")
+    ap.add_argument("--split-driver", action="store_true", help="time Triton's driver set-up apart (driver_s)")
     a = ap.parse_args()
     B, T = a.shape.split("x")
     for op in a.ops:
         for serial in ([False, True] if a.serial and op == "kda" else [False]):
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, TRITON_CACHE_DIR=cache)
-                out = subprocess.run([sys.executable, "-c", CHILD, op, B, T, "1" if serial else "0"], env=env,
+                out = subprocess.run([sys.executable, "-c", CHILD, op, B, T, "1" if serial else "0",
+                                      "1" if a.split_driver else "0"], env=env,
                                      capture_output=True, text=True)
                 lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
                 print(lines[-1][7:] if lines else json.dumps(dict(op=op, error=out.stderr[-2000:])), flush=True)
