@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import anchors
 from .impls import CUDNN_KDA_NATIVE
+from .roofline import OPERATOR_ORDER, recorded_roofline
 
 SCHEMA_VERSION = 1
 CSV_FIELDS = ["suite", "op", "impl", "provider", "family", "direction", "dtype", "label", "tokens", "status",
@@ -569,6 +570,157 @@ def compare_section(rows: List[Dict], old_rows: List[Dict], old_dir: str) -> str
             _table(["shape", "dtype", "dir", "implementation", "old ms", "new ms", "speed-up"], lines))
 
 
+# ------------------------------------------------------------------------------------------ kernel resources
+
+def _figure(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "-"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        return f"{x:.{digits}g}"
+    return f"{x:,}" if isinstance(x, int) and abs(x) >= 10000 else str(x)
+
+
+def _kib(b) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b} B"
+
+
+def _kernel_cell(s: str) -> str:
+    return str(s).replace("|", "/").replace("\n", " ")
+
+
+def _shorten(name: Optional[str], n: int = 70) -> str:
+    name = name or "?"
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def config_text(k: Dict) -> str:
+    c = k.get("config") or {}
+    if not c:
+        return "-"
+    parts = [f"{n}={v}" for n, v in (c.get("constexprs") or {}).items()]
+    parts.append(f"warps={c.get('num_warps')}")
+    parts.append(f"stages={c.get('num_stages')}")
+    if (c.get("num_ctas") or 1) > 1:
+        parts.append(f"ctas={c['num_ctas']}")
+    if c.get("maxnreg"):
+        parts.append(f"maxnreg={c['maxnreg']}")
+    return " ".join(parts)
+
+
+def _kernel_table(header: List[str], lines: Iterable[List[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    out += ["| " + " | ".join(_kernel_cell(c) for c in line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def kernel_lines(row: Dict, limits_sms: Optional[int] = None) -> List[List[str]]:
+    lines = []
+    for k in row.get("kernels") or []:
+        occ = k.get("occupancy") or {}
+        grid = k.get("grid")
+        progs = k.get("programs")
+        sms = limits_sms
+        grid_txt = "-" if grid is None else ("×".join(str(g) for g in grid if g != 1) or "1")
+        if progs is not None and sms:
+            grid_txt += f" ({progs / sms:.2f}× SMs)" if progs != 1 else ""
+        lines.append([row["impl"], row["label"], row["direction"], k.get("phase", ""),
+                      "`" + _shorten(k.get("kernel")) + "`",
+                      config_text(k), _figure(k.get("regs")), _figure(k.get("spills")), _kib(k.get("shared")), grid_txt,
+                      _figure(occ.get("programs_per_sm")), occ.get("binding") or "-", _figure(occ.get("waves")),
+                      _figure(k.get("launches")), _figure(k.get("device_us"))])
+    return lines
+
+
+def wanted(run: Optional[Dict], rows: List[Dict]) -> bool:
+    """Whether report.md gets the resource section and roofline.png: any row has kernels, or the suite
+    is the kernels suite."""
+    return (run or {}).get("suite") == "kernels" or any(r.get("kernels") for r in rows)
+
+
+def resources_section(rows: List[Dict], run: Optional[Dict] = None) -> str:
+    """Markdown for report.md: per operator, one table of the kernels of every row; one roofline table;
+    for rows without kernel figures, why. Empty when the run collected nothing and is not the
+    kernels suite."""
+    run = run or {}
+    have = [r for r in rows if r.get("kernels")]
+    if not wanted(run, rows):
+        return ""
+    ceilings = run.get("ceilings") or {}
+    out = ["## Kernel resources and roofline", ""]
+    limits = next((r["resources"]["limits"] for r in have if (r.get("resources") or {}).get("limits")), None)
+    sms = limits.get("sm_count") if limits else None
+    if limits:
+        out += [f"Device limits, from {limits.get('source')}: {limits.get('sm_count')} SMs; per SM "
+                f"{limits.get('regs_per_sm'):,} registers (per warp in units of {limits.get('reg_alloc_unit')}, "
+                f"{limits.get('reg_subpartitions')} sub-partitions, ≤ {limits.get('max_regs_per_thread')} per "
+                f"thread), "
+                f"{_kib(limits.get('smem_per_sm'))} shared memory (≤ {_kib(limits.get('smem_per_block_optin'))} per "
+                f"block + {_kib(limits.get('smem_reserved_per_block'))} reserved), {limits.get('max_threads_per_sm')} "
+                f"threads, {limits.get('max_blocks_per_sm')} blocks.", ""]
+    out += ["Each Triton kernel launched by a row's untimed first call (no extra run), read from the compiled kernel "
+            "at launch: config (constexpr tile sizes, warps, pipeline stages), registers per thread, spills (local "
+            "memory per thread in 4-byte words, as Triton reports it), shared memory per program, grid (programs, "
+            "and as a multiple of the SM count), resident programs per SM and the limit that binds it (CUDA's "
+            "occupancy calculator: registers, shared memory, threads, blocks), waves = programs / (SMs × resident). "
+            "A `bwd` row lists its backward's kernels only. Device µs: the PyTorch profiler's time of that kernel "
+            "in the first call (`--resources`); kernels other than Triton's (cuDNN, FlashAttention-2) appear "
+            "there by name only: their resource figures cannot be read.", ""]
+    hdr = ["implementation", "case", "dir", "phase", "kernel", "config", "regs", "spills", "smem", "grid",
+           "programs/SM", "bound by", "waves", "launches", "device µs"]
+    by_op: "OrderedDict[str, List[Dict]]" = OrderedDict()
+    for r in sorted(have, key=lambda r: OPERATOR_ORDER.index(r["op"]) if r["op"] in OPERATOR_ORDER else 99):
+        by_op.setdefault(r["op"], []).append(r)
+    for op, rs in by_op.items():
+        lines = [line for r in rs for line in kernel_lines(r, sms)]
+        out += [f"<details><summary><b>{op}</b>: {len(rs)} rows, {len(lines)} kernel entries</summary>", "",
+                _kernel_table(hdr, lines), "", "</details>", ""]
+    # rows without figures, grouped by reason
+    why: Dict[str, List[str]] = defaultdict(list)
+    for r in rows:
+        if not r.get("kernels") and r.get("status") == "ok":
+            why[r.get("kernels_note") or "no kernel figures recorded (a results file from before the resource "
+                                           "report)"].append(f"{r['impl']} {r['label']} {r['direction']}")
+    if why:
+        out += ["**No kernel figures in this run.** Why:" if not have else "Rows without kernel figures:", ""]
+        for note, where in why.items():
+            shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+            out.append(f"- {note} ({len(where)} rows: {shown})")
+        out.append("")
+    # roofline table
+    lines = []
+    for r in sorted(rows, key=lambda r: OPERATOR_ORDER.index(r["op"]) if r.get("op") in OPERATOR_ORDER else 99):
+        rl = recorded_roofline(r, ceilings)
+        if rl is None:
+            continue
+        ach = (f"{_figure(rl['achieved_tflops'])} TFLOP/s, " if rl.get("achieved_tflops") is not None else "") + \
+            f"{_figure(rl['achieved_gbps'])} GB/s"
+        att = f"{_figure(rl['attainable_tflops'])} TFLOP/s" if rl.get("attainable_tflops") is not None else \
+            f"{_figure(rl['copy_gbps'])} GB/s"
+        lines.append([r["op"], r["impl"], r["label"], r["dtype"], r["direction"],
+                      rl.get("flops_model") or "none (bytes only)",
+                      _figure(rl.get("ai_flop_per_byte")), rl["bound"], ach, att, f"{100 * rl['fraction']:.0f}%"])
+    if lines:
+        ridge = next((recorded_roofline(r, ceilings) for r in rows if recorded_roofline(r, ceilings)), None)
+        out += ["### Roofline", "",
+                f"Ceilings of this run: copy {_figure(ceilings.get('copy_gbps'))} GB/s, GEMM "
+                f"{_figure(ceilings.get('gemm_tflops'))} TFLOP/s: ridge point {_figure(ridge['ridge_flop_per_byte'])} FLOP/byte. "
+                "Intensity = FLOPs / bytes (the rows' byte model); bound = compute at or past the ridge, else "
+                "memory; attainable = min(GEMM rate, intensity × copy bandwidth); fraction = achieved / "
+                "attainable (for a memory-side point that is the fraction of the copy bandwidth, whatever the "
+                "FLOP count). FLOPs: flash-attn's count for attention (docs/PEERS.md); for KDA and the diagonal "
+                "recurrence a lower bound from the recurrent form (KDA 7·D²+2·D, diagonal 4·D per token and head; "
+                "backward 2x).", "",
+                _kernel_table(["operator", "implementation", "case", "dtype", "dir", "FLOP model", "FLOP/byte", "bound",
+                        "achieved", "attainable", "of attainable"], lines), ""]
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------------------------------ report
 
 GRADS_NOTE = {
@@ -623,8 +775,7 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         parts.append(decode_section(rows, run.get("ceilings")))
     parts.append(rows_section(rows, h200, compare, smoke))
     parts.append(first_calls_section(rows))
-    from .resources import resources_section   # kernels per row and roofline
-    parts.append(resources_section(rows, run))
+    parts.append(resources_section(rows, run))       # kernels per row and roofline
     parts += ["## Rows that did not run", "", not_run_section(rows), ""]
     if old is not None:
         parts += ["## Comparison with an earlier run", "", compare_section(rows, old[1], old[0]), ""]
@@ -680,8 +831,7 @@ def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) 
     if plots:
         from . import plots as P
         pngs = P.make_plots(out_dir, run, rows)
-        from .resources import roofline_plot, wanted   # roofline.png
-        pngs += [os.path.basename(p) for p in [wanted(run, rows) and roofline_plot(out_dir, run, rows)] if p]
+        pngs += [os.path.basename(p) for p in [wanted(run, rows) and P.roofline_plot(out_dir, run, rows)] if p]
     old = None
     if compare_dir is not None:
         old = (compare_dir, read_jsonl(os.path.join(compare_dir, "results.jsonl"))[1])
