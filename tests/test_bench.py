@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from delta_attn import cli
-from delta_attn.bench import cases, impls, models, report
+from delta_attn.bench import cases, crossover, impls, models, report, results_files, text
 from delta_attn.bench.impls import Bound, Impl
 from delta_attn.bench.runner import Runner, Settings, Task
 from delta_attn.bench.timer import measure, summarize
@@ -28,7 +28,7 @@ def crossover_dir(tmp_path_factory):
 
 
 def _read(out):
-    return report.read_jsonl(os.path.join(out, "results.jsonl"))
+    return results_files.read_jsonl(os.path.join(out, "results.jsonl"))
 
 
 def test_crossover_tiny_writes_every_artifact(crossover_dir):
@@ -38,7 +38,7 @@ def test_crossover_tiny_writes_every_artifact(crossover_dir):
     with open(os.path.join(crossover_dir, "latency.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     run, rows = _read(crossover_dir)
-    assert run["record"] == "run" and run["schema"] == report.SCHEMA_VERSION and run["suite"] == "crossover"
+    assert run["record"] == "run" and run["schema"] == results_files.SCHEMA_VERSION and run["suite"] == "crossover"
     for key in ("torch", "triton", "delta_attn", "git_revision", "gpu", "cudnn", "cuda"):
         assert key in run["env"]
     assert run["ceilings"]["copy_gbps"] > 0 and run["ceilings"]["gemm_tflops"] > 0
@@ -65,9 +65,9 @@ def test_crossover_tiny_writes_every_artifact(crossover_dir):
     with open(os.path.join(crossover_dir, "results.csv")) as f:
         assert len(f.read().strip().splitlines()) == len(rows) + 1
     md = open(os.path.join(crossover_dir, "report.md")).read()
-    for text in ("## Environment", "## Ceilings", "Latency, fwd+bwd", "## Rows that did not run",
+    for part in ("## Environment", "## Ceilings", "Latency, fwd+bwd", "## Rows that did not run",
                  "delta-attn torch [kda]", "![latency.png](latency.png)"):
-        assert text in md, text
+        assert part in md, part
 
 
 def test_tiny_crossover_is_a_smoke_test_that_claims_no_crossover(crossover_dir):
@@ -108,7 +108,7 @@ def test_report_rerenders_and_compares(crossover_dir, tmp_path):
     for r in rows:
         if r["ms"] is not None:
             r["ms"] *= 2
-    report.write_jsonl(os.path.join(old, "results.jsonl"), run, rows)
+    results_files.write_jsonl(os.path.join(old, "results.jsonl"), run, rows)
     new = str(tmp_path / "new")
     shutil.copytree(crossover_dir, new)
     os.remove(os.path.join(new, "report.md"))
@@ -177,13 +177,13 @@ def test_unavailable_backend_row_carries_the_registry_reason(monkeypatch):
 def test_crossover_point_is_log_interpolated():
     quad = {1024: 1.0, 2048: 4.0, 4096: 16.0}
     lin = {1024: 4.0, 2048: 4.0, 4096: 4.0}     # ratio 4, 1, 0.25: equal at 2048 exactly
-    x, _ = report.crossover_point(lin, quad)
+    x, _ = crossover.crossover_point(lin, quad)
     assert x == pytest.approx(2048)
     lin = {1024: 2.0, 2048: 2.0, 4096: 2.0}     # ratio 2 then 0.5 -> geometric midpoint of 1024 and 2048
-    x, how = report.crossover_point(lin, quad)
+    x, how = crossover.crossover_point(lin, quad)
     assert x == pytest.approx(math.sqrt(1024 * 2048)) and "1024" in how
-    assert report.crossover_point({1024: 9.0}, {1024: 1.0})[0] is None
-    assert report.crossover_point({1024: 0.5}, {1024: 1.0})[0] == 1024
+    assert crossover.crossover_point({1024: 9.0}, {1024: 1.0})[0] is None
+    assert crossover.crossover_point({1024: 0.5}, {1024: 1.0})[0] == 1024
 
 
 def test_flop_and_byte_models():
@@ -369,7 +369,7 @@ def test_answer_section_gives_every_linear_operator_a_crossover_or_a_reason():
         rows.append(_xrow("peer", "kda", "linear", S, 1000.0, provider="fla-core"))            # never
     rows.append(_xrow("FLA chunk_kda", "kda", "linear", K, None, provider="fla-core", status="skipped",
                       note="stopped after 120 s: the first call ran past the 120 s limit (--first-call-limit)"))
-    md = report.answer_section(rows)
+    md = crossover.answer_section(rows)
     lines = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
              for line in md.splitlines() if line.startswith("| ") and "---" not in line}
     assert lines["delta-attn triton [kda]"][0] == "4K" and lines["delta-attn triton [kda]"][1] == "32x"
@@ -458,17 +458,17 @@ def test_a_budget_cut_crossover_says_a_length_or_why_not_and_never_contradicts_i
 
 def test_crossover_is_where_the_linear_op_stays_faster():
     quad = {16: 1.0, 32: 1.0, 64: 1.0, 128: 1.0}
-    x, how = report.crossover_point({16: 0.5, 32: 2.0, 64: 0.5, 128: 0.25}, quad)
+    x, how = crossover.crossover_point({16: 0.5, 32: 2.0, 64: 0.5, 128: 0.25}, quad)
     assert 32 < x < 64 and how == "between S = 32 and 64 (also faster at S = 16, slower again at S = 32)"
-    x, how = report.crossover_point({16: 0.5, 32: 2.0}, {16: 1.0, 32: 1.0})
+    x, how = crossover.crossover_point({16: 0.5, 32: 2.0}, {16: 1.0, 32: 1.0})
     assert x is None and how == "not reached up to S = 32 (still 2x the time; faster at S = 16 only)"
-    assert report.crossover_text(x, how) == "> 32"
+    assert crossover.crossover_text(x, how) == "> 32"
 
 
 def test_rates_keep_their_digits():
-    assert report.rate(0.05e12, "FLOP/s") == "50 GFLOP/s"
-    assert report.rate(4247e9, "B/s") == "4.25 TB/s"
-    assert report.rate(None, "B/s") == "-"
+    assert text.rate(0.05e12, "FLOP/s") == "50 GFLOP/s"
+    assert text.rate(4247e9, "B/s") == "4.25 TB/s"
+    assert text.rate(None, "B/s") == "-"
     md = report.ceilings_block({"ceilings": {"copy_gbps": 20.0, "gemm_tflops": 0.04}})
     assert "40 GFLOP/s" in md and "20 GB/s" in md
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from delta_attn import cli
-from delta_attn.bench import cases, impls, launch_capture, occupancy, plots, report, resources, roofline
+from delta_attn.bench import (cases, impls, launch_capture, occupancy, plots, report, resources, results_files,
+                              roofline)
 from delta_attn.bench.impls import Bound, Impl
 from delta_attn.bench.runner import Runner, Settings, Task
 
@@ -427,7 +428,7 @@ def test_runner_rows_carry_the_first_calls_kernels_by_direction():
     assert rows["fwd"]["resources"]["limits"]["sm_count"] > 0 and rows["fwd"]["kernels_note"] == ""
     for r in rows.values():
         assert r["roofline"]["flops_model"] == "recurrence (lower bound)"
-        json.loads(report.row_json(r))           # JSON-serialisable
+        json.loads(results_files.row_json(r))           # JSON-serialisable
     assert CHAIN.calls == [] and launch_capture._ACTIVE[0] is None
 
 
@@ -497,6 +498,6 @@ def test_section_and_plot(tmp_path):
     assert path and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert plots.roofline_plot(str(tmp_path), {"suite": "kernels"}, rows) is None     # no ceilings, no plot
     # report.md of a results folder gets the section and the plot
-    report.write_jsonl(str(tmp_path / "results.jsonl"), dict(run, command="x"), rows)
+    results_files.write_jsonl(str(tmp_path / "results.jsonl"), dict(run, command="x"), rows)
     text = open(report.render(str(tmp_path))).read()
     assert "## Kernel resources and roofline" in text and "![roofline.png](roofline.png)" in text

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .. import settings
 from .runner import DTYPES, Settings
+from .text import number, percent, table
 from .timer import estimate_ms, measure
 
 OPS = ("kda", "diag", "flash")
@@ -258,7 +259,7 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
     """Run the scaling rows on every rank of the default group; rank 0 writes results.jsonl and
     report.md in ``out_dir`` and returns the report's path (other ranks: None)."""
     from .. import env as _env
-    from . import report
+    from . import results_files
 
     s.check()
     ensure_process_group(s.device)
@@ -280,7 +281,7 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
                     rows.append(row)
                     if rank == 0:
                         print(f"[scaling] {row['op']} {row['mode']} N={world} {sp or ''} {direction}: "
-                              f"{row['status']} {report._f(row.get('ms'))} ms eff {report._pct(row.get('efficiency'))}"
+                              f"{row['status']} {number(row.get('ms'))} ms eff {percent(row.get('efficiency'))}"
                               + (f" ({row['note']})" if row["note"] else ""), file=sys.stderr, flush=True)
     if rank != 0:
         return None
@@ -288,7 +289,7 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
     run = {"suite": "scaling", "command": command or " ".join(["delta-attn"] + sys.argv[1:]), "world_size": world,
            "backend": dist.get_backend(), "started": started.strftime("%Y-%m-%d %H:%M:%S"),
            "duration_s": time.perf_counter() - t0, "tiny": s.tiny, "settings": s.as_dict(), "env": _env.collect()}
-    report.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
+    results_files.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:
         f.write(markdown(run, rows))
@@ -371,7 +372,7 @@ def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Di
 
 
 def markdown(run: Dict, rows: List[Dict]) -> str:
-    from .report import _f, _pct, _table, env_block
+    from .report import env_block
     lines = [f"# delta-attn bench scaling: {run['world_size']} rank(s), {run['backend']}", "",
              f"Command: `{run['command']}`  ", f"Started {run['started']} UTC, {run['duration_s']:.0f} s.", "",
              "Efficiency = N-GPU tokens/s / (N x one-GPU tokens/s); one GPU runs the single-GPU operator on "
@@ -387,13 +388,13 @@ def markdown(run: Dict, rows: List[Dict]) -> str:
     for r in rows:
         exch = r["state_passing"] or "K/V all-gather (zigzag)"
         per = f"{r['tokens_total']:,} ({r['tokens_per_gpu']:,})" if r["tokens_per_gpu"] else f"{r['tokens_total']:,}"
-        body.append([r["op"], r["mode"], exch, r["dtype"], r["direction"], per, _f(r.get("ms")), _f(r.get("local_ms")),
-                     _f(r.get("comm_ms")), _f(r.get("one_gpu_ms")),
-                     _f(r.get("tokens_per_s")), _pct(r.get("efficiency")),
-                     _f(r.get("ideal_ms")) + (f" ({r['ideal_source']})" if r.get("ideal_source") else ""),
-                     _pct(r.get("efficiency_vs_ideal")),
-                     f"{_f(r.get('peak_mib'))} ({_f(r.get('local_peak_mib'))})" if r.get("peak_mib") is not None
+        body.append([r["op"], r["mode"], exch, r["dtype"], r["direction"], per, number(r.get("ms")),
+                     number(r.get("local_ms")), number(r.get("comm_ms")), number(r.get("one_gpu_ms")),
+                     number(r.get("tokens_per_s")), percent(r.get("efficiency")),
+                     number(r.get("ideal_ms")) + (f" ({r['ideal_source']})" if r.get("ideal_source") else ""),
+                     percent(r.get("efficiency_vs_ideal")),
+                     f"{number(r.get('peak_mib'))} ({number(r.get('local_peak_mib'))})" if r.get("peak_mib") is not None
                      else "",
                      r["status"] + (f": {r['note']}" if r["note"] else "")])
-    lines += [_table(head, body), "", "## Environment", "", env_block(run), ""]
+    lines += [table(head, body), "", "## Environment", "", env_block(run), ""]
     return "\n".join(lines)
