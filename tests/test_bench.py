@@ -146,17 +146,17 @@ def test_failed_rows_carry_no_speed():
     boom = _fake("boom", None, raises=True)
     tasks = [Task("kernels", case, i, ("fwd", "fwd+bwd"), torch.float32) for i in (good, wrong, nan, boom)]
     rows = runner.run(tasks, "test")
-    by = {(r["impl"], r["direction"]): r for r in rows}
-    assert by[("right", "fwd")]["status"] == "ok" and by[("right", "fwd+bwd")]["status"] == "ok"
-    assert by[("right", "fwd")]["ms"] > 0
+    by = {(r.impl, r.direction): r for r in rows}
+    assert by[("right", "fwd")].status == "ok" and by[("right", "fwd+bwd")].status == "ok"
+    assert by[("right", "fwd")].ms > 0
     for name in ("wrong", "nan", "boom"):
         for d in ("fwd", "fwd+bwd"):
             r = by[(name, d)]
-            assert r["status"] == "FAILED", (name, d, r["note"])
-            assert all(r[k] is None for k in SPEED_KEYS)
-            assert r["note"].startswith("correctness gate")
-    assert "kernel exploded" in by[("boom", "fwd")]["note"]
-    md = report.markdown({"suite": "kernels"}, rows, [])
+            assert r.status == "FAILED", (name, d, r.note)
+            assert all(getattr(r, k) is None for k in SPEED_KEYS)
+            assert r.note.startswith("correctness gate")
+    assert "kernel exploded" in by[("boom", "fwd")].note
+    md = report.markdown({"suite": "kernels"}, [r.to_json() for r in rows], [])
     assert "**FAILED**" in md
 
 
@@ -166,12 +166,12 @@ def test_unavailable_backend_row_carries_the_registry_reason(monkeypatch):
     runner = Runner(s, {})
     case = dict(op="flash", B=1, S=8, H=2, Hk=2, D=8, causal=True)
     tasks = [Task("kernels", case, i, ("fwd",), torch.float32) for i in impls.catalogue("flash", torch.device("cpu"))]
-    rows = {r["impl"]: r for r in runner.run(tasks, "test")}
-    assert rows["delta-attn torch"]["status"] == "ok"
-    assert rows["cuDNN (SDPA)"]["status"] == "unavailable" and "CUDA" in rows["cuDNN (SDPA)"]["note"]
-    assert "not installed: pip install fla-core" in rows["FLA parallel_attn"]["note"]
+    rows = {r.impl: r for r in runner.run(tasks, "test")}
+    assert rows["delta-attn torch"].status == "ok"
+    assert rows["cuDNN (SDPA)"].status == "unavailable" and "CUDA" in rows["cuDNN (SDPA)"].note
+    assert "not installed: pip install fla-core" in rows["FLA parallel_attn"].note
     if "delta-attn cudnn" in rows:
-        assert rows["delta-attn cudnn"]["status"] == "unavailable" and rows["delta-attn cudnn"]["note"]
+        assert rows["delta-attn cudnn"].status == "unavailable" and rows["delta-attn cudnn"].note
 
 
 def test_crossover_point_is_log_interpolated():
@@ -225,13 +225,13 @@ def test_backward_rows_accumulate_or_reset_gradients(grads):
         return Bound(fn=call, leaves=b.leaves, spec=b.spec, inputs=b.inputs)
     impl = Impl(impl.name, impl.op, impl.family, impl.provider, spy, impl.why_not)
     rows = runner.run([Task("kernels", case, impl, ("fwd+bwd",), torch.float32)], "test")
-    assert rows[0]["status"] == "ok", rows[0]["note"]
+    assert rows[0].status == "ok", rows[0].note
     timed = seen[-4:]
     if grads == "fresh":
         assert all(v is None for v in timed)
     else:
         assert all(v is not None for v in timed) and timed[0] < timed[1] < timed[2] < timed[3]
-    md = report.markdown({"suite": "kernels", "settings": s.as_dict()}, rows, [])
+    md = report.markdown({"suite": "kernels", "settings": s.as_dict()}, [r.to_json() for r in rows], [])
     assert ("do_bench protocol" in md) == (grads == "accumulate")
     with pytest.raises(ValueError, match="grads"):
         Settings(grads="reset")
@@ -259,7 +259,7 @@ def test_time_budget_skips_rows_not_started():
     runner.deadline = 0.0           # already past
     case = dict(op="diag", B=1, S=9, H=2, D=4)
     rows = runner.run([Task("kernels", case, _fake("right", lambda o: o), ("fwd",), torch.float32)], "test")
-    assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["note"] and rows[0]["ms"] is None
+    assert rows[0].status == "skipped" and "time budget" in rows[0].note and rows[0].ms is None
 
 
 # ------------------------------------------------------------------ the crossover is always answered
@@ -331,13 +331,13 @@ def test_first_call_limit_stops_a_slow_peer_and_skips_its_later_rows():
     t0 = _time.perf_counter()
     rows = runner.run(tasks, "test")
     assert _time.perf_counter() - t0 < 25
-    by = {(r["impl"], r["case"]["S"]): r for r in rows}
+    by = {(r.impl, r.case["S"]): r for r in rows}
     first = by[("autotuner", 8)]
-    assert first["status"] == "skipped" and "--first-call-limit" in first["note"] and first["ms"] is None
+    assert first.status == "skipped" and "--first-call-limit" in first.note and first.ms is None
     later = by[("autotuner", 16)]
-    assert later["status"] == "skipped" and "later rows are skipped" in later["note"]
-    assert by[("right", 8)]["status"] == "ok" and by[("right", 16)]["status"] == "ok"
-    md = report.markdown({"suite": "crossover"}, rows, [])
+    assert later.status == "skipped" and "later rows are skipped" in later.note
+    assert by[("right", 8)].status == "ok" and by[("right", 16)].status == "ok"
+    md = report.markdown({"suite": "crossover"}, [r.to_json() for r in rows], [])
     assert "rows stopped by --first-call-limit" in md
 
 
@@ -349,7 +349,7 @@ def test_a_row_running_when_the_budget_ends_is_stopped():
     runner.deadline = _time.perf_counter() + 0.5
     rows = runner.run([Task("crossover", dict(op="diag", B=1, S=8, H=2, D=4), _sleepy("autotuner", 30.0), ("fwd",),
                             torch.float32)], "test")
-    assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["note"]
+    assert rows[0].status == "skipped" and "time budget" in rows[0].note
 
 
 def _xrow(impl, op, family, S, ms, direction="fwd", provider="delta-attn", status="ok", note="", first=None):

@@ -414,21 +414,21 @@ def test_runner_rows_carry_the_first_calls_kernels_by_direction():
     runner = Runner(_settings(resources="triton"), dict(CEIL))
     runner._res.api = API                      # the fake Triton: launches are "seen" on CPU
     case = dict(op="diag", B=1, S=9, H=2, D=4)
-    rows = {r["direction"]: r for r in runner.run([Task("kernels", case, _launching_impl(), ("fwd", "bwd", "fwd+bwd"),
+    rows = {r.direction: r for r in runner.run([Task("kernels", case, _launching_impl(), ("fwd", "bwd", "fwd+bwd"),
                                                         torch.float32)], "test")}
-    assert all(r["status"] == "ok" for r in rows.values()), [r["note"] for r in rows.values()]
-    names = {d: [(k["kernel"], k["phase"], k["launches"]) for k in r["kernels"]] for d, r in rows.items()}
+    assert all(r.status == "ok" for r in rows.values()), [r.note for r in rows.values()]
+    names = {d: [(k["kernel"], k["phase"], k["launches"]) for k in r.kernels] for d, r in rows.items()}
     # one launch each: only the untimed first call is watched (not the gate, the estimate or the timed calls)
     assert names == {"fwd": [("fwd_k", "fwd", 1)], "bwd": [("bwd_k", "bwd", 1)],
                      "fwd+bwd": [("fwd_k", "fwd", 1), ("bwd_k", "bwd", 1)]}
-    k = rows["fwd"]["kernels"][0]
+    k = rows["fwd"].kernels[0]
     # 4 warps x 128 regs: 4096 per warp -> 4 per sub-partition -> 16 warps -> 4 blocks; 64 KiB + 1 KiB -> 3 blocks
     assert k["occupancy"]["programs_per_sm"] == 3 and k["occupancy"]["binding"] == "shared memory"
     assert k["programs"] == 8 and k["config"]["constexprs"] == {"BT": 64, "BK": 128, "USE_G": True}
-    assert rows["fwd"]["resources"]["limits"]["sm_count"] > 0 and rows["fwd"]["kernels_note"] == ""
+    assert rows["fwd"].resources["limits"]["sm_count"] > 0 and rows["fwd"].kernels_note == ""
     for r in rows.values():
-        assert r["roofline"]["flops_model"] == "recurrence (lower bound)"
-        json.loads(results_files.row_json(r))           # JSON-serialisable
+        assert r.roofline["flops_model"] == "recurrence (lower bound)"
+        json.loads(results_files.row_json(r.to_json()))     # JSON-serialisable
     assert CHAIN.calls == [] and launch_capture._ACTIVE[0] is None
 
 
@@ -438,14 +438,15 @@ def test_cpu_rows_say_why_there_are_no_kernels(monkeypatch):
     case = dict(op="diag", B=1, S=9, H=2, D=4)
     rows = runner.run([Task("kernels", case, _launching_impl(), ("fwd",), torch.float32),
                        Task("crossover", case, _launching_impl(), ("fwd",), torch.float32)], "test")
-    assert rows[0]["kernels"] is None and "interpreter" in rows[0]["kernels_note"]
-    assert rows[1]["kernels"] is None and rows[1]["kernels_note"] == resources.NOT_COLLECTED
-    md = report.resources_section(rows, {"suite": "kernels", "ceilings": CEIL, "env": {"triton_interpreter": True}})
+    assert rows[0].kernels is None and "interpreter" in rows[0].kernels_note
+    assert rows[1].kernels is None and rows[1].kernels_note == resources.NOT_COLLECTED
+    recorded = [r.to_json() for r in rows]
+    md = report.resources_section(recorded, {"suite": "kernels", "ceilings": CEIL, "env": {"triton_interpreter": True}})
     assert "## Kernel resources and roofline" in md and "compiles nothing" in md and "### Roofline" in md
-    assert report.resources_section(rows, {"suite": "crossover"}) == ""       # nothing collected, not the kernels suite
+    assert report.resources_section(recorded, {"suite": "crossover"}) == ""       # nothing collected, not the kernels suite
     off = Runner(_settings(resources="off"), dict(CEIL)).run([Task("kernels", case, _launching_impl(), ("fwd",),
                                                                    torch.float32)], "test")
-    assert off[0]["kernels"] is None and off[0]["kernels_note"] == resources.NOT_COLLECTED
+    assert off[0].kernels is None and off[0].kernels_note == resources.NOT_COLLECTED
 
 
 def test_cli_resources_flags():

@@ -60,7 +60,7 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     sink = open(path, "a")
 
     def on_row(row):
-        sink.write(results_files.row_json(row) + "\n")
+        sink.write(results_files.row_json(row.to_json()) + "\n")
         sink.flush()
 
     runner = Runner(settings, ceilings, on_row=on_row)
@@ -69,7 +69,7 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     def finish() -> str:
         """The final results.jsonl (run record with duration and crossover points), then the report."""
         run["duration_s"] = time.perf_counter() - t0
-        rows = list(runner.rows)
+        rows = [r.to_json() for r in runner.rows]
         if suite == "crossover" and not settings.tiny:      # a smoke test claims no crossover
             run["crossover"] = crossover.crossover_summary(rows)
         results_files.write_jsonl(path, run, rows)

@@ -10,6 +10,7 @@ from typing import Dict, Optional
 from .launch_capture import FirstCall
 from .occupancy import device_limits
 from .roofline import row_roofline
+from .rows import BenchRow
 
 MODES = ("auto", "off", "triton", "full")
 NOT_COLLECTED = ("not collected (on by default in the kernels suite; `--resources` for every suite, with the "
@@ -18,8 +19,8 @@ NOT_COLLECTED = ("not collected (on by default in the kernels suite; `--resource
 
 class RowResources:
     """The runner's side: ``first_call(task, direction)`` wraps the row's untimed first call;
-    ``annotate(row)`` adds ``kernels``, ``kernels_note``, ``resources`` and ``roofline`` to every
-    emitted row (JSON-serialisable)."""
+    ``annotate(row)`` sets ``kernels``, ``kernels_note``, ``resources`` and ``roofline`` of every
+    emitted row (JSON-serialisable values)."""
 
     def __init__(self, settings, ceilings: Dict, device, api=None):
         self.mode = getattr(settings, "resources", "auto") or "auto"
@@ -46,33 +47,30 @@ class RowResources:
         self._last = fc
         return fc
 
-    def _matches(self, fc: Optional[FirstCall], row: Dict) -> bool:
+    def _matches(self, fc: Optional[FirstCall], row: BenchRow) -> bool:
         if fc is None or fc.task is None:
             return False
         t = fc.task
-        return (row.get("impl") == t.impl.name and row.get("direction") == fc.direction
-                and row.get("op") == t.case.get("op") and row.get("suite") == t.suite)
+        return (row.impl == t.impl.name and row.direction == fc.direction
+                and row.op == t.case.get("op") and row.suite == t.suite)
 
-    def annotate(self, row: Dict) -> Dict:
+    def annotate(self, row: BenchRow) -> BenchRow:
         try:
             fc, self._last = self._last, None
             kernels, note, meta = None, "", None
-            if row.get("status") != "ok":
-                note = f"the row did not run ({row.get('status')})"
+            if row.status != "ok":
+                note = f"the row did not run ({row.status})"
             elif self._matches(fc, row):
                 if fc.mode == "off":
                     note = NOT_COLLECTED
                 else:
-                    kernels, note, meta = fc.result(row["direction"], self.limits)
+                    kernels, note, meta = fc.result(row.direction, self.limits)
             elif self.mode == "off":
                 note = NOT_COLLECTED
             else:
-                note = NOT_COLLECTED if self.mode == "auto" and row.get("suite") != "kernels" else "no capture"
-            row["kernels"], row["kernels_note"], row["resources"] = kernels, note, meta
-            row["roofline"] = row_roofline(row, self.ceilings)
+                note = NOT_COLLECTED if self.mode == "auto" and row.suite != "kernels" else "no capture"
+            row.kernels, row.kernels_note, row.resources = kernels, note, meta
+            row.roofline = row_roofline(row.to_json(), self.ceilings)
         except Exception as e:  # noqa: BLE001 - the report must never cost a row
-            row.setdefault("kernels", None)
-            row["kernels_note"] = f"resource report failed: {type(e).__name__}: {e}"
-            row.setdefault("resources", None)
-            row.setdefault("roofline", None)
+            row.kernels_note = f"resource report failed: {type(e).__name__}: {e}"
         return row

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
+from .rows import ScalingRow
 from .runner import DTYPES, Settings
 from .text import number, percent, table
 from .timer import estimate_ms, measure
@@ -267,32 +268,34 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
     device = _device(s)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
-    rows: List[Dict] = []
+    rows: List[ScalingRow] = []
     for dname in s.dtypes:
         dt = DTYPES[dname]
         for c in cases(s, world):
             schemes = ("allgather", "ring") if c["op"] != "flash" else (None,)
             for sp in schemes:
                 for direction in (s.directions or ("fwd", "fwd+bwd")):
-                    row = dict(record="row", suite="scaling", op=c["op"], mode=c["mode"], world=world,
-                               state_passing=sp, dtype=dname, direction=direction, tokens_total=c["T_total"],
-                               tokens_per_gpu=c["T_local"], H=c["H"], D=c["D"], status="ok", note="")
-                    row.update(_row(c, sp, dt, direction, device, s, world))
+                    measured = dict(status="ok", note="")
+                    measured.update(_measure_row(c, sp, dt, direction, device, s, world))
+                    row = ScalingRow(suite="scaling", op=c["op"], mode=c["mode"], world=world, state_passing=sp,
+                                     dtype=dname, direction=direction, tokens_total=c["T_total"],
+                                     tokens_per_gpu=c["T_local"], H=c["H"], D=c["D"], **measured)
                     rows.append(row)
                     if rank == 0:
-                        print(f"[scaling] {row['op']} {row['mode']} N={world} {sp or ''} {direction}: "
-                              f"{row['status']} {number(row.get('ms'))} ms eff {percent(row.get('efficiency'))}"
-                              + (f" ({row['note']})" if row["note"] else ""), file=sys.stderr, flush=True)
+                        print(f"[scaling] {row.op} {row.mode} N={world} {sp or ''} {direction}: "
+                              f"{row.status} {number(row.ms)} ms eff {percent(row.efficiency)}"
+                              + (f" ({row.note})" if row.note else ""), file=sys.stderr, flush=True)
     if rank != 0:
         return None
     os.makedirs(out_dir, exist_ok=True)
     run = {"suite": "scaling", "command": command or " ".join(["delta-attn"] + sys.argv[1:]), "world_size": world,
            "backend": dist.get_backend(), "started": started.strftime("%Y-%m-%d %H:%M:%S"),
            "duration_s": time.perf_counter() - t0, "tiny": s.tiny, "settings": s.as_dict(), "env": _env.collect()}
-    results_files.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
+    records = [r.to_json() for r in rows]
+    results_files.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, records)
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:
-        f.write(markdown(run, rows))
+        f.write(markdown(run, records))
     return path
 
 
@@ -317,7 +320,8 @@ def _ideal(c: Dict, out: Dict, world: int, single, dt, device, s: Settings, dire
         return {"ideal_ms": out["local_ms"] * world, "ideal_source": "model N^2"}
 
 
-def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Dict:
+def _measure_row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Dict:
+    """The measured fields of one row's :class:`ScalingRow` (status and note when it did not run)."""
     import delta_attn.distributed as dd
     if c.get("skip"):
         return {"status": "skipped", "note": c["skip"]}
