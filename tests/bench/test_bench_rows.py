@@ -9,7 +9,7 @@ from delta_attn.bench import impls
 from delta_attn.bench.rows import BenchRow, ScalingRow
 from delta_attn.bench.runner import Runner, Settings, Task
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def _recorded_rows(suite):
