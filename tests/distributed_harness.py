@@ -1,47 +1,26 @@
 """Run a test body on W CPU ranks (gloo), each in its own spawned process; failures reach pytest.
 
-``run_ranks(world, fn, *args)`` starts W processes once; each initialises a gloo process group, calls
-``fn(rank, world, *args)`` (a module-level function, imported in the process from its module's folder) and
-reports its traceback, if any, to the parent, which raises with every failing rank's traceback. One start per
-world size: put many seeded cases inside ``fn``. Processes fork from a forkserver that has imported torch and
-delta_attn once (a clean single-threaded parent, unlike the pytest worker), and leave by ``os._exit`` (torch's
+``run_ranks(world, fn, *args)`` starts W processes once; each initialises a gloo process group,
+calls ``fn(rank, world, *args)`` (a module-level function) and reports its traceback, if any, to the
+parent, which raises with every failing rank's traceback. One start per world size: put many seeded
+cases inside ``fn``. Processes fork from a forkserver that has imported torch and delta_attn once
+(a clean single-threaded parent, unlike the pytest worker), and leave by ``os._exit`` (torch's
 interpreter teardown costs seconds per process).
 """
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 import tempfile
 import traceback
 
 import torch.multiprocessing as mp
 
 
-def _where(fn):
-    """(folder of ``fn``'s module, module name, qualified name). The test folders are not packages, so a test module
-    is importable from its own folder only, which a forkserver started by a test of another folder does not have on
-    its path: the worker puts it there and imports ``fn`` by name."""
-    module = sys.modules[fn.__module__]
-    return os.path.dirname(os.path.abspath(module.__file__)), fn.__module__, fn.__qualname__
-
-
-def _load(where):
-    folder, module, name = where
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
-    return fn
-
-
-def _worker(rank, world, init_file, where, args, errors, backend):
+def _worker(rank, world, init_file, fn, args, errors, backend):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        fn = _load(where)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -67,7 +46,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "pg_init")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, _where(fn), args, errors, backend), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errors, backend), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
