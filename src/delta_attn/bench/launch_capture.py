@@ -24,6 +24,7 @@ memory per program, bytes), ``maxnreg``, ``target``), ``compiled.n_regs`` / ``n_
 ``compiled.src.fn.arg_names``. Launches made while ``triton.autotune`` benchmarks its candidates
 (``Autotuner._bench``) are counted but not listed. Nothing is launched or compiled for the capture:
 it only watches the call the protocol makes anyway. Under the Triton interpreter
+(``TRITON_INTERPRET=1``) nothing is compiled and the capture returns the reason instead.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from .. import settings
 from .occupancy import add_occupancy
+
 
 # ------------------------------------------------------------------------------------------ parsing
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+
 # ------------------------------------------------------------------------------------------ device limits
 
 # Per compute capability: CUDA C Programming Guide, "Technical Specifications per Compute Capability",

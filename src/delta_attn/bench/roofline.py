@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
+
 def linear_flops(case: Dict, direction: str) -> Optional[float]:
     """A lower bound on the FLOPs of the linear operators (no agreed count exists; the chunked kernels
     do more), from their recurrent form, per token and head: KDA (7·D² + 2·D: decay the D×D state,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional
 
+
 def _json(row) -> Dict[str, Any]:
     """``{"record": "row", field: value, ...}`` in field order; values are shared, not copied."""
     out: Dict[str, Any] = {"record": "row"}
