@@ -1,5 +1,5 @@
 """Seeded ``flash_attn_with_kvcache`` calls and the reference on copies of their caches (shared by
-tests/test_kvcache.py and tests/gpu/test_kvcache_gpu.py)."""
+tests/ops/test_kvcache.py and tests/gpu/test_kvcache_gpu.py)."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
 """Seeded random configurations of every public operator (property-based tests), shared by the CPU suite
-(tests/test_properties.py), the GPU suite (tests/gpu/test_properties_gpu.py) and the KDA suites.
+(tests/ops/test_properties.py), the GPU suite (tests/gpu/test_properties_gpu.py) and the KDA suites.
 
 ``draw(op, seed, domain)`` gives one :class:`Case` of ``flash_attn_func`` ("flash"),
 ``flash_attn_varlen_func`` ("flash_varlen"), ``kda``, ``kda_step``, ``gated_diag_attn`` ("diag") or

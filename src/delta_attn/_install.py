@@ -1,5 +1,5 @@
 """How to install each optional package: one hint per package, quoted by every error, by ``delta-attn env``, by
-the benchmark's rows and by the README and docs (tests/test_install_hints.py holds them to it).
+the benchmark's rows and by the README and docs (tests/project/test_install_hints.py holds them to it).
 
 Each hint names the package itself (works in any environment, a checkout included); where an extra of this
 project installs it too, the extra follows as the alternative, spelled for a checkout. cuDNN has one route:

@@ -218,7 +218,7 @@ class Backend:
 # bfloat16 under the Triton interpreter (TRITON_INTERPRET=1) is wrong for every Triton operator: tl.dot on
 # bfloat16 operands returns garbage (seen on Triton 3.6, measured on 3.9.0) and float32 -> bfloat16 casts truncate
 # instead of rounding (1 ulp off: the diagonal scans and the decode steps, which have no tl.dot, fail the error
-# rule), so bfloat16 runs on CUDA GPUs only. tests/test_backend_capabilities.py checks that the installed Triton
+# rule), so bfloat16 runs on CUDA GPUs only. tests/ops/test_backend_capabilities.py checks that the installed Triton
 # still has the tl.dot bug.
 
 
@@ -433,8 +433,8 @@ def _assume_constant_result(fn: Callable) -> Callable:
     """``torch.compiler.assume_constant_result(fn)``: torch.compile treats ``fn``'s result as a constant of the
     graph (the backend choice is made once at trace time and never breaks a graph). The public decorator imports
     ``torch._dynamo``, and with it sympy, numpy and Triton (about 1.2 s), which ``import delta_attn`` must not do
-    (tests/test_env.py); all it does is set the attribute below, so that is set here while dynamo is not loaded.
-    tests/test_backends.py checks against the installed torch that the public decorator sets exactly this."""
+    (tests/project/test_env.py); all it does is set the attribute below, so that is set here while dynamo is not loaded.
+    tests/ops/test_backends.py checks against the installed torch that the public decorator sets exactly this."""
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True

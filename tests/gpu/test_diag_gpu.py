@@ -192,11 +192,11 @@ def test_shrunk_blocks_many_tiles():
 
 
 # ---- non-finite gates (issue 15): a NaN stays in its own sequence with thousands of tiles in flight ----
-# (the checks and the semantics are tests/test_diag_nan.py's; here the look-back really races: a tile may
-# meet its predecessor's aggregate map, a full decay or a reset, before the inclusive state)
+# (the checks are tests/diag_nan_checks.py's, the semantics tests/ops/test_diag_nan.py's; here the look-back
+# really races: a tile may meet its predecessor's aggregate map, a full decay or a reset, before the inclusive state)
 
-from test_diag_nan import (check_nan_run, check_step_nan, check_step_strided_indices,  # noqa: E402
-                           nan_case, public_with_grads)
+from diag_nan_checks import (check_nan_run, check_step_nan, check_step_strided_indices,  # noqa: E402
+                             nan_case, public_with_grads)
 
 NAN_LENS = [0, 3000, 0, 1, 777, 12000, 0, 64, 5000, 0]
 # NaN rows: inside a long sequence (then 2000 full decays), at a first token, and near the end of one

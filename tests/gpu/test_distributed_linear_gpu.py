@@ -64,7 +64,7 @@ def _inputs(c, world, device):
 
 def _body(rank, world, schemes, device_type="cuda", backend="triton"):
     import delta_attn.distributed as dd
-    import test_distributed_linear as L
+    import sharded_grads as L
     from delta_attn import reference
     from delta_attn.testing import check
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -79,11 +79,12 @@ def _body(rank, world, schemes, device_type="cuda", backend="triton"):
         extra = {}
         if c["seed"] % 2:           # half the configurations with the batch's plan
             extra["plan"] = dd.prepare(seqlen=xs[0].shape[1], cu_seqlens=kw.get("cu_seqlens"), device=device)
-        got = L._sharded(fn_dd, xs, kw, w, world, backend=backend, state_passing=c["scheme"], **extra)
-        r64 = L._single(fn_ref, [x.double() for x in xs],
-                        {k: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for k, t in kw.items()}, w)
-        low = L._single(fn_ref, xs, kw, w, upcast=False)
-        names = ["o", "final"] + L._names(kw, len(xs))
+        got = L.sharded(fn_dd, xs, kw, w, world, backend=backend, state_passing=c["scheme"], **extra)
+        r64 = L.single_process(fn_ref, [x.double() for x in xs],
+                               {k: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t)
+                                for k, t in kw.items()}, w)
+        low = L.single_process(fn_ref, xs, kw, w, upcast=False)
+        names = ["o", "final"] + L.grad_names(kw, len(xs))
         nx = len(xs)
         bad = []
         for i, nm in enumerate(names):

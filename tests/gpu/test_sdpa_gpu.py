@@ -1,5 +1,6 @@
 """GPU tests of backend="sdpa" (FlashAttention-2 fp16 / bf16, memory-efficient fp32) against the float64
-reference: the cases issue 15 found wrong and the seeded configurations of tests/test_backend_capabilities.py.
+reference: the cases issue 15 found wrong and the seeded configurations of tests/attention_cases.py (the CPU
+suite's tests/ops/test_backend_capabilities.py).
 
 Rows that see no key (causal with Sq > Sk, Sk = 0, zero-length varlen sequences) must give zeros,
 lse = +inf and zero dq; negative and zero softmax scales and the window (0, -1) must match the
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 import delta_attn as da
-import test_backend_capabilities as caps
 from delta_attn import reference
 from delta_attn.testing import check, poison_outputs
+
+import attention_cases as caps
 
 CUDA = "cuda"
 

@@ -32,7 +32,7 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     import torch
 
     from .. import env as _env
-    from . import report, suites
+    from . import crossover, report, results_files, suites, text
     from .runner import Runner, measure_ceilings
 
     settings.check()
@@ -45,8 +45,8 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     t0 = time.perf_counter()
     print(f"delta-attn bench {suite}: measuring the ceilings (copy bandwidth, GEMM) ...", file=sys.stderr, flush=True)
     ceilings = measure_ceilings(device, settings)
-    print(f"  copy {report.rate(ceilings['copy_gbps'] * 1e9, 'B/s')}, "
-          f"GEMM {report.rate(ceilings['gemm_tflops'] * 1e12, 'FLOP/s')}",
+    print(f"  copy {text.rate(ceilings['copy_gbps'] * 1e9, 'B/s')}, "
+          f"GEMM {text.rate(ceilings['gemm_tflops'] * 1e12, 'FLOP/s')}",
           file=sys.stderr, flush=True)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8e9
     tasks = suites.build(suite, settings, kv_budget_bytes=0.4 * free)
@@ -56,11 +56,11 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
            "ceilings": ceilings}
     path = os.path.join(out_dir, "results.jsonl")
     # rows are appended as they come, so an interrupted run still leaves a readable folder
-    report.write_jsonl(path, run, [])
+    results_files.write_jsonl(path, run, [])
     sink = open(path, "a")
 
     def on_row(row):
-        sink.write(report.row_json(row) + "\n")
+        sink.write(results_files.row_json(row.to_json()) + "\n")
         sink.flush()
 
     runner = Runner(settings, ceilings, on_row=on_row)
@@ -69,10 +69,10 @@ def run_suite(suite: str, settings: Settings, out_dir: str, command: Optional[st
     def finish() -> str:
         """The final results.jsonl (run record with duration and crossover points), then the report."""
         run["duration_s"] = time.perf_counter() - t0
-        rows = list(runner.rows)
+        rows = [r.to_json() for r in runner.rows]
         if suite == "crossover" and not settings.tiny:      # a smoke test claims no crossover
-            run["crossover"] = report.crossover_summary(rows)
-        report.write_jsonl(path, run, rows)
+            run["crossover"] = crossover.crossover_summary(rows)
+        results_files.write_jsonl(path, run, rows)
         return report.render(out_dir, plots=plots)
 
     def hard_stop() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict, List, Optional
+
+from .roofline import OPERATOR_ORDER, headline_rows, recorded_roofline
 
 
 def _plt():
@@ -166,3 +168,66 @@ def make_plots(out_dir: str, run: Dict, rows: List[Dict]) -> List[str]:
         plt.close(fig)
         made.append("ceiling_fraction.png")
     return made
+
+
+def roofline_plot(out_dir: str, run: Dict, rows: List[Dict], name: str = "roofline.png") -> Optional[str]:
+    """A log-log roofline PNG: the memory roof (intensity × copy bandwidth) and the compute roof (GEMM
+    rate) of the run's ceilings, one point per operator and implementation at the suite's headline
+    shape, one panel per direction. Returns its path, or None (no ceilings, no point, no matplotlib)."""
+    ceilings = run.get("ceilings") or {}
+    if not ceilings.get("copy_gbps") or not ceilings.get("gemm_tflops"):
+        return None
+    pts = []
+    for r in headline_rows(rows):
+        rl = recorded_roofline(r, ceilings)
+        if rl and rl.get("ai_flop_per_byte") and rl.get("achieved_tflops"):
+            pts.append((r, rl))
+    if not pts:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    dirs = [d for d in ("fwd", "bwd", "fwd+bwd") if any(r["direction"] == d for r, _ in pts)]
+    dirs += sorted({r["direction"] for r, _ in pts} - set(dirs))
+    bw, peak = ceilings["copy_gbps"] * 1e9, ceilings["gemm_tflops"] * 1e12
+    ridge = peak / bw
+    ais = [rl["ai_flop_per_byte"] for _, rl in pts]
+    lo, hi = min(min(ais), ridge) / 8, max(max(ais), ridge) * 8
+    colors = {op: f"C{i}" for i, op in enumerate(OPERATOR_ORDER)}
+    fig, axes = plt.subplots(1, len(dirs), figsize=(6.5 * len(dirs), 5.2), squeeze=False)
+    dev = ((run.get("env") or {}).get("gpu") or {}).get("name") or "CPU"
+    for ax, d in zip(axes[0], dirs):
+        xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+        ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], "k-", lw=1.2)
+        ax.axvline(ridge, color="k", lw=0.6, ls=":")
+        ax.text(ridge, lo * bw / 1e12, f" ridge {ridge:.0f} FLOP/B", fontsize=7, va="bottom", rotation=90)
+        ax.text(lo, lo * bw / 1e12, f" copy {ceilings['copy_gbps']:.0f} GB/s", fontsize=7, va="bottom", rotation=0)
+        ax.text(hi, peak / 1e12, f"GEMM {ceilings['gemm_tflops']:.0f} TFLOP/s ", fontsize=7, va="bottom", ha="right")
+        for r, rl in pts:
+            if r["direction"] != d:
+                continue
+            ours = r.get("provider") == "delta-attn"
+            ax.scatter([rl["ai_flop_per_byte"]], [rl["achieved_tflops"]], color=colors.get(r["op"], "k"),
+                       marker="o" if ours else "^", s=36, edgecolors="k" if ours else "none",
+                       label=f"{r['op']}: {r['impl']}")
+            ax.annotate(r["impl"].replace("delta-attn ", "ours "), (rl["ai_flop_per_byte"], rl["achieved_tflops"]),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+        ax.set_ylabel("achieved TFLOP/s")
+        ax.set_title(d, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(handles, labels, fontsize=6, loc="lower right")
+    fig.suptitle(f"{run.get('suite', '')}: roofline at the headline shapes ({dev}; circles: delta-attn, triangles: "
+                 "peers; KDA / diagonal FLOPs are a lower bound)", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

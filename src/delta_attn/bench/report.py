@@ -1,115 +1,20 @@
-"""Writers and readers of a results folder: results.jsonl, results.csv, report.md (+ plots).
-
-results.jsonl: the first line is the run record (``"record": "run"``: suite, command, dates,
-environment, ceilings, settings), then one ``"record": "row"`` line per (implementation, case,
-direction); the schema is in docs/BENCH.md. ``render(dir)`` rebuilds report.md, results.csv and the
-plots from results.jsonl alone, so ``delta-attn report DIR`` works on any copied folder.
+"""report.md of a results folder, and its plots: ``render(dir)`` rebuilds report.md, results.csv and the
+plots from results.jsonl alone (results_files.py), so ``delta-attn report DIR`` works on any copied folder;
+``write_index`` writes the top-level report of ``bench all``. The crossover suite's sections are crossover.py's.
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 from collections import OrderedDict, defaultdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import anchors
+from .crossover import answer_section, crossover_section
 from .impls import CUDNN_KDA_NATIVE
-
-SCHEMA_VERSION = 1
-CSV_FIELDS = ["suite", "op", "impl", "provider", "family", "direction", "dtype", "label", "tokens", "status",
-              "ms", "ms_mean", "ms_std", "ms_p20", "ms_p80", "ms_min", "reps", "first_call_ms", "flops", "tflops",
-              "frac_gemm", "bytes", "gbps", "frac_copy", "tokens_per_s", "peak_mem_mb", "graph_ms", "gate_max_error",
-              "gate_bound", "note", "case"]
-
-
-# ------------------------------------------------------------------------------------------ files
-
-def row_json(row: Dict) -> str:
-    return json.dumps(_finite(row), default=str)
-
-
-def _finite(x):
-    """NaN / inf become null (JSON has neither)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
-def write_jsonl(path: str, run: Dict, rows: List[Dict]) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(_finite(dict(run, record="run", schema=SCHEMA_VERSION)), default=str) + "\n")
-        for r in rows:
-            f.write(row_json(r) + "\n")
-
-
-def read_jsonl(path: str) -> Tuple[Dict, List[Dict]]:
-    run, rows = {}, []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            rec = json.loads(line)
-            if rec.get("record") == "run":
-                run = rec
-            elif rec.get("record") == "row":
-                rows.append(rec)
-    return run, rows
-
-
-def write_csv(path: str, rows: List[Dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            flat = dict(r)
-            g = r.get("gate") or {}
-            flat["gate_max_error"], flat["gate_bound"] = g.get("max_error"), g.get("bound")
-            flat["case"] = json.dumps(r.get("case", {}))
-            w.writerow(flat)
-
-
-# ------------------------------------------------------------------------------------------ formatting
-
-def _f(x, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return "-"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
-
-
-def rate(x: Optional[float], unit: str) -> str:
-    """A rate with an SI prefix that keeps three significant digits (0.05 TFLOP/s is "50 GFLOP/s")."""
-    if x is None or not math.isfinite(x):
-        return "-"
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{_f(x / scale)} {prefix}{unit}"
-    return f"{_f(x)} {unit}"
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def _cell(text: str) -> str:
-    """Any text (a multi-line error, a note with a pipe) as one Markdown table cell, in full."""
-    return " ".join(str(text).split()).replace("|", "/")
-
-
-def _table(header: List[str], lines: Iterable[List[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    out += ["| " + " | ".join(str(c) for c in line) + " |" for line in lines]
-    return "\n".join(out)
+from .results_files import read_jsonl, write_csv
+from .roofline import OPERATOR_ORDER, recorded_roofline
+from .text import byte_size, cell, number, percent, rate, table
 
 
 def _key(r: Dict) -> Tuple:
@@ -134,14 +39,14 @@ def env_block(run: Dict) -> str:
         ["Python / platform", f"{env.get('python')} / {env.get('platform')}"],
         ["Triton interpreter", "on (CPU run)" if env.get("triton_interpreter") else "off"],
     ]
-    return _table(["", ""], lines)
+    return table(["", ""], lines)
 
 
 def ceilings_block(run: Dict) -> str:
     c = run.get("ceilings") or {}
     if not c:
         return "_not measured_"
-    return _table(["ceiling", "measured", "how"], [
+    return table(["ceiling", "measured", "how"], [
         ["copy bandwidth (bytes read + written)", rate(_scaled(c.get("copy_gbps"), 1e9), "B/s"), c.get("copy", "")],
         ["dense GEMM rate", rate(_scaled(c.get("gemm_tflops"), 1e12), "FLOP/s"), c.get("gemm", "")]])
 
@@ -150,171 +55,10 @@ def _scaled(x: Optional[float], factor: float) -> Optional[float]:
     return None if x is None else x * factor
 
 
-# ------------------------------------------------------------------------------------------ crossover
-
-def _best_quadratic(rows: List[Dict], direction: str, dtype: str) -> Dict[int, Tuple[float, str]]:
-    best: Dict[int, Tuple[float, str]] = {}
-    for r in rows:
-        if r["status"] == "ok" and r["family"] == "quadratic" and r["direction"] == direction and r["dtype"] == dtype:
-            S = r["case"]["S"]
-            if S not in best or r["ms"] < best[S][0]:
-                best[S] = (r["ms"], r["impl"])
-    return best
-
-
-def _series(rows: List[Dict], impl: str, direction: str, dtype: str) -> Dict[int, float]:
-    return {r["case"]["S"]: r["ms"] for r in rows if r["impl"] == impl and r["direction"] == direction
-            and r["dtype"] == dtype and r["status"] == "ok"}
-
-
-def crossover_point(lin: Dict[int, float], quad: Dict[int, float]) -> Tuple[Optional[float], str]:
-    """Where the linear op's time falls below the quadratic one's for good: the shortest measured length from
-    which it is faster at every longer common length, log-interpolated in S and in the time ratio between it
-    and the length before. Returns (S or None, description); a ratio that dips below 1 and comes back is said
-    as such, never "faster at every measured length"."""
-    common = sorted(set(lin) & set(quad))
-    if not common:
-        return None, "no common measured length"
-    ratio = [(S, lin[S] / quad[S]) for S in common]
-    i = len(ratio)                 # ratio[i:] are all < 1
-    while i > 0 and ratio[i - 1][1] < 1:
-        i -= 1
-    earlier = ", ".join(str(S) for S, r in ratio[:max(i - 1, 0)] if r < 1)    # faster, then slower again
-    if i == len(ratio):
-        return None, (f"not reached up to S = {common[-1]} (still {_f(ratio[-1][1])}x the time" +
-                      (f"; faster at S = {earlier} only)" if earlier else ")"))
-    if i == 0:
-        return float(common[0]), f"faster at every measured length (from S = {common[0]})"
-    (s0, r0), (s1, r1) = ratio[i - 1], ratio[i]
-    x = math.log(s0) + (math.log(s1) - math.log(s0)) * math.log(r0) / (math.log(r0) - math.log(r1))
-    return math.exp(x), f"between S = {s0} and {s1}" + (f" (also faster at S = {earlier}, slower again at S = {s0})"
-                                                         if earlier else "")
-
-
-def _fmt_len(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    if x >= 10 * 1024:
-        return f"{x / 1024:.0f}K"
-    return f"{x / 1024:.1f}K".replace(".0K", "K") if x >= 1024 else f"{x:.0f}"
-
-
-def crossover_text(x: Optional[float], how: str) -> str:
-    """A crossover as a reader wants it: "6.9K", "≤ 1.0K" (faster from the shortest common length),
-    "> 128K" (not reached up to the longest common length), or why there is none."""
-    if how.startswith("faster at every"):
-        return f"≤ {_fmt_len(x)}"
-    if how.startswith("not reached"):
-        return f"> {_fmt_len(float(how.split('S = ')[1].split()[0]))}"
-    if x is None:
-        return how
-    return _fmt_len(x)
-
-
-HEADLINE_S = 131072     # the answer quotes each linear operator's speed-up at 128K tokens
-
-
-def _linear_impls(rows: List[Dict]) -> List[Tuple[str, str]]:
-    """(impl, op) of the linear rows: KDA before diagonal, ours (delta-attn's own kernels) first."""
-    found = OrderedDict.fromkeys((r["impl"], r["op"], r["provider"]) for r in rows if r["family"] == "linear")
-    ordered = sorted(found, key=lambda k: (k[1] != "kda", k[1], k[2] != "delta-attn"))
-    return [(impl, op) for impl, op, _ in ordered]
-
-
-def _why_not_timed(rows: List[Dict]) -> str:
-    """"not timed (status: note)" from the first of ``rows`` (one operator's) that did not run, in full."""
-    notes = [r for r in rows if r["status"] != "ok"]
-    return (f"not timed ({notes[0]['status']}: {_cell(notes[0]['note'])})" if notes
-            else "not timed (no row of it in this run)")
-
-
-def linear_verdict(rows: List[Dict], impl: str, op: str, direction: str,
-                   quad: Dict[int, float]) -> Tuple[Optional[float], str, str]:
-    """One linear operator in one direction against the best quadratic time at each length (``quad``):
-    (crossover S or None, where, the table's text). The text is a crossover length, "≤ S", "> S" or
-    "not timed (reason)"."""
-    mine = [r for r in rows if r["impl"] == impl and r["op"] == op and r["direction"] == direction]
-    lin = {r["case"]["S"]: r["ms"] for r in mine if r["status"] == "ok"}
-    if not lin:
-        why = _why_not_timed(mine)
-        return None, why, why
-    if not set(lin) & set(quad):
-        why = (f"not timed (at no length where attention was: this operator ran at S = "
-               f"{', '.join(str(S) for S in sorted(lin))}, attention at " +
-               (f"S = {', '.join(str(S) for S in sorted(quad))})" if quad else "none)"))
-        return None, why, why
-    x, how = crossover_point(lin, quad)
-    return x, how, crossover_text(x, how)
-
-
-def _lengths_run(rows: List[Dict], impl: str, op: str, direction: str) -> str:
-    """The smoke test's cell: the lengths at which the operator ran and passed the gate, or why not."""
-    mine = [r for r in rows if r["impl"] == impl and r["op"] == op and r["direction"] == direction]
-    ran = sorted(r["case"]["S"] for r in mine if r["status"] == "ok")
-    if not ran:
-        return _why_not_timed(mine)
-    return f"ran at S = {', '.join(str(S) for S in ran)}"
-
-
 SMOKE_NOTE = ("> **Smoke test** (tiny mode): toy sizes, the reference and Triton-interpreter paths, one timed call "
               "per row. It checks that every implementation runs and passes the correctness gate, and that every "
               "artifact is produced; its times are single readings that say nothing about speed, so this report "
               "claims no crossover and no speed-up.")
-
-
-def answer_section(rows: List[Dict], smoke: bool = False) -> str:
-    """The crossover suite's answer: for each linear operator (ours and the peers) and direction, the
-    length past which it beats the best quadratic implementation, and its speed-up at 128K. A smoke test
-    (``smoke``: the tiny mode) says only where each operator ran."""
-    rows = [r for r in rows if r["suite"] == "crossover"]
-    if not rows:
-        return ""
-    out = []
-    dirs = [d for d in ("fwd", "fwd+bwd", "bwd") if any(r["direction"] == d for r in rows)]
-    for dtype in sorted({r["dtype"] for r in rows}):
-        rs = [r for r in rows if r["dtype"] == dtype]
-        if smoke:
-            out.append(f"**{dtype}**, smoke test (no crossover claimed):\n")
-            out.append(_table(["linear operator"] + dirs, [[f"{impl} [{op}]"] + [_lengths_run(rs, impl, op, d)
-                                                                                  for d in dirs]
-                                                           for impl, op in _linear_impls(rs)]))
-            out.append("")
-            continue
-        quad = {d: _best_quadratic(rs, d, dtype) for d in dirs}
-        head = ["linear operator"] + [f"crossover S, {d}" for d in dirs] + \
-               [f"speed-up at {_fmt_len(HEADLINE_S)}, {d}" for d in dirs] + ["slowest first call"]
-        lines = []
-        for impl, op in _linear_impls(rs):
-            mine = [r for r in rs if r["impl"] == impl and r["op"] == op]
-            if not any(r["status"] == "ok" for r in mine):
-                lines.append([f"{impl} [{op}]", _why_not_timed(mine)] + [""] * (2 * len(dirs) - 1) + ["-"])
-                continue
-            cross, speed = [], []
-            for d in dirs:
-                lin = {r["case"]["S"]: r["ms"] for r in mine if r["direction"] == d and r["status"] == "ok"}
-                q = {S: v[0] for S, v in quad[d].items()}
-                cross.append(linear_verdict(rs, impl, op, d, q)[2])
-                common = sorted(set(lin) & set(q))
-                if HEADLINE_S in lin and HEADLINE_S in q:
-                    speed.append(f"{_f(q[HEADLINE_S] / lin[HEADLINE_S])}x")
-                elif common:
-                    speed.append(f"not timed at {_fmt_len(HEADLINE_S)} ({_f(q[common[-1]] / lin[common[-1]])}x at "
-                                 f"{_fmt_len(common[-1])})")
-                else:
-                    speed.append("-")
-            first = [r["first_call_ms"] for r in mine if r.get("first_call_ms") is not None]
-            lines.append([f"{impl} [{op}]"] + cross + speed + [f"{max(first) / 1e3:.1f} s" if first else "-"])
-        out.append(f"**{dtype}**, against the fastest quadratic implementation measured at each length:\n")
-        out.append(_table(head, lines))
-        best = []
-        for d in dirs:
-            if HEADLINE_S in quad[d]:
-                ms, name = quad[d][HEADLINE_S]
-                best.append(f"{d}: {name}, {_f(ms)} ms")
-        if best:
-            out.append(f"\nFastest quadratic implementation at S = {_fmt_len(HEADLINE_S)}: " + "; ".join(best) + ".")
-        out.append("")
-    return "\n".join(out)
 
 
 def first_calls_section(rows: List[Dict]) -> str:
@@ -328,99 +72,20 @@ def first_calls_section(rows: List[Dict]) -> str:
         stopped = [r for r in rs if "--first-call-limit" in (r.get("note") or "")]
         if not first and not stopped:
             continue
-        lines.append([name, f"{max(first) / 1e3:.1f} s" if first else "-", f"{sum(first) / 1e3:.1f} s" if first else "-",
-                      str(len(stopped)) if stopped else "0"])
+        lines.append([name, f"{max(first) / 1e3:.1f} s" if first else "-",
+                      f"{sum(first) / 1e3:.1f} s" if first else "-", str(len(stopped)) if stopped else "0"])
     if not lines:
         return ""
     return ("### First calls (compilation and autotuning, wall clock; not in the timed medians)\n" +
-            _table(["implementation", "slowest first call", "all first calls", "rows stopped by --first-call-limit"],
+            table(["implementation", "slowest first call", "all first calls", "rows stopped by --first-call-limit"],
                    lines) + "\n")
-
-
-def crossover_section(rows: List[Dict], smoke: bool = False) -> str:
-    """Per direction: the latency table, then (not in a smoke test) the crossover lengths and the complete
-    comparison."""
-    rows = [r for r in rows if r["suite"] == "crossover"]
-    if not rows:
-        return ""
-    out = []
-    for dtype in sorted({r["dtype"] for r in rows}):
-        for direction in [d for d in ("fwd", "bwd", "fwd+bwd") if any(r["direction"] == d for r in rows)]:
-            rs = [r for r in rows if r["direction"] == direction and r["dtype"] == dtype]
-            impls = list(OrderedDict.fromkeys(r["impl"] + (" [" + r["op"] + "]" if r["family"] == "linear" else "")
-                                              for r in sorted(rs, key=lambda r: (r["family"] != "quadratic",
-                                                                                 r["op"] != "kda"))))
-            lengths = sorted({r["case"]["S"] for r in rs})
-            cell = {}
-            for r in rs:
-                name = r["impl"] + (" [" + r["op"] + "]" if r["family"] == "linear" else "")
-                cell[(name, r["case"]["S"])] = _f(r["ms"]) if r["status"] == "ok" else r["status"].lower()
-            out.append(f"### Latency, {direction}, {dtype} (ms, " +
-                       ("one reading per row, smoke test" if smoke else "median") + "; B = tokens / S)")
-            hdr = ["S", "B"] + impls
-            lines = []
-            for S in lengths:
-                b = next(r["case"]["B"] for r in rs if r["case"]["S"] == S)
-                lines.append([str(S), str(b)] + [cell.get((i, S), "") for i in impls])
-            out.append(_table(hdr, lines))
-            if smoke:
-                out.append("")
-                continue
-            # crossover lengths against the best quadratic implementation
-            best = _best_quadratic(rs, direction, dtype)
-            quad_ms = {S: v[0] for S, v in best.items()}
-            lin_impls = list(OrderedDict.fromkeys((r["impl"], r["op"]) for r in rs if r["family"] == "linear"))
-            lin_impls.sort(key=lambda io: io[1] != "kda")
-            xl = []
-            for impl, op in lin_impls:
-                s = {r["case"]["S"]: r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"}
-                _, how, text = linear_verdict(rs, impl, op, direction, quad_ms)
-                common = sorted(set(s) & set(quad_ms))
-                last = (f"{_f(quad_ms[common[-1]] / s[common[-1]])}x at S = {common[-1]}" if common else "-")
-                xl.append([f"{impl} [{op}]", text, "-" if how == text else how, last])
-            if xl:
-                out.append(f"\n**Crossover, {direction}, {dtype}**: the sequence length past which each linear "
-                           "operator is faster than the best quadratic one measured at that length.\n")
-                out.append(_table(["linear operator", "crossover S", "where", "speed-up at the longest common S"], xl))
-            # the seeds' "complete comparison", measured
-            lines = []
-            for S in lengths:
-                if S not in best:
-                    continue
-                b = next(r["case"]["B"] for r in rs if r["case"]["S"] == S)
-                q, qn = best[S]
-                line = [str(S), str(b), f"{_f(q)} ({qn})"]
-                for impl, op in lin_impls:
-                    s = next((r["ms"] for r in rs if r["impl"] == impl and r["op"] == op and r["status"] == "ok"
-                              and r["case"]["S"] == S), None)
-                    line.append("-" if s is None else f"{_f(s)} ({_f(q / s)}x)")
-                lines.append(line)
-            if lines:
-                out.append(f"\n**Complete comparison, {direction}, {dtype}** (ms; in brackets: speed-up of the linear "
-                           "operator over the best quadratic one)\n")
-                out.append(_table(["S", "B", "best quadratic"] + [f"{i} [{o}]" for i, o in lin_impls], lines))
-            out.append("")
-    return "\n".join(out)
-
-
-def crossover_summary(rows: List[Dict]) -> List[Dict]:
-    """Crossover points as data: [{impl, op, direction, dtype, crossover_S, where}]."""
-    out = []
-    rows = [r for r in rows if r["suite"] == "crossover"]
-    for dtype in sorted({r["dtype"] for r in rows}):
-        for direction in sorted({r["direction"] for r in rows}):
-            rs = [r for r in rows if r["direction"] == direction and r["dtype"] == dtype]
-            quad = {S: v[0] for S, v in _best_quadratic(rs, direction, dtype).items()}
-            for impl, op in OrderedDict.fromkeys((r["impl"], r["op"]) for r in rs if r["family"] == "linear"):
-                x, how, _ = linear_verdict(rs, impl, op, direction, quad)
-                out.append({"impl": impl, "op": op, "direction": direction, "dtype": dtype, "crossover_S": x, "where": how})
-    return out
 
 
 # ------------------------------------------------------------------------------------------ row tables
 
 _OP_TITLE = {"flash": "Flash attention", "flash_varlen": "Flash attention, packed variable-length batch",
-             "kda": "Kimi Delta Attention", "diag": "Gated diagonal attention", "flash_decode": "Decode: attention over a KV cache",
+             "kda": "Kimi Delta Attention", "diag": "Gated diagonal attention",
+             "flash_decode": "Decode: attention over a KV cache",
              "kvcache_decode": "Decode: flash_attn_with_kvcache (append + attend)",
              "kda_decode": "Decode: KDA state update", "diag_decode": "Decode: diagonal state update"}
 
@@ -428,9 +93,9 @@ _OP_TITLE = {"flash": "Flash attention", "flash_varlen": "Flash attention, packe
 def _primary(r: Dict) -> Tuple[str, str]:
     """(rate, fraction of the ceiling) shown for a row: TFLOP/s for attention, GB/s otherwise."""
     if r.get("tflops") is not None and r["op"] in ("flash", "flash_varlen"):
-        return rate(r["tflops"] * 1e12, "FLOP/s"), _pct(r.get("frac_gemm"))
+        return rate(r["tflops"] * 1e12, "FLOP/s"), percent(r.get("frac_gemm"))
     if r.get("gbps") is not None:
-        return rate(r["gbps"] * 1e9, "B/s"), _pct(r.get("frac_copy"))
+        return rate(r["gbps"] * 1e9, "B/s"), percent(r.get("frac_copy"))
     return "-", "-"
 
 
@@ -459,14 +124,14 @@ def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None, s
         for r in rs:
             if r["status"] != "ok":
                 continue
-            rate, frac = _primary(r)
+            shown_rate, frac = _primary(r)
             k = (r["label"], r["dtype"], r["direction"])
             vs = "-"
             if r["provider"] == "delta-attn" and k in best_peer and not smoke:
                 vs = f"{best_peer[k] / r['ms']:.2f}x"
-            line = [r["label"], r["dtype"], r["direction"], r["impl"], _f(r["ms"], 4),
-                    f"{_f(r['ms_p20'])}-{_f(r['ms_p80'])}", rate, frac, _f(r["tokens_per_s"] / 1e6),
-                    vs, _f(r.get("peak_mem_mb"))]
+            line = [r["label"], r["dtype"], r["direction"], r["impl"], number(r["ms"], 4),
+                    f"{number(r['ms_p20'])}-{number(r['ms_p80'])}", shown_rate, frac, number(r["tokens_per_s"] / 1e6),
+                    vs, number(r.get("peak_mem_mb"))]
             if h200:
                 a = anchors.lookup(r)
                 line.append("-" if a is None else f"{a[0]:g} {'TFLOP/s' if a[1] == 'tflops' else 'ms'} ({a[2]:.2f}x)")
@@ -474,7 +139,7 @@ def rows_section(rows: List[Dict], h200: bool, compare: Optional[Dict] = None, s
                 old = compare.get(_key(r))
                 line.append(f"{old / r['ms']:.2f}x" if old else "-")
             lines.append(line)
-        out.append(_table(hdr, lines) if lines else "_no row ran_")
+        out.append(table(hdr, lines) if lines else "_no row ran_")
         if op == "kda" and any(r["impl"] == CUDNN_KDA_NATIVE for r in rs):
             out += ["", CUDNN_ROWS_NOTE]
         out.append("")
@@ -496,11 +161,11 @@ def matrix_section(rows: List[Dict]) -> str:
     rs = [r for r in rows if r["suite"] == "matrix" and r["status"] == "ok"]
     if not rs:
         return ""
-    lines = [[r["label"], r["dtype"], r["impl"], _f(r["ms"], 4), _f(r["ms_mean"], 4), _f(r["ms_std"], 2),
-              _f(r["tokens_per_s"] / 1e6), _f(r.get("tflops"))] for r in rs]
+    lines = [[r["label"], r["dtype"], r["impl"], number(r["ms"], 4), number(r["ms_mean"], 4), number(r["ms_std"], 2),
+              number(r["tokens_per_s"] / 1e6), number(r.get("tflops"))] for r in rs]
     return ("### Config matrix (forward, non-causal)\n" +
-            _table(["shape", "dtype", "implementation", "median ms", "mean ms", "std ms", "M queries/s", "TFLOP/s"], lines)
-            + "\n")
+            table(["shape", "dtype", "implementation", "median ms", "mean ms", "std ms", "M queries/s", "TFLOP/s"],
+                  lines) + "\n")
 
 
 def decode_section(rows: List[Dict], ceilings: Optional[Dict] = None) -> str:
@@ -523,21 +188,13 @@ def decode_section(rows: List[Dict], ceilings: Optional[Dict] = None) -> str:
             per_seq, what = c["H"] * c["D"] * 4, "diagonal state (fp32)"
         ms = r.get("graph_ms") or r["ms"]
         gbps = r["bytes"] / (ms / 1e3) / 1e9
-        graph = _f(r["graph_ms"] * 1e3, 4) if r.get("graph_ms") else _cell(r.get("graph_note") or "-")
-        lines.append([str(c["B"]), what, r["impl"], _f(r["ms"] * 1e3, 4), graph, _f(r["tokens"] / (ms / 1e3)),
-                      rate(gbps * 1e9, "B/s"), _pct(gbps / copy) if copy else "-", _bytes(per_seq)])
+        graph = number(r["graph_ms"] * 1e3, 4) if r.get("graph_ms") else cell(r.get("graph_note") or "-")
+        lines.append([str(c["B"]), what, r["impl"], number(r["ms"] * 1e3, 4), graph, number(r["tokens"] / (ms / 1e3)),
+                      rate(gbps * 1e9, "B/s"), percent(gbps / copy) if copy else "-", byte_size(per_seq)])
     return ("### Decode: one new token per sequence (rows that did not run are listed below)\n"
             "Rates are those of the CUDA-graph replay where the step could be captured, else of the eager call.\n\n" +
-            _table(["batch", "memory read per token", "implementation", "eager µs", "graph replay µs", "tokens/s",
+            table(["batch", "memory read per token", "implementation", "eager µs", "graph replay µs", "tokens/s",
                     "bytes/s", "of copy", "bytes per sequence"], lines) + "\n")
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} PiB"
 
 
 def not_run_section(rows: List[Dict]) -> str:
@@ -550,9 +207,9 @@ def not_run_section(rows: List[Dict]) -> str:
     lines = []
     for (status, impl, note), where in sorted(groups.items(), key=lambda kv: (kv[0][0] != "FAILED", kv[0])):
         shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
-        lines.append([f"**{status}**" if status == "FAILED" else status, impl, _cell(note),
+        lines.append([f"**{status}**" if status == "FAILED" else status, impl, cell(note),
                       f"{len(where)}: {shown}"])
-    return _table(["status", "implementation", "reason", "rows"], lines)
+    return table(["status", "implementation", "reason", "rows"], lines)
 
 
 def compare_section(rows: List[Dict], old_rows: List[Dict], old_dir: str) -> str:
@@ -561,12 +218,164 @@ def compare_section(rows: List[Dict], old_rows: List[Dict], old_dir: str) -> str
     for r in rows:
         o = old.get(_key(r))
         if r["status"] == "ok" and o is not None:
-            lines.append([r["label"], r["dtype"], r["direction"], r["impl"], _f(o["ms"], 4), _f(r["ms"], 4),
+            lines.append([r["label"], r["dtype"], r["direction"], r["impl"], number(o["ms"], 4), number(r["ms"], 4),
                           f"{o['ms'] / r['ms']:.2f}x"])
     if not lines:
         return f"No row of this run matches a row of `{old_dir}`."
     return (f"Speed-up = old time / new time (> 1: this run is faster); old run: `{old_dir}`.\n\n" +
-            _table(["shape", "dtype", "dir", "implementation", "old ms", "new ms", "speed-up"], lines))
+            table(["shape", "dtype", "dir", "implementation", "old ms", "new ms", "speed-up"], lines))
+
+
+# ------------------------------------------------------------------------------------------ kernel resources
+
+def _figure(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "-"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        return f"{x:.{digits}g}"
+    return f"{x:,}" if isinstance(x, int) and abs(x) >= 10000 else str(x)
+
+
+def _kib(b) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b} B"
+
+
+def _kernel_cell(s: str) -> str:
+    return str(s).replace("|", "/").replace("\n", " ")
+
+
+def _shorten(name: Optional[str], n: int = 70) -> str:
+    name = name or "?"
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def config_text(k: Dict) -> str:
+    c = k.get("config") or {}
+    if not c:
+        return "-"
+    parts = [f"{n}={v}" for n, v in (c.get("constexprs") or {}).items()]
+    parts.append(f"warps={c.get('num_warps')}")
+    parts.append(f"stages={c.get('num_stages')}")
+    if (c.get("num_ctas") or 1) > 1:
+        parts.append(f"ctas={c['num_ctas']}")
+    if c.get("maxnreg"):
+        parts.append(f"maxnreg={c['maxnreg']}")
+    return " ".join(parts)
+
+
+def _kernel_table(header: List[str], lines: Iterable[List[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    out += ["| " + " | ".join(_kernel_cell(c) for c in line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def kernel_lines(row: Dict, limits_sms: Optional[int] = None) -> List[List[str]]:
+    lines = []
+    for k in row.get("kernels") or []:
+        occ = k.get("occupancy") or {}
+        grid = k.get("grid")
+        progs = k.get("programs")
+        sms = limits_sms
+        grid_txt = "-" if grid is None else ("×".join(str(g) for g in grid if g != 1) or "1")
+        if progs is not None and sms:
+            grid_txt += f" ({progs / sms:.2f}× SMs)" if progs != 1 else ""
+        lines.append([row["impl"], row["label"], row["direction"], k.get("phase", ""),
+                      "`" + _shorten(k.get("kernel")) + "`",
+                      config_text(k), _figure(k.get("regs")), _figure(k.get("spills")), _kib(k.get("shared")), grid_txt,
+                      _figure(occ.get("programs_per_sm")), occ.get("binding") or "-", _figure(occ.get("waves")),
+                      _figure(k.get("launches")), _figure(k.get("device_us"))])
+    return lines
+
+
+def wanted(run: Optional[Dict], rows: List[Dict]) -> bool:
+    """Whether report.md gets the resource section and roofline.png: any row has kernels, or the suite
+    is the kernels suite."""
+    return (run or {}).get("suite") == "kernels" or any(r.get("kernels") for r in rows)
+
+
+def resources_section(rows: List[Dict], run: Optional[Dict] = None) -> str:
+    """Markdown for report.md: per operator, one table of the kernels of every row; one roofline table;
+    for rows without kernel figures, why. Empty when the run collected nothing and is not the
+    kernels suite."""
+    run = run or {}
+    have = [r for r in rows if r.get("kernels")]
+    if not wanted(run, rows):
+        return ""
+    ceilings = run.get("ceilings") or {}
+    out = ["## Kernel resources and roofline", ""]
+    limits = next((r["resources"]["limits"] for r in have if (r.get("resources") or {}).get("limits")), None)
+    sms = limits.get("sm_count") if limits else None
+    if limits:
+        out += [f"Device limits, from {limits.get('source')}: {limits.get('sm_count')} SMs; per SM "
+                f"{limits.get('regs_per_sm'):,} registers (per warp in units of {limits.get('reg_alloc_unit')}, "
+                f"{limits.get('reg_subpartitions')} sub-partitions, ≤ {limits.get('max_regs_per_thread')} per "
+                f"thread), "
+                f"{_kib(limits.get('smem_per_sm'))} shared memory (≤ {_kib(limits.get('smem_per_block_optin'))} per "
+                f"block + {_kib(limits.get('smem_reserved_per_block'))} reserved), {limits.get('max_threads_per_sm')} "
+                f"threads, {limits.get('max_blocks_per_sm')} blocks.", ""]
+    out += ["Each Triton kernel launched by a row's untimed first call (no extra run), read from the compiled kernel "
+            "at launch: config (constexpr tile sizes, warps, pipeline stages), registers per thread, spills (local "
+            "memory per thread in 4-byte words, as Triton reports it), shared memory per program, grid (programs, "
+            "and as a multiple of the SM count), resident programs per SM and the limit that binds it (CUDA's "
+            "occupancy calculator: registers, shared memory, threads, blocks), waves = programs / (SMs × resident). "
+            "A `bwd` row lists its backward's kernels only. Device µs: the PyTorch profiler's time of that kernel "
+            "in the first call (`--resources`); kernels other than Triton's (cuDNN, FlashAttention-2) appear "
+            "there by name only: their resource figures cannot be read.", ""]
+    hdr = ["implementation", "case", "dir", "phase", "kernel", "config", "regs", "spills", "smem", "grid",
+           "programs/SM", "bound by", "waves", "launches", "device µs"]
+    by_op: "OrderedDict[str, List[Dict]]" = OrderedDict()
+    for r in sorted(have, key=lambda r: OPERATOR_ORDER.index(r["op"]) if r["op"] in OPERATOR_ORDER else 99):
+        by_op.setdefault(r["op"], []).append(r)
+    for op, rs in by_op.items():
+        lines = [line for r in rs for line in kernel_lines(r, sms)]
+        out += [f"<details><summary><b>{op}</b>: {len(rs)} rows, {len(lines)} kernel entries</summary>", "",
+                _kernel_table(hdr, lines), "", "</details>", ""]
+    # rows without figures, grouped by reason
+    why: Dict[str, List[str]] = defaultdict(list)
+    for r in rows:
+        if not r.get("kernels") and r.get("status") == "ok":
+            why[r.get("kernels_note") or "no kernel figures recorded (a results file from before the resource "
+                                           "report)"].append(f"{r['impl']} {r['label']} {r['direction']}")
+    if why:
+        out += ["**No kernel figures in this run.** Why:" if not have else "Rows without kernel figures:", ""]
+        for note, where in why.items():
+            shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+            out.append(f"- {note} ({len(where)} rows: {shown})")
+        out.append("")
+    # roofline table
+    lines = []
+    for r in sorted(rows, key=lambda r: OPERATOR_ORDER.index(r["op"]) if r.get("op") in OPERATOR_ORDER else 99):
+        rl = recorded_roofline(r, ceilings)
+        if rl is None:
+            continue
+        ach = (f"{_figure(rl['achieved_tflops'])} TFLOP/s, " if rl.get("achieved_tflops") is not None else "") + \
+            f"{_figure(rl['achieved_gbps'])} GB/s"
+        att = f"{_figure(rl['attainable_tflops'])} TFLOP/s" if rl.get("attainable_tflops") is not None else \
+            f"{_figure(rl['copy_gbps'])} GB/s"
+        lines.append([r["op"], r["impl"], r["label"], r["dtype"], r["direction"],
+                      rl.get("flops_model") or "none (bytes only)",
+                      _figure(rl.get("ai_flop_per_byte")), rl["bound"], ach, att, f"{100 * rl['fraction']:.0f}%"])
+    if lines:
+        ridge = next((recorded_roofline(r, ceilings) for r in rows if recorded_roofline(r, ceilings)), None)
+        out += ["### Roofline", "",
+                f"Ceilings of this run: copy {_figure(ceilings.get('copy_gbps'))} GB/s, GEMM "
+                f"{_figure(ceilings.get('gemm_tflops'))} TFLOP/s: ridge point "
+                f"{_figure(ridge['ridge_flop_per_byte'])} FLOP/byte. "
+                "Intensity = FLOPs / bytes (the rows' byte model); bound = compute at or past the ridge, else "
+                "memory; attainable = min(GEMM rate, intensity × copy bandwidth); fraction = achieved / "
+                "attainable (for a memory-side point that is the fraction of the copy bandwidth, whatever the "
+                "FLOP count). FLOPs: flash-attn's count for attention (docs/PEERS.md); for KDA and the diagonal "
+                "recurrence a lower bound from the recurrent form (KDA 7·D²+2·D, diagonal 4·D per token and head; "
+                "backward 2x).", "",
+                _kernel_table(["operator", "implementation", "case", "dtype", "dir", "FLOP model", "FLOP/byte", "bound",
+                        "achieved", "attainable", "of attainable"], lines), ""]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -593,7 +402,7 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
                   (f" ({run['stopped']})" if run.get("stopped") else "") + ".", ""]
     parts += [
              f"Command: `{run.get('command', '')}`  ",
-             f"Started {run.get('started', '?')} UTC, took {_f(run.get('duration_s'))} s; rows: " +
+             f"Started {run.get('started', '?')} UTC, took {number(run.get('duration_s'))} s; rows: " +
              ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
     smoke = bool(run.get("tiny"))
     if smoke:
@@ -623,8 +432,7 @@ def markdown(run: Dict, rows: List[Dict], plots: List[str], old: Optional[Tuple[
         parts.append(decode_section(rows, run.get("ceilings")))
     parts.append(rows_section(rows, h200, compare, smoke))
     parts.append(first_calls_section(rows))
-    from .resources import resources_section   # kernels per row and roofline
-    parts.append(resources_section(rows, run))
+    parts.append(resources_section(rows, run))       # kernels per row and roofline
     parts += ["## Rows that did not run", "", not_run_section(rows), ""]
     if old is not None:
         parts += ["## Comparison with an earlier run", "", compare_section(rows, old[1], old[0]), ""]
@@ -666,10 +474,11 @@ def method_text(run: Dict, rows: List[Dict]) -> str:
     return (_timing_text(run, rows) + " The first call of each row (compilation, autotuning) is excluded and "
             "reported as `first_call_ms` in results.jsonl. Before any timing, every "
             "implementation's output (and gradients, for rows with a backward pass) is checked against the float64 "
-            "reference on a probe of the same configuration with the error rule of docs/TESTING.md; a row that fails is FAILED "
-            "and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, fwd+bwd 3.5x; "
-            "bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. Backward rows: "
-            f"gradients {GRADS_NOTE[settings_grads]} Fractions are of the ceilings above.{peak} See docs/BENCH.md.")
+            "reference on a probe of the same configuration with the error rule of docs/TESTING.md; a row that fails "
+            "is FAILED and carries no speed. FLOPs: forward 4·B·H·(visible query-key pairs)·D, backward 2.5x, "
+            "fwd+bwd 3.5x; bytes: inputs read once, outputs written once. `fwd` rows run with autograd off. "
+            f"Backward rows: gradients {GRADS_NOTE[settings_grads]} Fractions are of the ceilings above.{peak} "
+            "See docs/BENCH.md.")
 
 
 def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) -> str:
@@ -680,8 +489,7 @@ def render(out_dir: str, compare_dir: Optional[str] = None, plots: bool = True) 
     if plots:
         from . import plots as P
         pngs = P.make_plots(out_dir, run, rows)
-        from .resources import roofline_plot, wanted   # roofline.png
-        pngs += [os.path.basename(p) for p in [wanted(run, rows) and roofline_plot(out_dir, run, rows)] if p]
+        pngs += [os.path.basename(p) for p in [wanted(run, rows) and P.roofline_plot(out_dir, run, rows)] if p]
     old = None
     if compare_dir is not None:
         old = (compare_dir, read_jsonl(os.path.join(compare_dir, "results.jsonl"))[1])
@@ -703,7 +511,7 @@ def write_index(root: str, command: str) -> str:
         for r in rows:
             counts[r["status"]] += 1
         parts += [f"## {run.get('suite', d)}", "",
-                  f"[{d}/report.md]({d}/report.md): {_f(run.get('duration_s'))} s, rows: " +
+                  f"[{d}/report.md]({d}/report.md): {number(run.get('duration_s'))} s, rows: " +
                   (", ".join(f"{n} {st}" for st, n in sorted(counts.items())) or "none") + ".", ""]
         if run.get("suite") == "crossover":
             parts += [answer_section(rows, smoke=bool(run.get("tiny"))), ""]

@@ -17,6 +17,7 @@ import torch
 from . import cases, models
 from .gate import GateResult, gate_key, is_unavailable_error, run_gate
 from .impls import Impl
+from .rows import BenchRow
 from .timer import _flush_buffer, estimate_ms, measure, measure_graph
 from . import resources as _resources   # per-kernel resource report
 
@@ -127,16 +128,16 @@ class Progress:
             except ImportError:
                 self.bar = None
 
-    def update(self, row: Dict) -> None:
+    def update(self, row: BenchRow) -> None:
         self.n += 1
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{row['impl']} {row['label']} {row['direction']}"[:60])
+            self.bar.set_postfix_str(f"{row.impl} {row.label} {row.direction}"[:60])
             self.bar.update(1)
             return
-        speed = f"{row['ms']:.4g} ms" if row.get("ms") is not None else row["status"]
-        note = f" | {' '.join(row['note'].split())}" if row.get("note") and row["status"] != "ok" else ""
-        print(f"[{self.n}/{self.total}] {row['elapsed_s']:.0f}s {row['suite']} {row['op']} {row['impl']} | "
-              f"{row['label']} | {row['direction']} | {speed}{note}", file=sys.stderr, flush=True)
+        speed = f"{row.ms:.4g} ms" if row.ms is not None else row.status
+        note = f" | {' '.join(row.note.split())}" if row.note and row.status != "ok" else ""
+        print(f"[{self.n}/{self.total}] {row.elapsed_s:.0f}s {row.suite} {row.op} {row.impl} | "
+              f"{row.label} | {row.direction} | {speed}{note}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -168,14 +169,14 @@ def _free(device: torch.device) -> None:
 
 
 class Runner:
-    def __init__(self, settings: Settings, ceilings: Dict, on_row: Optional[Callable[[Dict], None]] = None):
+    def __init__(self, settings: Settings, ceilings: Dict, on_row: Optional[Callable[[BenchRow], None]] = None):
         self.s = settings
         self.device = torch.device(settings.device)
         self.on_row = on_row
         if self.device.type == "cuda":
             _flush_buffer(self.device)      # allocated once, before any row's memory baseline
         self.ceilings = ceilings
-        self.rows: List[Dict] = []
+        self.rows: List[BenchRow] = []
         self._gates: Dict[Tuple, GateResult] = {}
         self._res = _resources.RowResources(settings, ceilings, self.device)
         self._measured: Dict[Tuple, Dict[float, float]] = {}   # series key -> {work: ms}
@@ -185,21 +186,16 @@ class Runner:
         self.t0 = time.perf_counter()                         # rows record when they ended (elapsed_s)
 
     # ---------------------------------------------------------------- rows
-    def _row(self, task: Task, direction: str, status: str, note: str = "", **extra) -> Dict:
+    def _row(self, task: Task, direction: str, status: str, note: str = "", **measured) -> BenchRow:
+        """The row of ``task`` in ``direction``; ``measured``: the fields a timed row fills (times, rates, gate)."""
         c = task.case
-        row = {"record": "row", "suite": task.suite, "op": c["op"], "impl": task.impl.name,
-               "provider": task.impl.provider, "family": task.impl.family, "direction": direction,
-               "dtype": DTYPE_NAMES.get(task.dtype, str(task.dtype)), "label": cases.label(c),
-               "case": {k: v for k, v in c.items() if k not in ("op", "over_budget")}, "tokens": cases.tokens(c),
-               "status": status, "note": note, "elapsed_s": round(time.perf_counter() - self.t0, 2),
-               "ms": None, "ms_mean": None, "ms_std": None, "ms_p20": None, "ms_p80": None, "ms_min": None,
-               "reps": None, "first_call_ms": None, "flops": None, "tflops": None, "frac_gemm": None,
-               "bytes": None, "gbps": None, "frac_copy": None, "tokens_per_s": None, "peak_mem_mb": None,
-               "graph_ms": None, "graph_note": "", "gate": None}
-        row.update(extra)
-        return row
+        return BenchRow(suite=task.suite, op=c["op"], impl=task.impl.name, provider=task.impl.provider,
+                        family=task.impl.family, direction=direction,
+                        dtype=DTYPE_NAMES.get(task.dtype, str(task.dtype)), label=cases.label(c),
+                        case={k: v for k, v in c.items() if k not in ("op", "over_budget")}, tokens=cases.tokens(c),
+                        status=status, note=note, elapsed_s=round(time.perf_counter() - self.t0, 2), **measured)
 
-    def _emit(self, row: Dict, progress: Optional[Progress]) -> None:
+    def _emit(self, row: BenchRow, progress: Optional[Progress]) -> None:
         self._res.annotate(row)   # kernels, kernels_note, resources, roofline
         self.rows.append(row)
         if self.on_row is not None:
@@ -263,7 +259,7 @@ class Runner:
         x = max(below)
         return self._measured[skey][x] * w / x
 
-    def _run_direction(self, task: Task, direction: str, state: Dict, base_mem: int) -> Tuple[Dict, bool]:
+    def _run_direction(self, task: Task, direction: str, state: Dict, base_mem: int) -> Tuple[BenchRow, bool]:
         """One row of ``task`` (emitted by the caller, outside the time limit), and False when the
         inputs do not fit in memory (the task's other rows cannot run either)."""
         impl, case, dev, dt = task.impl, task.case, self.device, task.dtype
@@ -308,8 +304,8 @@ class Runner:
             if state["bound"] is None:
                 return self._row(task, direction, "skipped", "out of memory allocating the inputs"), False
         row = self._time(task, direction, state["bound"], gate, base_mem, warm_ms)
-        if row["status"] == "ok":
-            self._measured.setdefault(skey, {})[w] = row["ms"]
+        if row.status == "ok":
+            self._measured.setdefault(skey, {})[w] = row.ms
         return row, True
 
     def _bind(self, task: Task):
@@ -349,7 +345,7 @@ class Runner:
         return (time.perf_counter() - t0) * 1e3
 
     def _time(self, task: Task, direction: str, b, gate: Optional[GateResult], base_mem: int,
-              warm_ms: Optional[float] = None) -> Dict:
+              warm_ms: Optional[float] = None) -> BenchRow:
         dev, case = self.device, task.case
         leaves = [x for x in b.leaves if x.requires_grad]
 
@@ -464,7 +460,7 @@ class Runner:
         m["tokens_per_s"] = cases.tokens(case) / sec
         return m
 
-    def run(self, tasks: List[Task], desc: str) -> List[Dict]:
+    def run(self, tasks: List[Task], desc: str) -> List[BenchRow]:
         total = sum(len(t.directions) for t in tasks)
         progress = Progress(total, desc)
         try:

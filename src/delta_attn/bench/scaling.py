@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
+from .rows import ScalingRow
 from .runner import DTYPES, Settings
+from .text import number, percent, table
 from .timer import estimate_ms, measure
 
 OPS = ("kda", "diag", "flash")
@@ -258,7 +260,7 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
     """Run the scaling rows on every rank of the default group; rank 0 writes results.jsonl and
     report.md in ``out_dir`` and returns the report's path (other ranks: None)."""
     from .. import env as _env
-    from . import report
+    from . import results_files
 
     s.check()
     ensure_process_group(s.device)
@@ -266,32 +268,34 @@ def run_scaling(s: Settings, out_dir: str, command: Optional[str] = None) -> Opt
     device = _device(s)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
-    rows: List[Dict] = []
+    rows: List[ScalingRow] = []
     for dname in s.dtypes:
         dt = DTYPES[dname]
         for c in cases(s, world):
             schemes = ("allgather", "ring") if c["op"] != "flash" else (None,)
             for sp in schemes:
                 for direction in (s.directions or ("fwd", "fwd+bwd")):
-                    row = dict(record="row", suite="scaling", op=c["op"], mode=c["mode"], world=world,
-                               state_passing=sp, dtype=dname, direction=direction, tokens_total=c["T_total"],
-                               tokens_per_gpu=c["T_local"], H=c["H"], D=c["D"], status="ok", note="")
-                    row.update(_row(c, sp, dt, direction, device, s, world))
+                    measured = dict(status="ok", note="")
+                    measured.update(_measure_row(c, sp, dt, direction, device, s, world))
+                    row = ScalingRow(suite="scaling", op=c["op"], mode=c["mode"], world=world, state_passing=sp,
+                                     dtype=dname, direction=direction, tokens_total=c["T_total"],
+                                     tokens_per_gpu=c["T_local"], H=c["H"], D=c["D"], **measured)
                     rows.append(row)
                     if rank == 0:
-                        print(f"[scaling] {row['op']} {row['mode']} N={world} {sp or ''} {direction}: "
-                              f"{row['status']} {report._f(row.get('ms'))} ms eff {report._pct(row.get('efficiency'))}"
-                              + (f" ({row['note']})" if row["note"] else ""), file=sys.stderr, flush=True)
+                        print(f"[scaling] {row.op} {row.mode} N={world} {sp or ''} {direction}: "
+                              f"{row.status} {number(row.ms)} ms eff {percent(row.efficiency)}"
+                              + (f" ({row.note})" if row.note else ""), file=sys.stderr, flush=True)
     if rank != 0:
         return None
     os.makedirs(out_dir, exist_ok=True)
     run = {"suite": "scaling", "command": command or " ".join(["delta-attn"] + sys.argv[1:]), "world_size": world,
            "backend": dist.get_backend(), "started": started.strftime("%Y-%m-%d %H:%M:%S"),
            "duration_s": time.perf_counter() - t0, "tiny": s.tiny, "settings": s.as_dict(), "env": _env.collect()}
-    report.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, rows)
+    records = [r.to_json() for r in rows]
+    results_files.write_jsonl(os.path.join(out_dir, "results.jsonl"), run, records)
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:
-        f.write(markdown(run, rows))
+        f.write(markdown(run, records))
     return path
 
 
@@ -316,7 +320,8 @@ def _ideal(c: Dict, out: Dict, world: int, single, dt, device, s: Settings, dire
         return {"ideal_ms": out["local_ms"] * world, "ideal_source": "model N^2"}
 
 
-def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Dict:
+def _measure_row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Dict:
+    """The measured fields of one row's :class:`ScalingRow` (status and note when it did not run)."""
     import delta_attn.distributed as dd
     if c.get("skip"):
         return {"status": "skipped", "note": c["skip"]}
@@ -371,7 +376,7 @@ def _row(c: Dict, sp, dt, direction: str, device, s: Settings, world: int) -> Di
 
 
 def markdown(run: Dict, rows: List[Dict]) -> str:
-    from .report import _f, _pct, _table, env_block
+    from .report import env_block
     lines = [f"# delta-attn bench scaling: {run['world_size']} rank(s), {run['backend']}", "",
              f"Command: `{run['command']}`  ", f"Started {run['started']} UTC, {run['duration_s']:.0f} s.", "",
              "Efficiency = N-GPU tokens/s / (N x one-GPU tokens/s); one GPU runs the single-GPU operator on "
@@ -387,13 +392,13 @@ def markdown(run: Dict, rows: List[Dict]) -> str:
     for r in rows:
         exch = r["state_passing"] or "K/V all-gather (zigzag)"
         per = f"{r['tokens_total']:,} ({r['tokens_per_gpu']:,})" if r["tokens_per_gpu"] else f"{r['tokens_total']:,}"
-        body.append([r["op"], r["mode"], exch, r["dtype"], r["direction"], per, _f(r.get("ms")), _f(r.get("local_ms")),
-                     _f(r.get("comm_ms")), _f(r.get("one_gpu_ms")),
-                     _f(r.get("tokens_per_s")), _pct(r.get("efficiency")),
-                     _f(r.get("ideal_ms")) + (f" ({r['ideal_source']})" if r.get("ideal_source") else ""),
-                     _pct(r.get("efficiency_vs_ideal")),
-                     f"{_f(r.get('peak_mib'))} ({_f(r.get('local_peak_mib'))})" if r.get("peak_mib") is not None
+        body.append([r["op"], r["mode"], exch, r["dtype"], r["direction"], per, number(r.get("ms")),
+                     number(r.get("local_ms")), number(r.get("comm_ms")), number(r.get("one_gpu_ms")),
+                     number(r.get("tokens_per_s")), percent(r.get("efficiency")),
+                     number(r.get("ideal_ms")) + (f" ({r['ideal_source']})" if r.get("ideal_source") else ""),
+                     percent(r.get("efficiency_vs_ideal")),
+                     f"{number(r.get('peak_mib'))} ({number(r.get('local_peak_mib'))})" if r.get("peak_mib") is not None
                      else "",
                      r["status"] + (f": {r['note']}" if r["note"] else "")])
-    lines += [_table(head, body), "", "## Environment", "", env_block(run), ""]
+    lines += [table(head, body), "", "## Environment", "", env_block(run), ""]
     return "\n".join(lines)

@@ -19,11 +19,12 @@ global. Example: the gated diagonal forward's tiles (``diag_fwd(config=...)``) o
     rows = sweep(dict(op="diag", B=1, S=32768, H=16, D=128),
                  {str(c): (lambda c: lambda q, k, v, g: ti.diag_fwd(q, k, v, g, config=c)[0])(c)
                   for c in configs}, Settings())
-    for r in sorted(rows, key=lambda r: r["ms"] or float("inf")):
-        print(r["impl"], r["status"], r["ms"], r["frac_copy"], r["note"])
+    for r in sorted(rows, key=lambda r: r.ms or float("inf")):
+        print(r.impl, r.status, r.ms, r.frac_copy, r.note)
 
-Backward directions (``"bwd"``, ``"fwd+bwd"``) need a differentiable candidate. The rows have the
-``results.jsonl`` row schema (docs/BENCH.md) with ``suite = "sweep"``.
+Backward directions (``"bwd"``, ``"fwd+bwd"``) need a differentiable candidate. The rows are
+``BenchRow`` objects (bench/rows.py; ``to_json()``: the ``results.jsonl`` row schema of docs/BENCH.md)
+with ``suite = "sweep"``.
 """
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ import torch
 
 from . import cases
 from .impls import Bound, Impl, _leaf
+from .rows import BenchRow
 from .runner import DTYPES, Runner, Settings, Task, measure_ceilings
 
 
 def sweep(case: Dict, candidates: Dict[str, Callable[..., torch.Tensor]], settings: Settings,
           directions: Sequence[str] = ("fwd",), dtype: str = "bf16",
-          ceilings: Optional[Dict] = None) -> List[Dict]:
+          ceilings: Optional[Dict] = None) -> List[BenchRow]:
     """Gate, then time, every candidate on ``case`` (a suite case: ``op`` plus its sizes); one row per
     (candidate, direction), in the candidates' order. ``ceilings`` (copy bandwidth, GEMM rate) are
     measured first unless given; they fill ``frac_copy`` / ``frac_gemm``."""

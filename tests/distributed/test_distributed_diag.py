@@ -47,7 +47,7 @@ def _cases(world):
 
 def _reference_body(rank, world):
     import delta_attn.distributed as dd
-    import test_distributed_linear as L
+    import sharded_grads as L
     from delta_attn import reference
     from delta_attn.testing import check
     for i, c in enumerate(_cases(world)):
@@ -61,15 +61,15 @@ def _reference_body(rank, world):
             kw["cu_seqlens"] = torch.tensor(c["varlen"], dtype=torch.int32)
             n = len(c["varlen"]) - 1
         kw["initial_state"] = torch.randn(n, 2, 16, generator=gen) * 0.5
-        w = L._weights(i, xs[0].shape, (n, 2, 16))
-        got = L._sharded(dd.gated_diag_attn, xs, kw, w, world, backend="triton", state_passing=c["scheme"])
-        r64 = L._single(reference.gated_diag, [x.double() for x in xs],
-                        {k: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for k, t in kw.items()},
-                        w)
-        low = L._single(reference.gated_diag, xs, kw, w, upcast=False)
+        w = L.loss_weights(i, xs[0].shape, (n, 2, 16))
+        got = L.sharded(dd.gated_diag_attn, xs, kw, w, world, backend="triton", state_passing=c["scheme"])
+        r64 = L.single_process(reference.gated_diag, [x.double() for x in xs],
+                               {k: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t)
+                                for k, t in kw.items()}, w)
+        low = L.single_process(reference.gated_diag, xs, kw, w, upcast=False)
         rows = [("o", got[0], dd.shard(r64[0]), dd.shard(low[0]), "fwd"), ("final", got[1], r64[1], low[1], "fwd")]
         rows += [(nm, a, dd.shard(r) if j < 4 else r, dd.shard(lw) if j < 4 else lw, "grad")
-                 for j, (nm, a, r, lw) in enumerate(zip(L._names(kw, 4), got[2], r64[2], low[2]))]
+                 for j, (nm, a, r, lw) in enumerate(zip(L.grad_names(kw, 4), got[2], r64[2], low[2]))]
         bad = [v.message for v in (check(a, r, lw, kind=kd, name=nm) for nm, a, r, lw, kd in rows) if not v.ok]
         assert not bad, f"rank {rank}/{world} case {c}: " + "; ".join(bad)
 

@@ -1,6 +1,6 @@
 """KDA on the Triton backend, run by the interpreter on CPU (fp32 / fp16; bf16 only on the GPU).
 
-Every result is compared with the float64 reference under the DESIGN error rule (the same computation in
+Every result is compared with the float64 reference under the error rule of docs/TESTING.md (the same computation in
 the input dtype is the baseline), with outputs poisoned first: 300 seeded random configurations
 (``properties.draw_kda``), both inference chunk lengths and both intra-chunk factorisations forced, the structural
 identities (chunked == recurrent, two halves == one pass, prefill + decode == whole), the custom ops'

@@ -1,13 +1,12 @@
 """Every attention backend computes the contract exactly or declares the call unsupported.
 
-Seeded random configurations (``draw``): dense and varlen (zero-length q and k sequences, Sq != Sk per
-sequence, ``thd`` / ``htd``), Sq > Sk (rows that see no key), causal, windows (``(0, -1)`` included),
-GQA, head dims that are not multiples of 8, softmax scales (negative and zero included), softcap (which
-sdpa / cudnn refuse), fp32 / fp16 / bf16 / fp64. For every backend of the registry: when
-``da.explain(..., backend=name)`` says it can run the call, its output, LSE and (for some configurations)
-gradients must pass the error rule (docs/TESTING.md) against the float64 reference (outputs poisoned); when it says
-it cannot, ``auto`` must pass it over with the same reasons and an explicit request must raise
-:class:`UnsupportedError` naming them.
+Seeded random configurations (``draw`` of tests/attention_cases.py): dense and varlen (zero-length q and k
+sequences, Sq != Sk per sequence, ``thd`` / ``htd``), Sq > Sk (rows that see no key), causal, windows (``(0, -1)``
+included), GQA, head dims that are not multiples of 8, softmax scales (negative and zero included), softcap (which
+sdpa / cudnn refuse), fp32 / fp16 / bf16 / fp64. For every backend of the registry: when ``da.explain(...,
+backend=name)`` says it can run the call, its output, LSE and (for some configurations) gradients must pass the
+error rule (docs/TESTING.md) against the float64 reference (outputs poisoned); when it says it cannot, ``auto``
+must pass it over with the same reasons and an explicit request must raise :class:`UnsupportedError` naming them.
 
 Also here: ``auto`` on CPU tensors runs PyTorch SDPA's CPU kernel (and is faster than the reference),
 the Triton interpreter's bf16 ``tl.dot`` (wrong on the installed Triton) is declared, and the wrapper of
@@ -17,10 +16,7 @@ FA2's arithmetic. ``tests/gpu/test_sdpa_gpu.py`` runs the same configurations on
 from __future__ import annotations
 
 import math
-import random
 import time
-from dataclasses import asdict, dataclass
-from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -28,143 +24,11 @@ import torch
 import delta_attn as da
 from delta_attn import backends, reference
 from delta_attn.backends import UnsupportedError
-from delta_attn.testing import attention_grad_floor, check, poison_outputs
+from delta_attn.testing import check
+
+from attention_cases import DTYPES, cu_seqlens, draw, run_case
 
 BACKENDS = [n for n in backends.BACKEND_NAMES if n != "auto"]
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
-DTYPE_DRAW = ["fp32", "fp16", "bf16"] * 2 + ["fp64"]
-WINDOWS = [(-1, -1), (-1, -1), (0, -1), (3, 2), (2, 0), (-1, 3), (0, 0), (6, -1)]
-SCALES = [None, None, 0.3, -0.5, -1.7, 0.0, 2.0]
-
-
-@dataclass(frozen=True)
-class Case:
-    seed: int
-    dtype: str
-    b: int
-    sq: int
-    sk: int
-    hq: int
-    hk: int
-    d: int
-    causal: bool
-    window: Tuple[int, int]
-    scale: Optional[float]
-    lens_q: Optional[Tuple[int, ...]]     # varlen when given (b, sq, sk unused)
-    lens_k: Optional[Tuple[int, ...]]
-    layout: str
-    grad: bool
-    softcap: float = 0.0                  # declared unsupported by sdpa / cudnn: the refusal path
-
-    def __str__(self):
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
-
-
-def draw(seed: int, domain: str = "cpu") -> Case:
-    """One configuration. ``domain="gpu"`` draws longer sequences and larger head dims."""
-    r = random.Random(seed)
-    gpu = domain == "gpu"
-    lengths = [1, 5, 17, 33, 40] if not gpu else [1, 63, 97, 257, 300]
-    dims = [16, 32, 48, 20] if not gpu else [64, 128, 96, 36]
-    d = r.choice(dims)
-    hk = r.choice([1, 2])
-    hq = hk * r.choice([1, 1, 4])
-    if r.random() < 0.35:
-        n = r.randint(1, 4)
-        lens_q = tuple(r.choice([0, 1, r.choice(lengths)]) for _ in range(n))
-        lens_k = tuple(r.choice([0, 1, r.choice(lengths)]) for _ in range(n))
-        if r.random() < 0.3:
-            lens_k = lens_q
-        b, sq, sk = 1, max(lens_q), max(lens_k)
-        layout = r.choice(["thd", "htd"])
-    else:
-        lens_q = lens_k = None
-        b, sq, sk = r.randint(1, 2), r.choice(lengths), r.choice(lengths + [0])
-        layout = "thd"
-    return Case(seed, r.choice(DTYPE_DRAW), b, sq, sk, hq, hk, d, r.random() < 0.4, r.choice(WINDOWS),
-                r.choice(SCALES), lens_q, lens_k, layout, r.random() < 0.35, 4.0 if r.random() < 0.12 else 0.0)
-
-
-def _cu(lens, device):
-    return torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=device)
-
-
-def make_call(case: Case, device="cpu"):
-    """(function, positional args, keyword args, reference(q, k, v, upcast) -> (out, lse))."""
-    g = torch.Generator().manual_seed(case.seed)
-    dt = DTYPES[case.dtype]
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dt)
-
-    kw = dict(causal=case.causal, window_size=case.window, softmax_scale=case.scale, softcap=case.softcap)
-    rkw = dict(kw)
-    if case.lens_q is None:
-        q, k, v = randn(case.b, case.sq, case.hq, case.d), randn(case.b, case.sk, case.hk, case.d), \
-            randn(case.b, case.sk, case.hk, case.d)
-
-        def ref(q_, k_, v_, upcast):
-            return reference.attention(q_, k_, v_, upcast=upcast, **rkw)
-        return da.flash_attn_func, (q, k, v), kw, ref
-    cu_q, cu_k = _cu(case.lens_q, device), _cu(case.lens_k, device)
-    if case.lens_k == case.lens_q:
-        cu_k = cu_q
-    tq, tk = sum(case.lens_q), sum(case.lens_k)
-
-    def packed(t, h):
-        return randn(t, h, case.d) if case.layout == "thd" else randn(h, t, case.d)
-    q, k, v = packed(tq, case.hq), packed(tk, case.hk), packed(tk, case.hk)
-
-    def ref(q_, k_, v_, upcast):
-        return reference.attention_varlen(q_, k_, v_, cu_q, cu_k, layout=case.layout, upcast=upcast, **rkw)
-    kw["layout"] = case.layout
-    return (da.flash_attn_varlen_func, (q, k, v, cu_q, cu_k, max(case.lens_q), max(case.lens_k)), kw, ref)
-
-
-def _grads(out, xs, dout):
-    """d(out . dout)/d(xs); None for an input out does not depend on (the reference builds rows that see
-    no key from scratch)."""
-    if out.grad_fn is None:
-        return (None,) * len(xs)
-    return torch.autograd.grad(out, xs, dout.to(out.dtype), allow_unused=True)
-
-
-def run_case(case: Case, backend: str, device="cpu") -> str:
-    """'ran' (and matched the reference) or 'declared' (and is passed over / refused with reasons)."""
-    fn, args, kw, ref = make_call(case, device)
-    ex = da.explain(fn, *args, backend=backend, **kw)
-    if ex.chosen is None:
-        reasons = ex.considered[0][1]
-        assert reasons, f"{backend}: no backend chosen and no reason given\n{ex}"
-        with pytest.raises(UnsupportedError) as err:
-            fn(*args, backend=backend, **kw)
-        assert all(r in str(err.value) for r in reasons), (str(err.value), reasons)
-        auto = da.explain(fn, *args, **kw)
-        assert auto.chosen != backend and dict(auto.considered)[backend] == reasons
-        assert f"{backend}: passed over — " + "; ".join(reasons) in str(auto)
-        return "declared"
-    q, k, v = args[:3]
-    leaves = [t.detach().clone().requires_grad_(case.grad) for t in (q, k, v)]
-    with poison_outputs():
-        out, lse, _ = fn(*leaves, *args[3:], return_attn_probs=True, backend=backend, **kw)
-    r64 = [t.detach().double().requires_grad_(case.grad) for t in (q, k, v)]
-    rlo = [t.detach().clone().requires_grad_(case.grad) for t in (q, k, v)]
-    o64, l64 = ref(*r64, upcast=True)
-    olo, llo = ref(*rlo, upcast=False)
-    verdicts = [check(out, o64, olo, name="out"), check(lse, l64, llo, name="lse")]
-    if case.grad and out.numel():
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to(out)
-        got, want64, wantlo = (_grads(o, xs, dout) for o, xs in ((out, leaves), (o64, r64), (olo, rlo)))
-        full = [tuple(torch.zeros_like(leaf) if t is None else t for t in ts)
-                for ts, leaf in zip(zip(got, want64, wantlo), leaves)]
-        floor = attention_grad_floor([w64 for _, w64, _ in full], q.dtype)
-        for name, (a, w64, wlo) in zip(("dq", "dk", "dv"), full):
-            verdicts.append(check(a, w64, wlo, kind="grad", name=name, floor=floor))
-    bad = [v.message for v in verdicts if not v.ok]
-    assert not bad, f"backend {backend!r} chose to run {case} but: " + "; ".join(bad)
-    return "ran"
-
-
 SEEDS = range(64)
 
 
@@ -431,7 +295,7 @@ def test_fa2_wrapper_dense_computes_the_contract(fa2_standin, kw, sq, sk):
 def test_fa2_wrapper_varlen_computes_the_contract(fa2_standin, kw, layout):
     from delta_attn.ops.flash.api import validate_varlen
     lq, lk = (0, 7, 12, 3, 5), (4, 0, 5, 3, 9)
-    cu_q, cu_k = _cu(lq, "cpu"), _cu(lk, "cpu")
+    cu_q, cu_k = cu_seqlens(lq, "cpu"), cu_seqlens(lk, "cpu")
     shp = (lambda t, h: (t, h, 16)) if layout == "thd" else (lambda t, h: (h, t, 16))
     q, k, v = (torch.randn(shp(t, h)).half() for t, h in ((sum(lq), 4), (sum(lk), 2), (sum(lk), 2)))
     out, lse = _fa2(validate_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), layout=layout, **kw))
@@ -448,7 +312,7 @@ def test_fa2_wrapper_gradients(fa2_standin, varlen):
     kw = dict(causal=True, softmax_scale=-0.8)
     if varlen:
         lq, lk = (9, 0, 12, 6), (4, 5, 0, 9)
-        cu_q, cu_k = _cu(lq, "cpu"), _cu(lk, "cpu")
+        cu_q, cu_k = cu_seqlens(lq, "cpu"), cu_seqlens(lk, "cpu")
         xs = [torch.randn(t, h, 16).half().requires_grad_() for t, h in ((sum(lq), 4), (sum(lk), 2), (sum(lk), 2))]
 
         def ref(*a, upcast):

@@ -3,7 +3,7 @@
 Without ``A_log``, g of ``kda``, ``kda_step``, ``gated_diag_attn``, ``gated_diag_step`` and of their
 context-parallel forms is a log decay: a positive entry (a state that grows) is a ValueError naming g, checked
 wherever value checks run (``_checks.value_checks_enabled``: not while torch.compile traces, not under CUDA-graph
-capture, not with DELTA_ATTN_SKIP_VALUE_CHECKS=1). NaN keeps its documented meaning (tests/test_diag_nan.py) and
+capture, not with DELTA_ATTN_SKIP_VALUE_CHECKS=1). NaN keeps its documented meaning (tests/ops/test_diag_nan.py) and
 is not refused; with ``A_log`` g is the raw gate input and may have any sign.
 """
 import pytest

@@ -8,7 +8,7 @@ import pytest
 
 from delta_attn import settings
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "delta_attn"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "delta_attn"
 
 
 @pytest.mark.parametrize("fn, name", [(settings.skip_value_checks, "DELTA_ATTN_SKIP_VALUE_CHECKS"),

@@ -165,7 +165,7 @@ def layer_of(module: str) -> int:
     """Index in LAYERS of the module's layer."""
     short = _short(module)
     hits = [i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(short, p) for p in patterns)]
-    assert len(hits) == 1, f"{module} must be in exactly one layer of tests/test_import_graph.py, is in {hits}"
+    assert len(hits) == 1, f"{module} must be in exactly one layer of tests/project/test_import_graph.py, is in {hits}"
     return hits[0]
 
 

@@ -24,23 +24,23 @@ def test_sweep_gates_then_times_each_config():
     candidates = {str(c): _forward(c) for c in configs}
     candidates["wrong"] = _forward(configs[0], shift=0.01)
     rows = sweep(CASE, candidates, _settings(), dtype="fp32", ceilings={"copy_gbps": 1.0})
-    assert [r["impl"] for r in rows] == list(candidates)
+    assert [r.impl for r in rows] == list(candidates)
     for r in rows[:-1]:
-        assert r["suite"] == "sweep" and r["op"] == "diag" and r["direction"] == "fwd"
-        assert r["status"] == "ok", r["note"]
-        assert r["gate"]["ok"] and r["ms"] > 0 and r["frac_copy"] > 0
-        assert r["bytes"] == 5 * 32 * 2 * 16 * 4        # q, k, v, g read, o written, fp32
+        assert r.suite == "sweep" and r.op == "diag" and r.direction == "fwd"
+        assert r.status == "ok", r.note
+        assert r.gate["ok"] and r.ms > 0 and r.frac_copy > 0
+        assert r.bytes == 5 * 32 * 2 * 16 * 4        # q, k, v, g read, o written, fp32
     wrong = rows[-1]
-    assert wrong["status"] == "FAILED" and wrong["note"].startswith("correctness gate")
-    assert all(wrong[k] is None for k in SPEED_KEYS)
+    assert wrong.status == "FAILED" and wrong.note.startswith("correctness gate")
+    assert all(getattr(wrong, k) is None for k in SPEED_KEYS)
 
 
 def test_backward_directions_need_a_differentiable_candidate():
     candidates = {"default (autograd)": lambda q, k, v, g: da.gated_diag_attn(q, k, v, g, backend="triton")[0],
                   "forward only": _forward(ti.FWD_CONFIG)}
     rows = sweep(CASE, candidates, _settings(), directions=("fwd+bwd",), dtype="fp32")   # ceilings measured
-    by = {r["impl"]: r for r in rows}
+    by = {r.impl: r for r in rows}
     ok = by["default (autograd)"]
-    assert ok["status"] == "ok", ok["note"]
-    assert ok["gate"]["ok"] and ok["ms"] > 0 and ok["frac_copy"] > 0
-    assert by["forward only"]["status"] == "FAILED" and by["forward only"]["ms"] is None
+    assert ok.status == "ok", ok.note
+    assert ok.gate["ok"] and ok.ms > 0 and ok.frac_copy > 0
+    assert by["forward only"].status == "FAILED" and by["forward only"].ms is None

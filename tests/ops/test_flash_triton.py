@@ -1,7 +1,7 @@
 """backend="triton" flash attention on CPU through the Triton interpreter (TRITON_INTERPRET=1).
 
 Every feature at tiny odd sizes, fp16 (the interpreter's bf16 tl.dot is broken), against the float64
-reference with the DESIGN error rule (forward 2x, gradients 3x the error of the same computation
+reference with the error rule of docs/TESTING.md (forward 2x, gradients 3x the error of the same computation
 in fp16), outputs poisoned with NaN before the kernels write them.
 """
 import pytest

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
 NO_GPU_HERE = shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0")
 

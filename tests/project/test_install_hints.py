@@ -7,7 +7,7 @@ import re
 from delta_attn import _install, backends, env
 from delta_attn.bench import impls
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXTS = sorted([ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md"),
                 *(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").glob("*.sh")])
 

@@ -13,7 +13,7 @@ import pytest
 
 import delta_attn as da
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 FILES = ["MIGRATION.md", "SERVING.md", "../README.md"]     # relative to docs/
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)

@@ -74,7 +74,7 @@ def _oom_body(rank, world):
         return single_oom, parallel, layout
     scaling._calls = calls
     try:
-        row = scaling._row(c, "allgather", torch.float32, "fwd", device, s, world)
+        row = scaling._measure_row(c, "allgather", torch.float32, "fwd", device, s, world)
     finally:
         scaling._calls = real
     assert row["status"] == "skipped" and "out of memory" in row["note"], row

@@ -145,7 +145,7 @@ def test_decode_bench_example_runs_on_cpu_with_no_arguments():
     import pathlib
     import subprocess
     import sys
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root / "src"), TRITON_INTERPRET="0")
     res = subprocess.run([sys.executable, str(root / "examples" / "hybrid_decode.py")],
                          capture_output=True, text=True, env=env, timeout=300)

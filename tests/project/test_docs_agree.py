@@ -7,7 +7,7 @@ import torch
 
 import delta_attn as da
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _minimum(text, pattern):

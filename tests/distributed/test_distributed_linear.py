@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
+from sharded_grads import grad_names, loss_weights, sharded, single_process
 
 TORCH_CASES = 14          # per operator and world size
 TRITON_CASES = {2: 1, 3: 0}   # the interpreter is slow: one packed case per operator, world size 2
@@ -81,48 +82,6 @@ def _case(seed: int, op: str, world: int, triton: bool):
     return xs, kw, r.choice(["allgather", "ring"]), split
 
 
-_REPLICATED = ("initial_state", "A_log", "dt_bias")
-
-
-def _single(fn, xs, kw, weights, **extra):
-    """(o, final, grads of xs + replicated kw) of one process; loss = <o, w_o> + <final, w_f>."""
-    xs = [x.detach().clone().requires_grad_() for x in xs]
-    kw = {n: (t.detach().clone().requires_grad_() if n in _REPLICATED else t) for n, t in kw.items()}
-    o, f = fn(*xs, **kw, **extra)
-    loss = (o * weights[0].to(o.dtype)).sum() + ((f * weights[1].to(f.dtype)).sum() if f is not None else 0)
-    leaves = xs + [kw[n] for n in _REPLICATED if n in kw]
-    return o.detach(), None if f is None else f.detach(), torch.autograd.grad(loss, leaves)
-
-
-def _sharded(fn, xs, kw, weights, world, **extra):
-    import torch.distributed as dist
-    import delta_attn.distributed as dd
-    xs = [dd.shard(x).detach().clone().requires_grad_() for x in xs]
-    kw = {n: (t.detach().clone().requires_grad_() if n in _REPLICATED else t) for n, t in kw.items()}
-    o, f = fn(*xs, **kw, **extra)
-    # every rank weights its own outputs and 1/W of the (replicated) final state
-    loss = (o * dd.shard(weights[0]).to(o.dtype)).sum()
-    if f is not None:
-        loss = loss + (f * weights[1].to(f.dtype)).sum() / world
-    leaves = xs + [kw[n] for n in _REPLICATED if n in kw]
-    grads = [torch.zeros_like(t) if gr is None else gr           # initial_state is unused past rank 0
-             for t, gr in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True))]
-    for i in range(len(xs), len(grads)):                  # replicated inputs: each rank holds its share
-        grads[i] = grads[i].contiguous()
-        dist.all_reduce(grads[i])
-    return o.detach(), None if f is None else f.detach(), grads
-
-
-def _weights(seed, o_shape, f_shape):
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    return (torch.randn(o_shape, generator=gen, dtype=torch.float64),
-            torch.randn(f_shape, generator=gen, dtype=torch.float64) if f_shape else None)
-
-
-def _names(kw, n_x):
-    return [f"d{i}" for i in range(n_x)] + ["d_" + n for n in _REPLICATED if n in kw]
-
-
 def _body(rank, world, ops, torch_cases, triton_cases):
     import delta_attn as da
     import delta_attn.distributed as dd
@@ -131,7 +90,7 @@ def _body(rank, world, ops, torch_cases, triton_cases):
     from delta_attn.testing import check
     single = {"kda": da.kda, "diag": da.gated_diag_attn}
     ref = {"kda": reference.kda, "diag": reference.gated_diag}
-    sharded = {"kda": dd.kda, "diag": dd.gated_diag_attn}
+    context_parallel = {"kda": dd.kda, "diag": dd.gated_diag_attn}
     fuse_ok = linear._KDA.fuse_ok
     for op in ops:
         for seed in range(torch_cases + triton_cases):
@@ -144,26 +103,26 @@ def _body(rank, world, ops, torch_cases, triton_cases):
             if kw["output_final_state"]:
                 n = len(kw["cu_seqlens"]) - 1 if "cu_seqlens" in kw else xs[0].shape[0]
                 ff = (n,) + ((xs[2].shape[2], xs[0].shape[3], xs[2].shape[3]) if op == "kda" else xs[0].shape[2:])
-            w = _weights(seed, fo, ff)
+            w = loss_weights(seed, fo, ff)
             backend = "triton" if triton else "torch"
-            got = _sharded(sharded[op], xs, kw, w, world, backend=backend, state_passing=sp)
+            got = sharded(context_parallel[op], xs, kw, w, world, backend=backend, state_passing=sp)
             if not triton:
-                want = _single(single[op], xs, kw, w, backend="torch")
+                want = single_process(single[op], xs, kw, w, backend="torch")
                 pairs = [("o", got[0], dd.shard(want[0]))] + ([("final", got[1], want[1])] if ff else [])
                 pairs += [(nm, a, dd.shard(b) if i < len(xs) else b)
-                          for i, (nm, a, b) in enumerate(zip(_names(kw, len(xs)), got[2], want[2]))]
+                          for i, (nm, a, b) in enumerate(zip(grad_names(kw, len(xs)), got[2], want[2]))]
                 for nm, a, b in pairs:
                     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{tag} {nm}: {m}")
                 continue
-            r64 = _single(ref[op], [x.double() for x in xs],
-                          {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t)
-                           for n, t in kw.items()}, w)
-            low = _single(ref[op], xs, kw, w, upcast=False)
+            r64 = single_process(ref[op], [x.double() for x in xs],
+                                 {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t)
+                                  for n, t in kw.items()}, w)
+            low = single_process(ref[op], xs, kw, w, upcast=False)
             rows = [("o", got[0], dd.shard(r64[0]), dd.shard(low[0]), "fwd")]
             if ff:
                 rows.append(("final", got[1], r64[1], low[1], "fwd"))
             rows += [(nm, a, dd.shard(b) if i < len(xs) else b, dd.shard(c) if i < len(xs) else c, "grad")
-                     for i, (nm, a, b, c) in enumerate(zip(_names(kw, len(xs)), got[2], r64[2], low[2]))]
+                     for i, (nm, a, b, c) in enumerate(zip(grad_names(kw, len(xs)), got[2], r64[2], low[2]))]
             bad = [v.message for v in (check(a, b, c, kind=kd, name=nm) for nm, a, b, c, kd in rows) if not v.ok]
             assert not bad, f"{tag}: " + "; ".join(bad)
     linear._KDA.fuse_ok = fuse_ok

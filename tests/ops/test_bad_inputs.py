@@ -1,9 +1,11 @@
-"""The catalogue of bad inputs: for every public operator and every argument, a wrong type, dtype, rank, shape,
-device or value raises TypeError / ValueError whose message names the argument, before anything runs (every
-backend's implementation is replaced by one that fails the test if it is reached). Where accepting an input is
-right (int64 or strided cu_seqlens, strided or int64 state_indices, float32 gates with half inputs, empty
-sequences and batches, max_seqlen above the longest sequence), the call runs and matches the float64 reference
-by the error rule (docs/TESTING.md, tests/properties.py), on the torch and triton backends.
+"""Every bad input of every public operator: for every argument, a wrong type, dtype, rank, shape, device or
+value raises TypeError / ValueError whose message names the argument, before anything runs (every backend's
+implementation is replaced by one that fails the test if it is reached); where a message's wording is part of
+the contract, :data:`WORDING` holds it. Where accepting an input is right (int64 or strided cu_seqlens, strided or
+int64 state_indices, float32 gates with half inputs, empty sequences and batches, max_seqlen above the longest
+sequence, any finite softmax_scale), the call runs and matches the float64 reference by the error rule
+(docs/TESTING.md, tests/properties.py), on the torch and triton backends. Last, the checks themselves: they run
+before dispatch, the layers reach them, and the value checks that read the device can be skipped.
 """
 from __future__ import annotations
 
@@ -94,6 +96,20 @@ FN = {"flash": da.flash_attn_func, "flash_varlen": da.flash_attn_varlen_func, "k
 INDEX_ARGS = {"cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "state_indices", "num_accepted_tokens"}
 
 
+class Several(dict):
+    """A case's bad value that changes several arguments together (a rule that ties them: k and v heads, A_log and
+    what needs it); the case's argument is the one the message must name."""
+
+
+def _with(kw, name, bad):
+    """The valid keyword arguments ``kw`` with the case's bad value in place."""
+    if isinstance(bad, Several):
+        kw.update(bad)
+    else:
+        kw[name] = bad
+    return kw
+
+
 # ---------------------------------------------------------------------------------------------
 # the catalogue: (call, argument, bad value or function of the valid value, exception, other names it may name)
 # ---------------------------------------------------------------------------------------------
@@ -170,11 +186,20 @@ def _value_cases():
             ("flash", "q", "no heads", torch.randn(2, 5, 0, 16), ValueError),
             ("flash", "q", "head dim 0", torch.randn(2, 5, 4, 0), ValueError),
             ("flash", "v", "another dtype", torch.randn(2, 7, 2, 16, dtype=torch.float64), TypeError),
+            ("flash", "k", "another batch size", torch.randn(3, 7, 2, 16), ValueError),
+            ("flash", "v", "another length than k", torch.randn(2, 6, 2, 16), ValueError),
+            ("flash", "v", "other heads than k", torch.randn(2, 7, 1, 16), ValueError),
+            ("flash", "k", "k and v heads not dividing q's",
+             Several(k=torch.randn(2, 7, 3, 16), v=torch.randn(2, 7, 3, 16)), ValueError),
+            ("flash_varlen", "alibi_slopes", "one row per sequence short", torch.rand(2, 4), ValueError),
             ("kda", "v", "value heads not a multiple of H", torch.randn(2, 5, 3, 6), ValueError),
+            ("kda", "v", "another length", torch.randn(2, 4, 4, 6), ValueError),
+            ("kda", "v", "float64 with float32 q", torch.randn(2, 5, 4, 6, dtype=torch.float64), TypeError),
             ("kda", "g", "float64 with float32 q", torch.randn(2, 5, 4, 8, dtype=torch.float64), TypeError),
             ("kda", "beta", "float16 with float32 q", torch.rand(2, 5, 4, dtype=torch.float16), TypeError),
             ("kda", "A_log", "float16", torch.zeros(4, dtype=torch.float16), TypeError),
             ("kda", "A_log", "None with dt_bias", None, ValueError),
+            ("kda", "lower_bound", "without A_log", Several(A_log=None, dt_bias=None), ValueError),
             ("kda", "initial_state", "float16", torch.zeros(2, 4, 8, 6, dtype=torch.float16), TypeError),
             ("kda", "initial_state", "transposed (N, HV, V, K)", torch.zeros(2, 4, 6, 8), ValueError),
             ("kda", "cu_seqlens", "with batch 2", cu(0, 5), ValueError),
@@ -187,7 +212,7 @@ def _value_cases():
             ("kda_step", "state_indices", "one per pool slot, not per sequence", torch.tensor([0, 1, 2], dtype=I32), ValueError),
             ("kda_step", "state_indices", "None with a larger pool", None, ValueError),
             ("diag", "g", "float64 with float32 q", torch.randn(2, 5, 3, 8, dtype=torch.float64), TypeError),
-            ("diag", "v", "another head dim", torch.randn(2, 5, 3, 7), ValueError),
+            ("diag", "k", "float16 with float32 q", torch.randn(2, 5, 3, 8, dtype=torch.float16), TypeError),
             ("diag", "q", "no heads", torch.randn(2, 5, 0, 8), ValueError),
             ("diag", "initial_state", "float16", torch.zeros(2, 3, 8, dtype=torch.float16), TypeError),
             ("diag", "cu_seqlens", "with batch 2", cu(0, 5), ValueError),
@@ -195,6 +220,7 @@ def _value_cases():
             ("diag_step", "q", "no new token", torch.randn(2, 0, 3, 8), ValueError),
             ("diag_step", "state", "float16", torch.zeros(3, 3, 8, dtype=torch.float16), TypeError),
             ("diag_step", "state_indices", "out of the pool", torch.tensor([3, 0]), ValueError),
+            ("diag_step", "state_indices", "negative", torch.tensor([-1, 2]), ValueError),
             ("diag_step", "state_indices", "a repeated slot", torch.tensor([2, 2]), ValueError),
             ("diag_step", "state_indices", "None with a larger pool", None, ValueError),
             ("kda_step", "num_accepted_tokens", "with (B,) state_indices", torch.tensor([1, 1], dtype=I32), ValueError),
@@ -213,6 +239,88 @@ CATALOGUE = _tensor_cases() + _scalar_cases() + _value_cases()
 # what else a message may name when one argument is wrong (the rule it breaks ties it to another argument)
 RELATED = {"A_log": ("dt_bias", "lower_bound"), "q": ("k",), "dt_bias": ("A_log",), "lower_bound": ("A_log",),
            "alibi_slopes": ("heads",), "cu_seqlens": ("batch",)}
+# how a refusal is worded, where the wording says more than the argument's name: (call, argument, case) -> regex
+WORDING = {
+    ("flash", "q", "one more dim"): r"q must be 4-D",
+    ("flash", "q", "a list"): r"q must be a torch\.Tensor",
+    ("flash", "k", "another batch size"): r"k batch size",
+    ("flash", "v", "another length than k"): r"v sequence length",
+    ("flash", "v", "other heads than k"): r"v heads",
+    ("flash", "k", "last dim one short"): r"k head dim must equal q",
+    ("flash", "k", "k and v heads not dividing q's"): r"q heads \(4\) must be a multiple of k heads \(3\)",
+    ("flash", "v", "another dtype"): r"v must have the dtype of q",
+    ("flash", "q", "wrong dtype"): r"q must be float16",
+    ("flash", "v", "another device"): r"v must be on the device of q",
+    ("flash", "window_size", "below -1"): r"window_size entries must be >= -1",
+    ("flash", "window_size", "an int"): r"window_size must be a pair",
+    ("flash", "softcap", "negative"): r"softcap must be >= 0",
+    ("flash", "softcap", "inf"): r"softcap must be a finite number >= 0",
+    ("flash", "softcap", "nan"): r"softcap must be a finite number",
+    ("flash", "softmax_scale", "inf"): r"softmax_scale must be a finite number, got inf",
+    ("flash", "softmax_scale", "-inf"): r"softmax_scale must be a finite number, got -inf",
+    ("flash", "softmax_scale", "nan"): r"softmax_scale must be a finite number, got nan",
+    ("flash", "softmax_scale", "a string"): r"softmax_scale must be a number",
+    ("flash", "dropout_p", "1"): r"dropout_p must be in \[0\.0, 1\.0\)",
+    ("flash", "dropout_p", "a string"): r"dropout_p must be a number",
+    ("flash", "alibi_slopes", "last dim one short"): r"alibi_slopes must have shape \(4,\) or \(2, 4\)",
+    ("flash", "alibi_slopes", "float64"): r"alibi_slopes must be float32",
+    ("flash", "causal", "an int for a bool"): r"causal must be a bool",
+    ("flash", "backend", "unknown"): r"backend must be one of",
+    ("flash_varlen", "cu_seqlens_q", "wrong dtype"): r"cu_seqlens_q must be int32 or int64, got torch\.float32",
+    ("flash_varlen", "cu_seqlens_q", "beyond int32"): r"cu_seqlens_q values must fit int32",
+    ("flash_varlen", "cu_seqlens_k", "one more dim"): r"cu_seqlens_k must be 1-D",
+    ("flash_varlen", "cu_seqlens_q", "not starting at 0"): r"cu_seqlens_q must start at 0",
+    ("flash_varlen", "cu_seqlens_q", "decreasing (a negative length)"): r"non-decreasing",
+    ("flash_varlen", "cu_seqlens_k", "not ending at the token count"):
+        r"cu_seqlens_k\[-1\] must equal the number of packed tokens \(9\)",
+    ("flash_varlen", "cu_seqlens_k", "fewer sequences"): r"as many sequences",
+    ("flash_varlen", "max_seqlen_q", "below the longest"): r"max_seqlen_q must be >= the longest sequence",
+    ("flash_varlen", "max_seqlen_q", "a float"): r"max_seqlen_q must be an int",
+    ("flash_varlen", "q", "one more dim"): r"q must be 3-D",
+    ("flash_varlen", "layout", "unknown"): r"layout must be one of 'thd', 'htd'",
+    ("flash_varlen", "softmax_scale", "inf"): r"softmax_scale must be a finite number",
+    ("flash_varlen", "softmax_scale", "nan"): r"softmax_scale must be a finite number",
+    ("flash_varlen", "softcap", "inf"): r"softcap must be a finite number",
+    ("flash_varlen", "alibi_slopes", "one row per sequence short"): r"alibi_slopes must have shape",
+    ("kda", "q", "one more dim"): r"q must be 4-D",
+    ("kda", "k", "last dim one short"): r"k must have shape \(2, 5, 2, 8\)",
+    ("kda", "v", "another length"): r"v batch and length",
+    ("kda", "v", "value heads not a multiple of H"):
+        r"value heads HV \(v\.shape\[2\]\) \(3\) must be a multiple of query heads H",
+    ("kda", "g", "last dim one short"): r"g must have shape \(2, 5, 4, 8\)",
+    ("kda", "beta", "last dim one short"): r"beta must have shape \(2, 5, 4\)",
+    ("kda", "v", "float64 with float32 q"): r"v must have the dtype of q",
+    ("kda", "g", "float64 with float32 q"): r"g must have the dtype of q",
+    ("kda", "beta", "another device"): r"beta must be on the device",
+    ("kda", "initial_state", "transposed (N, HV, V, K)"): r"initial_state must have shape \(2, 4, 8, 6\)",
+    ("kda", "initial_state", "float16"): r"initial_state must be float32 or float64",
+    ("kda", "cu_seqlens", "with batch 2"): r"with cu_seqlens the batch must be packed into B == 1",
+    ("kda_varlen", "initial_state", "one state per batch row, not per sequence"):
+        r"initial_state must have shape \(3, 4, 8, 6\)",
+    ("kda", "A_log", "None with dt_bias"): r"dt_bias needs A_log",
+    ("kda", "lower_bound", "without A_log"): r"lower_bound needs A_log",
+    ("kda", "A_log", "last dim one short"): r"A_log must have shape \(4,\)",
+    ("kda", "dt_bias", "one more dim"): r"dt_bias must be 1-D",
+    ("kda", "lower_bound", "positive"): r"lower_bound must be a finite number < 0",
+    ("kda", "backend", "unknown"): r"backend must be one of",
+    ("kda_step", "state", "last dim one short"): r"state must have shape",
+    ("kda_step", "state", "bf16"): r"state must be float32 or float64",
+    ("kda_step", "state_indices", "out of the pool"): r"state_indices must lie in \[0, 3\)",
+    ("kda_step", "state_indices", "a repeated slot"): r"must not repeat",
+    ("kda_step", "state_indices", "wrong dtype"): r"state_indices must be int32 or int64",
+    ("kda_step", "state_indices", "None with a larger pool"): r"one slot per sequence",
+    ("diag", "q", "one more dim"): r"q must be 4-D",
+    ("diag", "v", "last dim one short"): r"v must have shape \(2, 5, 3, 8\)",
+    ("diag", "g", "last dim one short"): r"g must have shape",
+    ("diag", "k", "float16 with float32 q"): r"k must have the dtype of q",
+    ("diag", "g", "another device"): r"g must be on the device",
+    ("diag", "initial_state", "last dim one short"): r"initial_state must have shape \(2, 3, 8\)",
+    ("diag", "initial_state", "float16"): r"initial_state must be float32",
+    ("diag", "cu_seqlens", "with batch 2"): r"packed into B == 1",
+    ("diag_step", "state_indices", "out of the pool"): r"state_indices must lie in \[0, 3\)",
+    ("diag_step", "state_indices", "negative"): r"state_indices must lie in \[0, 3\)",
+    ("diag_step", "state", "one more dim"): r"state must be 3-D",
+}
 
 
 @pytest.fixture
@@ -230,15 +338,19 @@ def no_launch(monkeypatch):
 @pytest.mark.parametrize("call,name,what,bad,exc", CATALOGUE,
                          ids=[f"{c}-{n}-{w}" for c, n, w, _, _ in CATALOGUE])
 def test_bad_input_is_refused_by_name_before_any_launch(call, name, what, bad, exc, no_launch):
-    kw = VALID[call]()
-    kw["backend"] = "torch"
-    kw[name] = bad
+    kw = _with(dict(VALID[call](), backend="torch"), name, bad)
     with pytest.raises(exc) as err:
         FN[call](**kw)
     assert not isinstance(err.value, UnsupportedError), f"a capability refusal, not validation: {err.value}"
     names = (name,) + RELATED.get(name, ())
     assert any(re.search(rf"\b{re.escape(n)}\b", str(err.value)) for n in names), \
         f"the message does not name {name}: {err.value}"
+    wording = WORDING.get((call, name, what))
+    assert wording is None or re.search(wording, str(err.value)), f"not worded as {wording!r}: {err.value}"
+
+
+def test_every_wording_belongs_to_a_case():
+    assert set(WORDING) <= {(c, n, w) for c, n, w, _, _ in CATALOGUE}
 
 
 @pytest.mark.parametrize("call", list(VALID))
@@ -255,8 +367,7 @@ def test_valid_templates_pass_validation(call, monkeypatch):
 def test_explain_validates_like_the_call():
     """da.explain runs the same validation: a bad input raises the same error from explain."""
     for call, name, what, bad, exc in CATALOGUE[::7]:
-        kw = VALID[call]()
-        kw[name] = bad
+        kw = _with(VALID[call](), name, bad)
         kw.pop("backend", None)
         with pytest.raises(exc):
             da.explain(FN[call], **kw)
@@ -334,3 +445,72 @@ def test_empty_batches_are_accepted(backend):
     o, s = da.kda(y, y, y, y, torch.rand(2, 0, 2), initial_state=torch.ones(2, 2, 16, 16), output_final_state=True,
                   backend=backend)
     assert o.shape == y.shape and torch.equal(s, torch.ones(2, 2, 16, 16))
+
+
+@pytest.mark.parametrize("scale", [-0.3, -10.0, 1e-30, 7])
+def test_any_finite_softmax_scale_is_accepted(scale):
+    """Any finite scale (negative, tiny, an int) runs and gives a finite result (docs/CONTRACT.md)."""
+    assert torch.isfinite(da.flash_attn_func(**dict(_flash(), softmax_scale=scale), backend="torch")).all()
+    assert torch.isfinite(da.flash_attn_varlen_func(**dict(_varlen(), softmax_scale=scale, softcap=2.5),
+                                                    backend="torch")).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks themselves
+# ---------------------------------------------------------------------------------------------
+
+def test_validation_runs_before_any_backend(monkeypatch):
+    """A bad input is refused before the registry is even asked for a backend."""
+    ran = []
+    monkeypatch.setattr(backends, "select", lambda *a, **k: ran.append(1))
+    with pytest.raises(ValueError):
+        da.flash_attn_func(**dict(_flash(), softcap=-1.0), backend="torch")
+    assert ran == []
+
+
+@pytest.mark.parametrize("bad", [dict(softmax_scale=INF), dict(softmax_scale=NAN)])
+def test_layers_forward_scale_through_the_shared_check(bad):
+    """The nn layers and the transformers integration pass softmax_scale / softcap to flash_attn_func /
+    flash_attn_varlen_func, whose shared check refuses a non-finite value by name."""
+    import delta_attn.nn as dnn
+    name = next(iter(bad))
+    attn_layer = dnn.MultiheadAttention(32, num_heads=2, backend="torch", **bad)
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        attn_layer(torch.randn(2, 5, 32))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):      # padded: the varlen path
+        attn_layer(torch.randn(2, 5, 32), attention_mask=torch.tensor([[1] * 5, [0, 1, 1, 1, 1]]))
+    xattn = dnn.GQACrossAttention(32, num_heads=2, num_kv_heads=1, backend="torch", **bad)
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        xattn(torch.randn(2, 5, 32), torch.randn(2, 3, 32))
+
+
+def test_number_check_words():
+    from delta_attn import _checks as C
+    assert C.number("x", 3) == 3.0 and C.number("x", -2.5, finite=True) == -2.5
+    with pytest.raises(ValueError, match=r"x must be a number, not NaN, got nan"):
+        C.number("x", NAN)
+    with pytest.raises(ValueError, match=r"x must be a finite number in \[0, 1\], got inf"):
+        C.number("x", INF, 0, 1, finite=True)
+    C.number("x", INF)                                # without finite=True, inf stays allowed
+
+
+def test_value_checks_can_be_skipped_to_stay_asynchronous(monkeypatch):
+    """DELTA_ATTN_SKIP_VALUE_CHECKS=1 drops only the checks that read device values on the host."""
+    monkeypatch.setenv("DELTA_ATTN_SKIP_VALUE_CHECKS", "1")
+    from delta_attn.ops.flash.api import validate_varlen
+    kw = _varlen()
+    decreasing = torch.tensor([0, 6, 5, 9], dtype=I32)
+    validate_varlen(**dict(kw, cu_seqlens_q=decreasing, cu_seqlens_k=decreasing.clone()))   # values: not read
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32 or int64"):
+        validate_varlen(**dict(kw, cu_seqlens_q=torch.tensor([0., 4., 4., 9.])))
+
+
+def test_value_checks_are_skipped_under_cuda_graph_capture(monkeypatch):
+    """A host read of state_indices cannot be captured in a CUDA graph: under capture the value checks are off
+    (bad indices then go unchecked, as with DELTA_ATTN_SKIP_VALUE_CHECKS=1); outside capture they run."""
+    from delta_attn import _checks
+    bad = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="state_indices must lie in"):
+        _checks.state_indices(bad, 2, 4, bad.device)
+    monkeypatch.setattr(_checks, "_capturing", lambda: True)
+    _checks.state_indices(bad, 2, 4, bad.device)
