@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--regimes", default="long,strong")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of ours (torch.profiler)")
+    ap.add_argument("--intra-sweep", action="store_true",
+                    help="the inference intra-chunk kernel's K slice (KS) x warps x chunk length, against the shipped")
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     bw = copy_bandwidth()
@@ -108,18 +110,29 @@ def main():
             configs = [None]
             if args.sweep:
                 configs += ["tf32"]
+            if args.intra_sweep:
+                configs += [(ks, w, bt) for bt in (16, 32) for ks in (32, 64, 128) for w in (4, 8)]
             for cfg in configs:
-                if cfg is not None:      # the inference intra-chunk dots on fp32 operands in tf32
+                if cfg == "tf32":      # the inference intra-chunk dots on fp32 operands in tf32
                     orig = launch.precision
                     launch.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), infer_op=tl.float32)
+                elif cfg is not None:  # (KS, warps, chunk length) of the inference intra-chunk kernel
+                    ks, w, bt_ = cfg
+                    saved = launch.infer_intra_tiles, launch.infer_chunk
+                    shipped = launch.infer_intra_tiles
+                    launch.infer_intra_tiles = lambda K, V, bt, _s=shipped: tuple(
+                        dataclasses.replace(t.with_(KS=min(ks, K)), num_warps=w) for t in _s(K, V, bt))
+                    launch.infer_chunk = lambda *a, _bt=bt_: _bt
                 try:
                     t_o = bench(ours_fn(*x))
                 except Exception as e:  # noqa: BLE001
                     t_o = float("nan")
                     print("ours failed", cfg, type(e).__name__, str(e)[:200])
                 finally:
-                    if cfg is not None:
+                    if cfg == "tf32":
                         launch.precision = orig
+                    elif cfg is not None:
+                        launch.infer_intra_tiles, launch.infer_chunk = saved
                 row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
                            floor_frac=floor_ms / t_o, rel_diff=diff)
                 rows.append(row)

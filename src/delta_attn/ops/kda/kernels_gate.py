@@ -112,7 +112,7 @@ def _kda_tangent_sum(W, Wl, dGo, kdd, end, i, L, TWO_FLOAT: tl.constexpr):
     this way, every weight multiplies a term that carries the decay over the same tokens (exp(G_i) with W_i,
     exp(G_last - G_s) with W_last - W_s): the products stay bounded. Summing w_t dd_t instead weights the
     rounding of every dG_i by the cumulative W_i, hundreds over a strongly decaying chunk (fp32 dA_log up to 5x
-    over the error rule on CPU fuzz seeds, d dt_bias up to 1.2x; tests/test_kda_triton.py::
+    over the error rule on CPU fuzz seeds, d dt_bias up to 1.2x; tests/ops/test_kda_triton.py::
     test_gate_parameter_gradients_strong_decay). dGo: the terms of dG other than the pairs (0 on masked rows)."""
     W_last = _kda_row_at(W, i, L - 1)
     return tl.sum(W * dGo, 0) - tl.sum(kdd * _kda_rel(W, Wl, i, L - 1, TWO_FLOAT), 0) + W_last * end
