@@ -47,6 +47,9 @@ class Affine:
         return d @ c.transpose(-1, -2) if self.matrix else d * c
 
 
+KDA_MAP = Affine(matrix=True)
+
+
 def _pack(*xs):
     return torch.cat([x.reshape(-1) for x in xs])
 

@@ -2,8 +2,10 @@
 final states).
 
 The state after a shard is affine in the state before it: ``S_out = M S_in + B`` (M is K x K per value
-head, applied to the K rows of the K x V state). KDA's local pass is a seam of two functions (what a fused
-KDA kernel is to provide instead: docs/DISTRIBUTED.md):
+head, applied to the K rows of the K x V state). On the Triton backend KDA runs ``kda_triton.py`` (the
+chunk-local work once, at V value columns, the transition from a second scan of the carried rows, the carry
+folded in by kernels, one backward). Every other backend runs the widened local pass here, a seam of two
+functions:
 
 1. :meth:`_KDA.local_pass`: the shard's tokens from state 0 for the piece that continues a sequence from
    the previous rank, with the values augmented by an identity block (K extra value columns with zero
@@ -31,11 +33,9 @@ from .. import _checks as C
 from ..ops.kda import api as kda_api
 from ..reference import accumulation_dtype
 from . import _comm
-from ._carry import STATE_PASSING, Affine, CarryExchange
+from ._carry import KDA_MAP, STATE_PASSING, CarryExchange
 from ._comm import group_rank_world
 from .plan import LinearPlan, Plan, prepare, resolve, value_checks
-
-KDA_MAP = Affine(matrix=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class _KDA:
         init0 = init if init is not None else self.q.new_zeros((n, hv, kd, vd), dtype=sdt)
         eye = torch.zeros(n, hv, kd, kd, dtype=sdt, device=self.q.device)
         eye[:n_id] = torch.eye(kd, dtype=sdt, device=eye.device)
-        backend = self._resolve(t, init, cu)
+        backend = self.backend
         v_aug = torch.cat([self.v, self.v.new_zeros(self.v.shape[:3] + (kd,))], -1)
         t_aug, init_aug = t[:2] + (v_aug,) + t[3:], torch.cat([init0, eye], -1)
         if self.fuse_ok(t_aug, init_aug, cu, backend):
@@ -181,13 +181,15 @@ class _KDA:
             return kda_api.kda.plan(*t_aug, initial_state=init_aug, output_final_state=True, cu_seqlens=cu,
                                     backend=backend, **self.kw).chosen is not None
 
-    def _resolve(self, t, init, cu):
-        """The backend the plain local call runs on (so the augmented call never lands elsewhere)."""
+    def resolve(self, init, cu):
+        """The backend the plain local call runs on (the dispatcher's choice for ``"auto"``), so the augmented
+        call never lands elsewhere."""
         if self.backend != "auto":
             return self.backend
         with C.values_checked():
-            return kda_api.kda.plan(*t, initial_state=init, output_final_state=True, cu_seqlens=cu,
-                                    backend="auto", **self.kw).chosen or "auto"   # none: the call raises why
+            return kda_api.kda.plan(self.q, self.k, self.v, self.g, self.beta, initial_state=init,
+                                    output_final_state=True, cu_seqlens=cu, backend="auto",
+                                    **self.kw).chosen or "auto"   # none: the call raises why
 
 
 def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale=None, initial_state=None,
@@ -211,22 +213,29 @@ def kda(q, k, v, g, beta, *, group=None, state_passing: str = "allgather", scale
     """
     C.unknown_keywords("kda", unknown, kda_api.FLA_KEYWORDS)
     with value_checks(plan):
-        kda_api.validate(q, k, v, g, beta, scale, None, output_final_state, None, use_qk_l2norm, A_log, dt_bias,
-                         lower_bound, allow_tf32)
+        args = kda_api.validate(q, k, v, g, beta, scale, None, output_final_state, None, use_qk_l2norm, A_log,
+                                dt_bias, lower_bound, allow_tf32)
     lp = setup("dd.kda", q, cu_seqlens, group, state_passing, plan)
     C.state("initial_state", initial_state, (num_states(lp, q),) + (v.shape[2], q.shape[3], v.shape[3]), q.device,
             "(N, HV, K, V) float32")
     kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
               allow_tf32=allow_tf32)
     op = _KDA(q, k, v, g, beta, kw, backend)
-    local = op.local_pass(initial_rows(lp, initial_state), lp)
-    # the summary handed on: the last row's final state, and its transition when the carry passes through
-    last = local.finals if not lp.varlen else local.finals[-1:]
-    m = local.m if lp.passes[lp.rank] else last.new_zeros(last.shape[:-1] + (op.kdim,))
-    carry = CarryExchange.apply(m, last, lp, KDA_MAP, state_passing, group)
-    o, finals = _KDA.apply_carry(local, carry, lp)
-    # every rank's outputs depend on every collective (so every rank runs their backward, in one order)
-    o = _comm.tie(o, carry)
+    init = initial_rows(lp, initial_state)
+    op.backend = op.resolve(init, lp.cu_local)
+    if op.backend == "triton":
+        # the Triton kernels: the chunk-local work once, at V columns (kda_triton.py)
+        from . import kda_triton
+        o, finals = kda_triton.kda(args, init, lp, state_passing, group, output_final_state)
+    else:
+        local = op.local_pass(init, lp)
+        # the summary handed on: the last row's final state, and its transition when the carry passes through
+        last = local.finals if not lp.varlen else local.finals[-1:]
+        m = local.m if lp.passes[lp.rank] else last.new_zeros(last.shape[:-1] + (op.kdim,))
+        carry = CarryExchange.apply(m, last, lp, KDA_MAP, state_passing, group)
+        o, finals = _KDA.apply_carry(local, carry, lp)
+        # every rank's outputs depend on every collective (so every rank runs their backward, in one order)
+        o = _comm.tie(o, carry)
     if not output_final_state:
         return o, None
     final = distribute_finals(lp, finals, initial_state, group)

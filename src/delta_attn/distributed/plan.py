@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,10 +31,11 @@ def value_checks(plan) -> "contextlib.AbstractContextManager":
     return C.values_checked() if plan is not None else contextlib.nullcontext()
 
 
-def upload(values: Sequence[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    """Host integers as a tensor on ``device`` without a host synchronisation: on CUDA through pinned
-    memory and a non-blocking copy (the caching host allocator keeps the pinned block until the copy ran)."""
-    host = torch.tensor(list(values), dtype=dtype)
+def upload(values, device: torch.device, dtype=torch.int32) -> torch.Tensor:
+    """Host integers (a sequence, or a CPU tensor) as a tensor on ``device`` without a host synchronisation: on
+    CUDA through pinned memory and a non-blocking copy (the caching host allocator keeps the pinned block until
+    the copy ran)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -66,7 +68,8 @@ class LinearPlan:
     both, with one sequence across the whole shard (the carry into r + 1 depends on the carry into r).
     This rank's pieces: varlen, the packed row cut by the global cu_seqlens (``cu_local``, ``seq`` the global
     sequence of each piece, ``owned`` the pieces whose sequence ends here, ``final_index`` where each
-    sequence's final state lies in the gathered owned states); dense, every batch row is one piece."""
+    sequence's final state lies in the gathered owned states); dense, every batch row is one piece. The Triton
+    KDA's chunk tables of the local call come from :meth:`kda_chunks`."""
     varlen: bool
     rank: int
     world: int
@@ -84,6 +87,21 @@ class LinearPlan:
     seq: Optional[torch.Tensor] = None          # (n_pieces,) int64
     owned: Optional[torch.Tensor] = None        # (n_owned,) int64
     final_index: Optional[torch.Tensor] = None  # (n_seq,) int64 into cat(gathered owned, initial states)
+    device: Optional[torch.device] = None
+    local_offsets: Optional[Tuple[int, ...]] = None     # varlen: cu_local as host ints
+    kda_tables: Dict[Tuple[int, int], object] = field(default_factory=dict, compare=False, repr=False)
+
+    def kda_chunks(self, batch: int, bt: int):
+        """The chunk tables of this rank's local KDA call for the Triton pipelines' chunk length ``bt``
+        (``ops/kda/launch.py: chunk_tables``): from the plan's host integers, uploaded without blocking
+        (:func:`upload`), once per (batch, bt). A packed batch's are built by :func:`prepare`."""
+        key = (batch, bt)
+        got = self.kda_tables.get(key)
+        if got is None:
+            from ..ops.kda.launch import chunk_tables
+            got = self.kda_tables[key] = chunk_tables(batch, self.t_local, self.local_offsets, self.device, bt,
+                                                      upload=lambda t: upload(t, self.device))
+        return got
 
     @property
     def any_carry(self) -> bool:
@@ -107,11 +125,11 @@ class LinearPlan:
         return range(rank + 1, e + 1)
 
 
-def _dense_linear(rank: int, world: int, t_local: int) -> LinearPlan:
+def _dense_linear(rank: int, world: int, t_local: int, device: Optional[torch.device] = None) -> LinearPlan:
     cont = tuple(r > 0 for r in range(world))
     hands = tuple(r < world - 1 for r in range(world))
     return LinearPlan(False, rank, world, t_local, cont, hands, tuple(c and h for c, h in zip(cont, hands)),
-                      first_len=t_local, last_start=0)
+                      first_len=t_local, last_start=0, device=device)
 
 
 def _varlen_linear(cu: List[int], rank: int, world: int, t_local: int, device) -> LinearPlan:
@@ -144,11 +162,17 @@ def _varlen_linear(cu: List[int], rank: int, world: int, t_local: int, device) -
     max_owned = max(counts)
     # row of each sequence's final state in cat(gathered owned states (W x max_owned), initial states)
     final_index = [world * max_owned + i if rs is None else rs[0] * max_owned + rs[1] for i, rs in enumerate(index)]
-    return LinearPlan(True, rank, world, t_local, tuple(cont), hands, tuple(passes),
-                      first_len=local_cu[1], last_start=local_cu[-2], n_seq=n, n_pieces=len(seq),
-                      n_owned=len(owned), max_owned=max_owned, cu_local=upload(local_cu, device),
-                      seq=upload(seq, device, torch.int64), owned=upload(owned, device, torch.int64),
-                      final_index=upload(final_index, device, torch.int64))
+    lp = LinearPlan(True, rank, world, t_local, tuple(cont), hands, tuple(passes),
+                    first_len=local_cu[1], last_start=local_cu[-2], n_seq=n, n_pieces=len(seq),
+                    n_owned=len(owned), max_owned=max_owned, cu_local=upload(local_cu, device),
+                    seq=upload(seq, device, torch.int64), owned=upload(owned, device, torch.int64),
+                    final_index=upload(final_index, device, torch.int64), device=device,
+                    local_offsets=tuple(local_cu))
+    if importlib.util.find_spec("triton") is not None:      # the Triton KDA's tables now, not in a call
+        from ..ops.kda.launch import CHUNK_LENGTHS
+        for bt in CHUNK_LENGTHS:
+            lp.kda_chunks(1, bt)
+    return lp
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +232,7 @@ class Plan:
         if self.varlen:
             return self.cached(("linear",), lambda: _varlen_linear(list(self.cu_seqlens), self.rank, self.world,
                                                                    self.t_local, self.device))
-        return self.cached(("linear",), lambda: _dense_linear(self.rank, self.world, self.t_local))
+        return self.cached(("linear",), lambda: _dense_linear(self.rank, self.world, self.t_local, self.device))
 
     # ---- checks of a call against the plan (host only) ----
 

@@ -4,7 +4,10 @@ heads x V blocks.
 The fp32 state block S (K x BV) stays in registers while the program walks its sequence's chunks, reading
 the intra-chunk stage's operands (``kernels_intra.py``) once: ``u = U - W S`` (the delta-rule correction),
 ``o = qg S + Aqk u`` (the output), ``S <- exp(G_last) S + kd^T u`` (the state update). The training forward
-also stores the chunk-start states and u for the backward (``STORE_H``). ``PREC`` is the dots' input
+also stores the chunk-start states and u for the backward (``STORE_H``). ``TRANSITION`` scans the transition
+of context parallelism's carried rows instead (``launch.transition_scan``): zero values (no U read) and the
+identity as initial state (V = K), so O is the response ``u_t`` (``o_t(S) = o_t(0) + u_t S``) and the final
+state the transition M (``S_end = M S + B``). ``PREC`` is the dots' input
 precision: ``ieee`` for fp32 inputs (fp32-accurate), ``tf32`` otherwise (bf16 operands, or the fp32 work
 dtype of fp16 inputs, whose 10-bit mantissa tf32 keeps).
 """
@@ -49,13 +52,16 @@ def _scan_rows(row0, Tn, t0, hv, HV, BR: tl.constexpr, K: tl.constexpr, V: tl.co
 def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, HV, NCMAX,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
                          BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                         STORE_H: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+                         STORE_H: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+                         TRANSITION: tl.constexpr = False):
     hv, row0, Tn, cbase, kk, vv, mk, mv, s_off, ms, st = _scan_program(seq_info, HV, K, V, KP, BV)
     i = tl.arange(0, BT)
     dt = W.dtype.element_ty
     S = tl.zeros([KP, BV], tl.float32)
     if USE_H0:
         S += tl.load(h0 + st + s_off, mask=ms, other=0.0).to(tl.float32)
+    if TRANSITION:          # the identity as initial state (V = K)
+        S += tl.where((kk[:, None] == vv[None, :]) & ms, 1.0, 0.0)
     # NCMAX (host int) = the longest sequence's chunk count; past this sequence's end every load is
     # masked and the iteration leaves S unchanged
     nc = tl.cdiv(Tn, BT)
@@ -68,7 +74,10 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
         # u = U - W S ; o = qg S + Aqk u ; S <- exp(G_last) S + kd^T u
         if SPLIT == 1:
             rows, mr, k_off, v_off, mrk, mrv = _scan_rows(row0, Tn, c * BT, hv, HV, BT, K, V, kk, vv, mk, mv)
-            u = tl.load(U + v_off, mask=mrv, other=0.0).to(tl.float32)
+            if TRANSITION:  # zero values
+                u = tl.zeros([BT, BV], tl.float32)
+            else:
+                u = tl.load(U + v_off, mask=mrv, other=0.0).to(tl.float32)
             u -= tl.dot(tl.load(W + k_off, mask=mrk, other=0.0), Sd, input_precision=PREC)
             ud = u.to(dt)
             A = tl.load(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], mask=mr[:, None], other=0.0)
@@ -85,9 +94,13 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
             j = tl.arange(0, BR)
             ra, ma, ka, va, mka, mva = _scan_rows(row0, Tn, c * BT, hv, HV, BR, K, V, kk, vv, mk, mv)
             rb, mb, kb, vb, mkb, mvb = _scan_rows(row0, Tn, c * BT + BR, hv, HV, BR, K, V, kk, vv, mk, mv)
-            ua = tl.load(U + va, mask=mva, other=0.0).to(tl.float32)
+            if TRANSITION:  # zero values
+                ua = tl.zeros([BR, BV], tl.float32)
+                ub = tl.zeros([BR, BV], tl.float32)
+            else:
+                ua = tl.load(U + va, mask=mva, other=0.0).to(tl.float32)
+                ub = tl.load(U + vb, mask=mvb, other=0.0).to(tl.float32)
             ua -= tl.dot(tl.load(W + ka, mask=mka, other=0.0), Sd, input_precision=PREC)
-            ub = tl.load(U + vb, mask=mvb, other=0.0).to(tl.float32)
             ub -= tl.dot(tl.load(W + kb, mask=mkb, other=0.0), Sd, input_precision=PREC)
             uad = ua.to(dt)
             ubd = ub.to(dt)

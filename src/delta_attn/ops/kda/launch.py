@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -24,14 +24,16 @@ import triton.language as tl
 from ..._outputs import empty
 from .._gluon import available as gluon_available
 from .._launch import (Tiles, cdiv, compile_only, compiled_together, halving, index, launch, next_pow2, optional,
-                       param, sm_count, tiles)
+                       param, sm_count, tiles, unit_last)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
+from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
 from .kernels_scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
+CHUNK_LENGTHS = (16, 32, TRAIN_CHUNK)   # every chunk length a pipeline runs (inference: infer_chunk's 16 or 32)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
 TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
                       # the gate parameters' gradients are formed from the factored products, whose rounding it
@@ -89,30 +91,44 @@ class Chunks(NamedTuple):
     bt: int                  # chunk length
 
 
-def chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: int) -> Chunks:
+def chunk_tables(B: int, T: int, cu_seqlens, device, bt: int,
+                 upload: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Chunks:
     """The chunk tables of a call: built once per shape for a dense batch (no host work after the first call);
-    from the offsets read on the host for a packed one."""
+    from the offsets read on the host for a packed one (``cu_seqlens``: a tensor, or host ints). ``upload`` takes
+    each host int32 table to ``device`` (default: a blocking copy); the distributed plan passes its pinned,
+    non-blocking one and keeps the tables itself (a dense batch's built here from ints, reading no tensor)."""
     if cu_seqlens is None:
-        return _dense_chunk_tables(B, T, torch.device(device), bt)
-    cu = cu_seqlens.to("cpu", torch.int64)
-    return _tables(cu[:-1], cu[1:] - cu[:-1], device, bt)
+        if upload is None:
+            return _dense_chunk_tables(B, T, torch.device(device), bt)
+        return _dense_tables(B, T, device, bt, upload)
+    cu = (cu_seqlens.to("cpu", torch.int64) if isinstance(cu_seqlens, torch.Tensor)
+          else torch.tensor(cu_seqlens, dtype=torch.int64))
+    return _tables(cu[:-1], cu[1:] - cu[:-1], device, bt, upload)
 
 
 @functools.lru_cache(maxsize=64)
 def _dense_chunk_tables(B: int, T: int, device: torch.device, bt: int) -> Chunks:
-    return _tables(torch.arange(B, dtype=torch.int64) * T, torch.full((B,), T, dtype=torch.int64), device, bt)
+    return _dense_tables(B, T, device, bt)
 
 
-def _tables(starts: torch.Tensor, lens: torch.Tensor, device, bt: int) -> Chunks:
+def _dense_tables(B: int, T: int, device, bt: int, upload=None) -> Chunks:
+    nc = cdiv(T, bt)
+    return _tables(torch.arange(B, dtype=torch.int64) * T, torch.full((B,), T, dtype=torch.int64), device, bt,
+                   upload, counts=(B * nc, nc if B else 0))
+
+
+def _tables(starts: torch.Tensor, lens: torch.Tensor, device, bt: int, upload=None, counts=None) -> Chunks:
+    """``counts``: (chunks, the longest sequence's chunk count) when the caller knows them (no read of a table)."""
     nch = (lens + bt - 1) // bt
+    total, ncmax = counts if counts is not None else (int(nch.sum()), int(nch.max()) if len(nch) else 0)
     first = torch.cumsum(nch, 0) - nch
     seq_t = torch.stack([starts, lens, first], 1)
-    seq_id = torch.repeat_interleave(torch.arange(len(lens)), nch)
-    local = torch.arange(int(nch.sum())) - first[seq_id]
+    seq_id = torch.repeat_interleave(torch.arange(len(lens)), nch, output_size=total)
+    local = torch.arange(total) - first[seq_id]
     t0 = starts[seq_id] + local * bt
     chunk_t = torch.stack([seq_id, t0, torch.clamp(lens[seq_id] - local * bt, max=bt)], 1)
-    ncmax = int(nch.max()) if len(nch) else 0
-    return Chunks(seq_t.to(torch.int32).to(device), chunk_t.to(torch.int32).to(device), ncmax, bt)
+    put = upload or (lambda t: t.to(device))
+    return Chunks(put(seq_t.to(torch.int32)), put(chunk_t.to(torch.int32)), ncmax, bt)
 
 
 def max_chunks(B: int, T: int, n_seq: int, varlen: bool, bt: int = TRAIN_CHUNK) -> int:
@@ -229,14 +245,17 @@ def _operands(q, v, nc_alloc: int, bt: int, work: torch.dtype, train: bool):
 
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-             output_final_state, allow_tf32, train: bool):
+             output_final_state, allow_tf32, train: bool, chunks: Optional[Callable[[int], Chunks]] = None,
+             keep_operands: bool = False):
+    """(o, final or None, Saved: training, or with ``keep_operands`` the intra-chunk operands alone); ``chunks``: the
+    chunk tables of a chunk length (default: built here from ``cu_seqlens``)."""
     q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     prec = precision(q.dtype, allow_tf32, q.shape[-1], train)
     bt = TRAIN_CHUNK if train else infer_chunk(N * HV, K, V, q.device)
-    ch = chunk_tables(B, T, cu_seqlens, q.device, bt)
+    ch = chunks(bt) if chunks is not None else chunk_tables(B, T, cu_seqlens, q.device, bt)
     NC = ch.chunk_t.shape[0]
     nc_alloc = max_chunks(B, T, N, cu_seqlens is not None) if train else NC
     W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
@@ -268,7 +287,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
                     optional(final, q), HV, ch.ncmax),
                    dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
                         STORE_H=train, PREC=prec.fwd_scan), cand)
-    saved = Saved(W, QG, KD, AQK, TM, GC, HS, VNEW) if train else None
+    saved = Saved(W, QG, KD, AQK, TM, GC, HS, VNEW) if train or keep_operands else None
     return o, final, saved
 
 
@@ -319,14 +338,15 @@ def _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bia
 # ------------------------------------------------------------------------------------------------
 
 def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved: Saved, do, dht, scale,
-                   lower_bound, use_qk_l2norm, allow_tf32):
-    """Gradients (dq, dk, dv, dg, dbeta, dh0 or None, dA_log or None, ddt_bias or None)."""
+                   lower_bound, use_qk_l2norm, allow_tf32, chunks: Optional[Callable[[int], Chunks]] = None):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0 or None, dA_log or None, ddt_bias or None). ``initial_state`` is read
+    for its presence only (dh0); ``chunks``: the chunk tables of a chunk length (default: built here)."""
     q, k, v, g, beta, do, dht, A_log, dt_bias = map(param, (q, k, v, g, beta, do, dht, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     R, dev, f32 = B * T, q.device, torch.float32
     prec = precision(q.dtype, allow_tf32, q.shape[-1], train=True)
-    ch = chunk_tables(B, T, cu_seqlens, dev, TRAIN_CHUNK)
+    ch = chunks(TRAIN_CHUNK) if chunks is not None else chunk_tables(B, T, cu_seqlens, dev, TRAIN_CHUNK)
     N, NC, bt = ch.seq_t.shape[0], ch.chunk_t.shape[0], TRAIN_CHUNK
     W, QG, KD, AQK, TM, GC, HS, VNEW = saved
     DU = torch.empty(R, HV, V, dtype=f32, device=dev)
@@ -376,6 +396,99 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     dA_log = dal.sum(0) if A_log is not None else None
     ddt = ddt.sum(0).reshape(-1) if dt_bias is not None else None
     return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, dA_log, ddt
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism: the local pass with its carried rows' transition, the carry folded in, its gradient
+# ------------------------------------------------------------------------------------------------
+
+class Transition(NamedTuple):
+    """The transition's scan of the carried rows (their first T1 tokens; ``kernels_scan.py``, TRANSITION)."""
+    u: torch.Tensor                  # (n T1, HV, K), v's dtype: o_t(S) = o_t(0) + u_t S
+    m: torch.Tensor                  # (n, HV, K, K) fp32: the final state S_end = M S + B
+    HS: Optional[torch.Tensor]       # training: (n ceil(T1 / 64), HV, K, K) its chunk-start states
+    VNEW: Optional[torch.Tensor]     # training: (n T1, HV, K) its v_new (-W S)
+
+
+def cp_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
+               allow_tf32, train: bool, chunks: Callable[[int], Chunks], carried: int, carried_len: int):
+    """Context parallelism's local pass (``distributed/kda_triton.py``): the forward (the training pipeline when
+    ``train``, else the inference one) with the final state of every row, the ``carried`` first rows started from 0
+    (``initial_state`` rows of 0 or None), then, when ``carried`` > 0, the transition's scan of their first
+    ``carried_len`` tokens on the same intra-chunk operands: zero values, the identity as initial state, K columns.
+    ``chunks``: the plan's chunk tables per chunk length. Returns (o, finals, Saved (training: the backward's; else
+    the operands alone), Transition or None)."""
+    o, final, saved = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                               use_qk_l2norm, True, allow_tf32, train, chunks=chunks, keep_operands=True)
+    if not carried:
+        return o, final, saved, None
+    R, HV, K = saved.W.shape
+    bt, dev = saved.AQK.shape[-1], q.device
+    prec = precision(q.dtype, allow_tf32, K, train)
+    ch, ncr = chunks(bt), cdiv(carried_len, bt)
+    rows = Chunks(ch.seq_t[:carried], ch.chunk_t[:carried * ncr], ncr, bt)     # their chunks come first
+    u = empty((carried * carried_len, HV, K), v.dtype, dev)
+    m = empty((carried, HV, K, K), torch.float32, dev)
+    HS = torch.empty(carried * ncr, HV, K, K, dtype=prec.work, device=dev) if train else None
+    VNEW = torch.empty(carried * carried_len, HV, K, dtype=prec.work, device=dev) if train else None
+    launch(_kda_fwd_scan_kernel, lambda t: (cdiv(K, t.get("BV")), carried, HV),
+           (saved.W, optional(None, q), saved.QG, saved.KD, saved.AQK, saved.GC, optional(None, q), rows.seq_t, u,
+            optional(VNEW, q), optional(HS, q), m, HV, rows.ncmax),
+           dict(K=K, V=K, BT=bt, USE_H0=False, STORE_FINAL=True, STORE_H=train, PREC=prec.fwd_scan, TRANSITION=True),
+           scan_tiles(K, K, carried * HV, bt, 256, 4, 2 if train else 3))
+    return o, final, saved, Transition(u, m, HS, VNEW)
+
+
+@functools.lru_cache(maxsize=None)
+def carry_tiles(K: int, V: int):
+    first = tiles("rows x K in fp32 against a K x BV state block", num_warps=4 if _pow2(K) <= 128 else 8, BR=64,
+                  BV=min(64, _pow2(V)))
+    return halving(first, ("BV", "BR"))
+
+
+def _carry_add(x, x_strides, y, y_strides, carry, rows: int, blocks: int, per_carry: int, prec: str):
+    """x[b, h, r] += y[b, h, r] carry[b // per_carry, h] for rows r < ``rows`` of blocks b < ``blocks``
+    (``kernels_carry.py``; strides (block, head, row))."""
+    n, HV, K, V = carry.shape
+    launch(_kda_carry_add_kernel, lambda t: (cdiv(rows, t.get("BR")), blocks * HV, cdiv(V, t.get("BV"))),
+           (x, y, carry, rows, per_carry, HV) + tuple(x_strides) + tuple(y_strides),
+           dict(K=K, V=V, KP=_pow2(K), PREC=prec), carry_tiles(K, V))
+
+
+def cp_fold_carry(o, final, saved: Saved, tr: Transition, carry, allow_tf32: bool):
+    """The carry (n, HV, K, V) fp32 of the n carried rows added, in place, to what :func:`cp_forward` computed
+    from 0: ``o += u S`` on their first T1 tokens, their final states ``+= M S`` and, training, the saved v_new
+    and chunk-start states (``+= VNEW' S``, ``+= HS' S``), so the backward is the plain one at the true
+    initial state."""
+    n, HV, K, V = carry.shape
+    T, t1 = o.shape[1], tr.u.shape[0] // n
+    prec = precision(o.dtype, allow_tf32, K, saved.TM is not None).fwd_scan
+    rows_x, rows_y = (T * HV * V, V, HV * V), (t1 * HV * K, K, HV * K)
+    _carry_add(o, rows_x, tr.u, rows_y, carry, t1, n, 1, prec)
+    final[:n] += torch.matmul(tr.m, carry)
+    if tr.VNEW is not None:
+        _carry_add(saved.VNEW, rows_x, tr.VNEW, rows_y, carry, t1, n, 1, prec)
+        ncr = tr.HS.shape[0] // n
+        _carry_add(saved.HS, (HV * K * V, K * V, V), tr.HS, (HV * K * K, K * K, K), carry, K, n * ncr, ncr, prec)
+
+
+def cp_carry_grad(u, do, carried: int, dtype: torch.dtype, allow_tf32: bool):
+    """The carry's gradient from the outputs, ``sum_t u_t^T do_t`` (n, HV, K, V) fp32 over the first T1 tokens of
+    the n = ``carried`` first rows (u (n T1, HV, K); do (B, T, HV, V), any strides but the last), in row splits
+    (``kernels_carry.py``)."""
+    do = unit_last(do)
+    HV, K, V = u.shape[1], u.shape[2], do.shape[3]
+    n, t1 = carried, u.shape[0] // carried
+    first = carry_tiles(K, V)[0]
+    blocks = n * HV * cdiv(V, first.get("BV"))
+    rps = cdiv(cdiv(t1, max(1, min(cdiv(t1, first.get("BR")), cdiv(2 * sm_count(do.device), blocks)))),
+               first.get("BR")) * first.get("BR")
+    splits = cdiv(t1, rps)
+    partial = torch.empty(splits, n, HV, K, V, dtype=torch.float32, device=do.device)
+    launch(_kda_carry_grad_kernel, lambda t: (splits, n * HV, cdiv(V, t.get("BV"))),
+           (u, do, partial, t1, rps, n, HV, t1 * HV * K, K, HV * K, do.stride(0), do.stride(2), do.stride(1)),
+           dict(K=K, V=V, KP=_pow2(K), PREC=precision(dtype, allow_tf32, K, True).scan), carry_tiles(K, V))
+    return partial.sum(0)
 
 
 # ------------------------------------------------------------------------------------------------
