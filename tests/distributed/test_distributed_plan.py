@@ -6,10 +6,10 @@ that hands a tensor's values to Python (``tolist``, ``item``, ``cpu``, ``numpy``
 / ``__float__`` / ``__index__``, ``nonzero``, ``equal``, ``allclose``) and ``torch.tensor`` /
 ``torch.as_tensor`` (a host-to-device copy on a GPU), to raise when called from delta-attn's code. On CPU
 every tensor is a host tensor, so the detector cannot tell a device read from a host one; it therefore flags
-every such call made by the package, except in the KDA kernel internals that another change rewrites
-(``ops/kda/{launch,kernels_intra,kernels_scan}.py``: their chunk tables read ``cu_seqlens`` on the host; see
-docs/DISTRIBUTED.md) and in :func:`delta_attn.distributed.plan.upload` (pinned, non-blocking). The
-Triton interpreter's own code is not the package's and is not flagged. On a GPU the same property is checked
+every such call made by the package, except in :func:`delta_attn.distributed.plan.upload` (pinned,
+non-blocking). KDA's chunk tables come from the plan (built by ``dd.prepare`` for a packed batch, from host
+integers at the first call for a dense one), so the KDA calls are checked whole. The Triton interpreter's own
+code is not the package's and is not flagged. On a GPU the same property is checked
 with ``torch.cuda.set_sync_debug_mode("error")`` (tests/gpu/test_distributed_linear_gpu.py).
 """
 import contextlib
@@ -23,7 +23,6 @@ import delta_attn
 from distributed_harness import run_ranks
 
 _PKG = os.path.dirname(os.path.abspath(delta_attn.__file__)) + os.sep
-_EXEMPT = tuple(os.path.join("ops", "kda", f) for f in ("launch.py", "kernels_intra.py", "kernels_scan.py"))
 _METHODS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal",
             "allclose")
 _FUNCTIONS = ("tensor", "as_tensor", "equal", "allclose", "nonzero")
@@ -35,7 +34,7 @@ class HostRead(AssertionError):
 
 def _flag(name, frame):
     path = os.path.abspath(frame.f_code.co_filename)
-    if not path.startswith(_PKG) or path.endswith(_EXEMPT):
+    if not path.startswith(_PKG):
         return
     if frame.f_code.co_name == "upload" and path.endswith(os.path.join("distributed", "plan.py")):
         return
