@@ -74,9 +74,10 @@ class _KDATritonCP(torch.autograd.Function):
         if tr is not None:
             kda_launch.cp_fold_carry(o, finals, saved, tr, c, run.allow_tf32)
         if run.train:
-            ctx.run, ctx.ms = run, ms
+            # u (the carried rows x K) is kept outside the saved tensors, so backward step 1 can free it
+            ctx.run, ctx.ms, ctx.u = run, ms, (tr.u if tr is not None else None)
             ctx.save_for_backward(q, k, v, g, beta, init, A_log, dt_bias, m, *saved,
-                                  *((tr.u, tr.m) if tr is not None else (None, None)))
+                                  tr.m if tr is not None else None)
         if not run.need_final:
             ctx.mark_non_differentiable(finals)
         return o, finals
@@ -86,13 +87,16 @@ class _KDATritonCP(torch.autograd.Function):
         run = ctx.run
         lp = run.lp
         q, k, v, g, beta, init, A_log, dt_bias, m, *rest = ctx.saved_tensors
-        saved, (u, m_first) = kda_launch.Saved(*rest[:-2]), rest[-2:]
+        saved, m_first = kda_launch.Saved(*rest[:-1]), rest[-1]
+        u, ctx.u = ctx.u, None
         if not run.need_final:
             dfinal = None
+        do = do.contiguous()            # once for both readers (a loss's sum hands an expanded one)
         # 1. this rank's own gradient of its carry: through its outputs and its carried rows' final states
         dc = None
         if run.carried:
             dc = kda_launch.cp_carry_grad(u, do, run.carried, q.dtype, run.allow_tf32)
+            del u
             if dfinal is not None:
                 dc += m_first.transpose(-1, -2) @ dfinal[:run.carried].to(dc.dtype)
         # 2. the gradient of the state this rank hands on

@@ -6,6 +6,9 @@
 * **inference prefill**: ``infer_forward`` (intra-chunk stage on 16- or 32-token chunks, factored launch
   plus an exact launch for strongly decaying chunks, then the state scan);
 * **decode**: ``decode_step`` (token by token from a state pool, in place).
+* **context parallelism** (``distributed/kda_triton.py``): ``cp_forward`` (either forward, then the transition's
+  scan of the carried rows on the same operands), ``cp_fold_carry`` (the carry added to outputs, final states and
+  saved tensors) and ``cp_carry_grad`` (its gradient from the outputs); the chunk tables come from the plan.
 
 Tiles are frozen :class:`~delta_attn.ops._launch.Tiles` chosen by shape in the ``*_tiles`` functions below,
 each with its reason; every launch goes through :func:`~delta_attn.ops._launch.launch`, which falls back to
