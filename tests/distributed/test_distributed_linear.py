@@ -179,3 +179,45 @@ def _errors_and_no_grad(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_passing_matches_single_process(world):
     run_ranks(world, _body, ("kda", "diag"), TORCH_CASES, TRITON_CASES)
+
+
+def _saved_bytes(fn):
+    """Bytes of the distinct storages autograd keeps for the backward of ``fn()`` (inputs included)."""
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _kda_memory_body(rank, world):
+    import delta_attn as da
+    import delta_attn.distributed as dd
+    t_local, h, kd, vd = 70, 2, 16, 32                 # carried pieces of two 64-token chunks
+    gen = torch.Generator().manual_seed(0)
+    total = world * t_local
+    for b, cu in ((2, None), (1, [0, 5, total - 3, total])):
+        full = [torch.randn(b, total, h, kd, generator=gen) for _ in range(2)] + [
+            torch.randn(b, total, h, vd, generator=gen),
+            torch.nn.functional.logsigmoid(torch.randn(b, total, h, kd, generator=gen) + 2.0),
+            torch.rand(b, total, h, generator=gen)]
+        loc = [dd.shard(x).detach().requires_grad_() for x in full]
+        kw = dict(use_qk_l2norm=True, backend="triton")
+        one = _saved_bytes(lambda: da.kda(*loc, **kw))
+        cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+        cp = _saved_bytes(lambda: dd.kda(*loc, cu_seqlens=cu_t, **kw))
+        assert cp <= 1.25 * one, f"rank {rank} cu={cu}: the context-parallel backward keeps {cp} bytes, the " \
+                                 f"operator on the shard {one}"
+
+
+def test_kda_saved_for_backward_is_the_operators():
+    """What dd.kda's Triton forward keeps for its backward: the single-GPU operator's saved tensors on the shard
+    (the carry folded into them) plus u, the carried rows' response (K columns), within 1.25x (dense: the
+    carried rank's every row; packed: a first piece across the whole shard but 5 tokens)."""
+    pytest.importorskip("triton")
+    run_ranks(2, _kda_memory_body)

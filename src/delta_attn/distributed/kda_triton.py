@@ -13,7 +13,7 @@ forward
   2. exchange (``_carry.py``): the summary (M, B) of the last row out, the carry S_in in;
   3. the carry folded in, in place (``cp_fold_carry``): ``o += u S_in``, ``B += M S_in`` and, training, the
      saved v_new and chunk-start states of the carried rows, so what the backward keeps is what the
-     single-GPU forward at the true initial state keeps; u stays for backward step 1.
+     single-GPU forward at the true initial state keeps, plus u (the carried rows x K) for backward step 1.
 backward
   1. the gradient of the carry from this rank's own work (where r takes a carry):
      ``dc = sum_t u_t^T do_t + M^T dS_end`` (``cp_carry_grad``);
@@ -74,10 +74,9 @@ class _KDATritonCP(torch.autograd.Function):
         if tr is not None:
             kda_launch.cp_fold_carry(o, finals, saved, tr, c, run.allow_tf32)
         if run.train:
-            # u (the carried rows x K) is kept outside the saved tensors, so backward step 1 can free it
-            ctx.run, ctx.ms, ctx.u = run, ms, (tr.u if tr is not None else None)
+            ctx.run, ctx.ms = run, ms
             ctx.save_for_backward(q, k, v, g, beta, init, A_log, dt_bias, m, *saved,
-                                  tr.m if tr is not None else None)
+                                  *((tr.u, tr.m) if tr is not None else (None, None)))
         if not run.need_final:
             ctx.mark_non_differentiable(finals)
         return o, finals
@@ -87,8 +86,7 @@ class _KDATritonCP(torch.autograd.Function):
         run = ctx.run
         lp = run.lp
         q, k, v, g, beta, init, A_log, dt_bias, m, *rest = ctx.saved_tensors
-        saved, m_first = kda_launch.Saved(*rest[:-1]), rest[-1]
-        u, ctx.u = ctx.u, None
+        saved, (u, m_first) = kda_launch.Saved(*rest[:-2]), rest[-2:]
         if not run.need_final:
             dfinal = None
         do = do.contiguous()            # once for both readers (a loss's sum hands an expanded one)
@@ -96,7 +94,6 @@ class _KDATritonCP(torch.autograd.Function):
         dc = None
         if run.carried:
             dc = kda_launch.cp_carry_grad(u, do, run.carried, q.dtype, run.allow_tf32)
-            del u
             if dfinal is not None:
                 dc += m_first.transpose(-1, -2) @ dfinal[:run.carried].to(dc.dtype)
         # 2. the gradient of the state this rank hands on
