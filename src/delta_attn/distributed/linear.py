@@ -176,7 +176,7 @@ class _KDA:
         return o, (torch.cat([fixed_f, f[n_id:]]) if f.shape[0] > n_id else fixed_f)
 
     def fuse_ok(self, t_aug, init_aug, cu, backend) -> bool:
-        """Whether ``backend`` takes the V + K value columns (the Triton kernels stop at 256)."""
+        """Whether ``backend`` takes the V + K value columns (its head-dim limits)."""
         with C.values_checked():
             return kda_api.kda.plan(*t_aug, initial_state=init_aug, output_final_state=True, cu_seqlens=cu,
                                     backend=backend, **self.kw).chosen is not None
