@@ -318,9 +318,10 @@ _BACKWARD_COMPILED: set = set()
 
 
 def _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o, final, saved, scale,
-                      lower_bound, use_qk_l2norm, allow_tf32):
+                      lower_bound, use_qk_l2norm, allow_tf32, chunks: Optional[Callable[[int], Chunks]] = None):
     """Once per specialisation: :func:`train_backward` on meta tensors of the real dtypes and shapes under
-    ``compile_only``, so its kernels compile with the forward's (a final state is taken to get a gradient)."""
+    ``compile_only``, so its kernels compile with the forward's (a final state is taken to get a gradient);
+    ``chunks`` as in :func:`train_backward`."""
     key = (q.device, q.dtype, v.dtype, g.dtype, beta.dtype, q.shape[2:], v.shape[2:], initial_state is not None,
            final is not None, cu_seqlens is not None, A_log is not None, dt_bias is not None, lower_bound is not None,
            use_qk_l2norm, allow_tf32)
@@ -333,7 +334,8 @@ def _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bia
 
     with compile_only(q.device):
         train_backward(*map(meta, (q, k, v, g, beta, initial_state)), cu_seqlens, meta(A_log), meta(dt_bias),
-                       Saved(*map(meta, saved)), meta(o), meta(final), scale, lower_bound, use_qk_l2norm, allow_tf32)
+                       Saved(*map(meta, saved)), meta(o), meta(final), scale, lower_bound, use_qk_l2norm, allow_tf32,
+                       chunks=chunks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,11 +422,20 @@ def cp_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scal
     (``initial_state`` rows of 0 or None), then, when ``carried`` > 0, the transition's scan of their first
     ``carried_len`` tokens on the same intra-chunk operands: zero values, the identity as initial state, K columns.
     ``chunks``: the plan's chunk tables per chunk length. Returns (o, finals, Saved (training: the backward's; else
-    the operands alone), Transition or None)."""
-    o, final, saved = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                               use_qk_l2norm, True, allow_tf32, train, chunks=chunks, keep_operands=True)
-    if not carried:
-        return o, final, saved, None
+    the operands alone), Transition or None). As :func:`train_forward`, the first call of a specialisation compiles
+    its kernels and the backward's concurrently."""
+    with compiled_together():
+        o, final, saved = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                                   use_qk_l2norm, True, allow_tf32, train, chunks=chunks, keep_operands=True)
+        tr = _transition_scan(q, v, saved, chunks, carried, carried_len, allow_tf32, train) if carried else None
+        if train:
+            _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, o, final, saved, scale,
+                              lower_bound, use_qk_l2norm, allow_tf32, chunks=chunks)
+    return o, final, saved, tr
+
+
+def _transition_scan(q, v, saved: Saved, chunks, carried: int, carried_len: int, allow_tf32: bool,
+                     train: bool) -> Transition:
     R, HV, K = saved.W.shape
     bt, dev = saved.AQK.shape[-1], q.device
     prec = precision(q.dtype, allow_tf32, K, train)
@@ -439,7 +450,7 @@ def cp_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scal
             optional(VNEW, q), optional(HS, q), m, HV, rows.ncmax),
            dict(K=K, V=K, BT=bt, USE_H0=False, STORE_FINAL=True, STORE_H=train, PREC=prec.fwd_scan, TRANSITION=True),
            scan_tiles(K, K, carried * HV, bt, 256, 4, 2 if train else 3))
-    return o, final, saved, Transition(u, m, HS, VNEW)
+    return Transition(u, m, HS, VNEW)
 
 
 @functools.lru_cache(maxsize=None)
