@@ -4,7 +4,7 @@ there is one):
 added to outputs, final states and the backward's saved tensors) and ``cp_carry_grad``, against the float64
 reference and against the plain forward at the true initial state. Both scan layouts of a chunk (whole, and
 two row halves: ``SPLIT``), dense (every row carried) and packed (the first piece carried), with and without
-gradients. The operator on several ranks: tests/test_distributed_linear.py."""
+gradients. The operator on several ranks: tests/distributed/test_distributed_linear.py."""
 import pytest
 import torch
 
