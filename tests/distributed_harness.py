@@ -66,3 +66,19 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, backend: str = "glo
         bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
         if bad:
             raise AssertionError(f"ranks exited with non-zero codes {bad}")
+
+
+def saved_bytes(fn):
+    """(bytes of the distinct storages autograd keeps for the backward of ``fn()``, inputs included; its
+    result)."""
+    import torch
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out

@@ -5,7 +5,7 @@ keeps for the backward against the single-GPU operator on the same shard."""
 import pytest
 import torch
 
-from distributed_harness import run_ranks
+from distributed_harness import run_ranks, saved_bytes
 
 triton = pytest.importorskip("triton")
 
@@ -79,20 +79,6 @@ def test_exchange_first_matches_reference(world):
     run_ranks(world, _reference_body)
 
 
-def _saved_bytes(fn):
-    """Bytes of the distinct storages autograd keeps for the backward of ``fn()`` (inputs included)."""
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 def _memory_body(rank, world):
     import delta_attn as da
     import delta_attn.distributed as dd
@@ -102,8 +88,8 @@ def _memory_body(rank, world):
     full[3] = torch.nn.functional.logsigmoid(full[3])          # g: a log decay <= 0
     loc = [dd.shard(x).detach().requires_grad_() for x in full]
     for scheme in ("allgather", "ring"):
-        cp, _ = _saved_bytes(lambda: dd.gated_diag_attn(*loc, backend="triton", state_passing=scheme)[0])
-        one, _ = _saved_bytes(lambda: da.gated_diag_attn(*loc, backend="triton")[0])
+        cp, _ = saved_bytes(lambda: dd.gated_diag_attn(*loc, backend="triton", state_passing=scheme)[0])
+        one, _ = saved_bytes(lambda: da.gated_diag_attn(*loc, backend="triton")[0])
         assert cp <= 1.25 * one, f"rank {rank}: the context-parallel backward keeps {cp} bytes, the operator {one}"
 
 

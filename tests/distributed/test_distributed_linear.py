@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from distributed_harness import run_ranks
+from distributed_harness import run_ranks, saved_bytes
 from sharded_grads import grad_names, loss_weights, sharded, single_process
 
 TORCH_CASES = 14          # per operator and world size
@@ -181,20 +181,6 @@ def test_state_passing_matches_single_process(world):
     run_ranks(world, _body, ("kda", "diag"), TORCH_CASES, TRITON_CASES)
 
 
-def _saved_bytes(fn):
-    """Bytes of the distinct storages autograd keeps for the backward of ``fn()`` (inputs included)."""
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def _kda_memory_body(rank, world):
     import delta_attn as da
     import delta_attn.distributed as dd
@@ -208,9 +194,9 @@ def _kda_memory_body(rank, world):
             torch.rand(b, total, h, generator=gen)]
         loc = [dd.shard(x).detach().requires_grad_() for x in full]
         kw = dict(use_qk_l2norm=True, backend="triton")
-        one = _saved_bytes(lambda: da.kda(*loc, **kw))
+        one, _ = saved_bytes(lambda: da.kda(*loc, **kw))
         cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-        cp = _saved_bytes(lambda: dd.kda(*loc, cu_seqlens=cu_t, **kw))
+        cp, _ = saved_bytes(lambda: dd.kda(*loc, cu_seqlens=cu_t, **kw))
         assert cp <= 1.25 * one, f"rank {rank} cu={cu}: the context-parallel backward keeps {cp} bytes, the " \
                                  f"operator on the shard {one}"
 
