@@ -146,6 +146,19 @@ def test_backward_no_state_custom_scale():
     check(xs, kw, grad=True, scale=0.05)
 
 
+def test_auto_training_on_dense_sequences_runs_cudnn_within_the_rule():
+    """auto's kda rule: a dense bf16 training call cuDNN can run goes to cuDNN, and passes the error rule; the same
+    call with a decay below cuDNN's range goes to Triton (one host read of g's range)."""
+    xs, kw = make(2, 200, 2, 2, h0=True, normed=True)
+    ex = da.explain(da.kda, *_leafs(xs), output_final_state=True, **kw)
+    assert ex.chosen == "cudnn", str(ex)
+    bad, _ = properties.kda_compare(xs, kw, True, 3, backend="auto", output_final_state=True)
+    assert not bad, "; ".join(bad)
+    strong = [x.detach().clone() for x in xs]
+    strong[3][0, 0, 0, 0] = -8.0
+    assert da.explain(da.kda, *_leafs(strong), output_final_state=True, **kw).chosen == "triton"
+
+
 # ------------------------------------------------------------------------------------- refusals
 
 def _leafs(xs):
