@@ -6,6 +6,9 @@ the input dtype is the baseline), with outputs poisoned first: 300 seeded random
 identities (chunked == recurrent, two halves == one pass, prefill + decode == whole), the custom ops'
 fake implementations and autograd (``torch.library.opcheck``), and the named errors.
 """
+import types
+
+import properties
 import pytest
 import torch
 import triton
@@ -16,8 +19,6 @@ from delta_attn.backends import UnsupportedError
 from delta_attn.ops import _launch
 from delta_attn.ops.kda import launch
 from delta_attn.ops.kda.kernels_intra import _kda_tri_inverse_dots
-
-import properties
 
 CPU_CASES = 300
 
@@ -271,6 +272,19 @@ def test_compiled_together_runs_launches_in_order_at_the_end():
         with _launch.compile_only(x.device):
             pass
     assert _launch.launch(Kernel("d"), lambda t: (1,), (x,), {}, cand).get("BV") == 16 and ran == [("d", (1,), 16)]
+
+
+def test_jit_state_is_created_before_the_compile_threads(monkeypatch):
+    """_prime_jit creates a kernel's per-device JIT state in the calling thread (threads compiling two variants
+    of one kernel would otherwise each create one and lose a compiled kernel); a kernel without one is left."""
+    import collections
+    import contextlib
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    kernel = types.SimpleNamespace(device_caches=collections.defaultdict(dict))
+    _launch._prime_jit(kernel, torch.device("cuda", 3))
+    assert list(kernel.device_caches) == [3]
+    _launch._prime_jit(object(), torch.device("cuda", 3))
 
 
 def test_precision_rules():

@@ -203,6 +203,8 @@ def _fit_one(p: _Launch) -> None:
 def _fit_concurrently(launches: Sequence[_Launch]) -> None:
     """Fit (compile) every launch whose specialisation is not fitted yet, one thread per kernel."""
     todo = list({p.key: p for p in launches if p.key not in _FITTED}.values())
+    for kernel, device in dict.fromkeys((p.kernel, p.device) for p in todo):
+        _prime_jit(kernel, device)
     if len(todo) <= 1:
         for p in todo:
             _fit_one(p)
@@ -210,6 +212,16 @@ def _fit_concurrently(launches: Sequence[_Launch]) -> None:
     with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
         for f in [pool.submit(_fit_one, p) for p in todo]:
             f.result()
+
+
+def _prime_jit(kernel, device: torch.device) -> None:
+    """Create a JIT kernel's per-device state (Triton's ``device_caches``, a defaultdict filled on first use) in
+    the calling thread: threads compiling variants of the same kernel would otherwise each create one, and the
+    kernels compiled into all but the last would be lost (compiled again at their launch)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        with torch.cuda.device(device):
+            _ = caches[torch.cuda.current_device()]      # the look-up creates it
 
 
 def _run(p: _Launch) -> Tiles:
