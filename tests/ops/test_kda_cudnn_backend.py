@@ -205,6 +205,29 @@ def test_auto_reads_the_decay_range_only_where_it_would_try_cudnn(fake_gpu, monk
     assert "strong_decay" not in api._call(args, "kda", "auto").features and len(reads) == 1
 
 
+def test_auto_does_not_try_cudnn_on_a_decay_range_it_cannot_read(fake_gpu, monkeypatch):
+    """With value checks off (torch.compile, CUDA-graph capture, a context-parallel plan), auto cannot read g's
+    range, so a call it would send to cuDNN is declared decay_unread, which cuDNN refuses with the reason; an
+    explicit backend='cudnn' still runs it (the caller keeps g in range) and a gated call needs no read."""
+    from delta_attn import _checks as C
+    reads = []
+    monkeypatch.setattr(CK, "log_decay_out_of_range", lambda g, A_log: reads.append(1) or False)
+
+    def args(A_log=None):
+        return types.SimpleNamespace(g=None, A_log=A_log, call=lambda op, strong_decay=False, decay_unread=False: _call(
+            seqlen=4096, grad=True, feats=({"decay_unread"} if decay_unread else set())
+            | ({"strong_decay"} if strong_decay else set())))
+
+    with C.values_checked():
+        call = api._call(args(), "kda", "auto")
+        assert "decay_unread" in call.features and reads == []
+        assert CK.DECAY_UNREAD_REASON in reasons(call) and auto_order(call)[0] == "triton"
+        # an explicit cudnn call and a gated one go on to the range check (which itself skips the read here)
+        assert "decay_unread" not in api._call(args(), "kda", "cudnn").features and len(reads) == 1
+        assert "decay_unread" not in api._call(args(A_log=object()), "kda", "auto").features and len(reads) == 2
+    assert "decay_unread" not in api._call(args(), "kda", "auto").features and len(reads) == 3
+
+
 def _module(name, **attrs):
     m = types.ModuleType(name)
     m.__dict__.update(attrs)

@@ -139,9 +139,13 @@ def validate_step(q, k, v, g, beta, state, state_indices=None, scale=None, use_q
 def _call(args: KDAArgs, op: str, backend: str) -> Call:
     """``args.call(op)``; where cuDNN would run it (``backend="cudnn"``, or ``auto`` trying cuDNN first) a raw log
     decay below what its kernel takes is read from the values (one host sync: ``cudnn.log_decay_out_of_range``)
-    and declared as ``strong_decay``, which cuDNN refuses."""
+    and declared as ``strong_decay``, which cuDNN refuses. Where ``auto`` would try cuDNN but value checks are off,
+    the call is declared ``decay_unread``, which cuDNN refuses too (an explicit ``backend="cudnn"`` still runs)."""
     call = args.call(op)
-    if backend == "cudnn" or (backend == "auto" and register.prefers_cudnn(call)):
+    auto_cudnn = backend == "auto" and register.prefers_cudnn(call)
+    if auto_cudnn and args.A_log is None and not C.value_checks_enabled():
+        return args.call(op, decay_unread=True)          # auto never runs cuDNN on a range it could not read
+    if backend == "cudnn" or auto_cudnn:
         if cudnn.log_decay_out_of_range(args.g, args.A_log):
             return args.call(op, strong_decay=True)
     return call

@@ -31,13 +31,16 @@ class KDAArgs:
     num_accepted_tokens: Optional[torch.Tensor] = None   # kda_step with (B, T) slots: start slot column + 1
     allow_tf32: bool = False                        # fp32 inputs: tf32 tensor-core dots allowed
 
-    def call(self, op: str, strong_decay: bool = False) -> Call:
+    def call(self, op: str, strong_decay: bool = False, decay_unread: bool = False) -> Call:
         """The registry's :class:`~delta_attn.backends.Call` (``seqlen``: T of a dense batch, rounded up to a power of
         two; 0 when packed). ``strong_decay``: g goes below what cuDNN's kernel takes (read from the values by
-        ``api.py``, one host sync, only where cuDNN would run the call)."""
+        ``api.py``, one host sync, only where cuDNN would run the call); ``decay_unread``: ``auto`` would try cuDNN
+        but value checks are off (torch.compile, CUDA-graph capture, a plan), so g's range cannot be read."""
         feats = recurrent_features(self.cu_seqlens, self.initial_state, self.output_final_state, self.state_indices)
         if strong_decay:
             feats.add("strong_decay")
+        if decay_unread:
+            feats.add("decay_unread")
         if self.use_qk_l2norm:
             feats.add("qk_l2norm")
         if self.A_log is not None:

@@ -65,6 +65,10 @@ MIN_LOG_DECAY = -5.0
 STRONG_DECAY_REASON = (f"cuDNN KDA's sm_90 engine returns NaN for log decays g below about {MIN_LOG_DECAY:g} (measured "
                        f"on the H200: -5 everywhere passes, -8 everywhere or -10 at 15 % of the entries give NaN); "
                        f"this call's g goes below {MIN_LOG_DECAY:g}: use backend='triton'")
+DECAY_UNREAD_REASON = (f"auto sends a call to cuDNN KDA only after reading that g stays above {MIN_LOG_DECAY:g} "
+                       f"(its sm_90 engine returns NaN below), and value checks are off here (torch.compile, "
+                       f"CUDA-graph capture or a context-parallel plan): ask for backend='cudnn' to run it, keeping g "
+                       f"in range")
 INSTALL_HINT = _install.CUDNN        # the frontend, and cuda-python: the sm_90 engine compiles with NVRTC
 
 BACKWARD_L2NORM_REASON = ("cuDNN KDA backward needs q/k pre-normalised (use_qk_l2norm=False): its sm_90 backward "
@@ -133,6 +137,8 @@ def check(call: Call) -> List[str]:
     reasons: List[str] = []
     if "strong_decay" in call.features:
         reasons.append(STRONG_DECAY_REASON)
+    if "decay_unread" in call.features:
+        reasons.append(DECAY_UNREAD_REASON)
     if call.device.type == "cuda":
         cc = B.device_capability(call.device)
         if cc is not None and cc > SM90:

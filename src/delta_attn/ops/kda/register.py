@@ -15,7 +15,7 @@ from . import cudnn
 
 _PKG = "delta_attn.ops.kda"
 FEATURES = frozenset({"varlen", "initial_state", "final_state", "qk_l2norm", "gate_softplus",
-                      "gate_lower_bound", "gva", "state_indices", "speculative", "strong_decay"})
+                      "gate_lower_bound", "gva", "state_indices", "speculative", "strong_decay", "decay_unread"})
 _TORCH = dict(device_types=("cpu", "cuda", "mps", "xpu"), dtypes=C.FLOAT_DTYPES, features=FEATURES)
 
 
