@@ -147,8 +147,9 @@ class _Launch:
     device: torch.device
     run: bool = True
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple:
+        """The specialisation of :func:`_fitted_key` (formed once: the batch and the launch both look it up)."""
         return _fitted_key(self.kernel, self.args, self.fixed, self.candidates, self.device.index)
 
 
