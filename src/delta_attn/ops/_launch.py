@@ -52,11 +52,14 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def eager_or_op(fn: Callable, op: Callable) -> Callable:
+def eager_or_op(fn: Callable, op: Callable, like: Optional[torch.Tensor] = None) -> Callable:
     """The one eager fast path of every op: ``fn`` (a custom op's own body) in eager mode, the custom op ``op``
-    while torch.compile traces. A custom op's dispatch costs ~10-20 us of host time per call, more than a
-    decode step's kernel takes on the GPU; both run the same launcher."""
-    return op if torch.compiler.is_compiling() else fn
+    while torch.compile traces (Dynamo, or AOTAutograd tracing an autograd Function on fake or functional
+    tensors: ``like``, one of the call's tensors, is then not a plain tensor). Both run the same launcher. The
+    eager path skips the custom op's dispatch, ~10-20 us of host time per call (more than a decode step's
+    kernel takes on the GPU), and its first call's import of torch._dynamo (about 1-4 s of a cold start)."""
+    traced = like is not None and type(like) not in (torch.Tensor, torch.nn.Parameter)
+    return op if traced or torch.compiler.is_compiling() else fn
 
 
 @dataclass(frozen=True)

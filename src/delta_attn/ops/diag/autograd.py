@@ -73,8 +73,8 @@ def _(q, k, v, g, state, state_indices, num_accepted_tokens=None):
 class GatedDiagFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, cu_seqlens, output_final_state):
-        o, final, ws = torch.ops.delta_attn.diag_fwd(q, k, v, g, initial_state, cu_seqlens, output_final_state,
-                                                     True)
+        o, final, ws = eager_or_op(_fwd, _diag_fwd_op, q)(q, k, v, g, initial_state, cu_seqlens, output_final_state,
+                                                          True)
         ctx.save_for_backward(q, k, v, g, ws, initial_state, cu_seqlens)
         ctx.mark_non_differentiable(ws)
         return o, final
@@ -84,7 +84,7 @@ class GatedDiagFunction(torch.autograd.Function):
         q, k, v, g, ws, initial_state, cu_seqlens = ctx.saved_tensors
         if dfinal is not None and dfinal.numel() == 0:
             dfinal = None
-        dq, dk, dv, dg, dh0 = torch.ops.delta_attn.diag_bwd(
+        dq, dk, dv, dg, dh0 = eager_or_op(_bwd, _diag_bwd_op, do)(
             q, k, v, g, do, ws, initial_state, dfinal, cu_seqlens)
         return dq, dk, dv, dg, (dh0 if initial_state is not None else None), None, None
 

@@ -72,8 +72,8 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr, softcap, alibi, dropout_p):
-        out, lse, seed = torch.ops.delta_attn.flash_attn_fwd(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale,
-                                                             wl, wr, softcap, alibi, dropout_p)
+        out, lse, seed = eager_or_op(_fwd, _fwd_op, q)(q, k, v, cu_q, cu_k, max_sq, max_sk, layout, scale, wl, wr,
+                                                       softcap, alibi, dropout_p)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, alibi)
         ctx.params = (max_sq, max_sk, layout, scale, wl, wr, softcap, dropout_p)
         ctx.set_materialize_grads(False)
@@ -85,8 +85,8 @@ class FlashAttnFunction(torch.autograd.Function):
         max_sq, max_sk, layout, scale, wl, wr, softcap, dropout_p = ctx.params
         if dout is None:            # only lse reached the loss
             dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.delta_attn.flash_attn_bwd(dout, q, k, v, out, lse, seed, cu_q, cu_k, max_sq, max_sk,
-                                                         layout, scale, wl, wr, softcap, alibi, dropout_p, dlse)
+        dq, dk, dv = eager_or_op(_bwd, _bwd_op, dout)(dout, q, k, v, out, lse, seed, cu_q, cu_k, max_sq, max_sk,
+                                                      layout, scale, wl, wr, softcap, alibi, dropout_p, dlse)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -3,7 +3,8 @@ autograd, and the backend entry points (the pattern of every op, docs/ARCHITECTU
 
 * custom ops: ``delta_attn::kda_infer`` (inference prefill), ``delta_attn::kda_train`` (the training forward,
   which returns what its backward needs), ``delta_attn::kda_train_bwd`` and ``delta_attn::kda_step`` (decode);
-* :class:`KDAFunction`: autograd, ``kda_train`` forward and ``kda_train_bwd`` backward;
+* :class:`KDAFunction`: autograd, ``kda_train`` forward and ``kda_train_bwd`` backward (the ops' bodies in eager
+  mode, the ops while torch.compile traces: ``eager_or_op``);
 * the backend entries: :func:`kda` takes the Function when a gradient is needed, else the inference op's body
   in eager mode (the op while torch.compile traces); :func:`kda_step` the decode op's body the same way.
 """
@@ -125,9 +126,9 @@ class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                 output_final_state, allow_tf32):
-        o, final, *saved = torch.ops.delta_attn.kda_train(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
-                                                          dt_bias, scale, lower_bound, use_qk_l2norm,
-                                                          output_final_state, allow_tf32)
+        o, final, *saved = eager_or_op(_train, _kda_train_op, q)(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
+                                                                 dt_bias, scale, lower_bound, use_qk_l2norm,
+                                                                 output_final_state, allow_tf32)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *saved)
         ctx.opts = (scale, lower_bound, use_qk_l2norm, output_final_state, allow_tf32)
         return o, final
@@ -140,7 +141,7 @@ class KDAFunction(torch.autograd.Function):
             dht = None
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dg, db, dh0, dal, ddt = torch.ops.delta_attn.kda_train_bwd(
+        dq, dk, dv, dg, db, dh0, dal, ddt = eager_or_op(_train_bwd, _kda_train_bwd_op, do)(
             q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved, do, dht, scale, lower_bound,
             use_qk_l2norm, allow_tf32)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None

@@ -329,8 +329,8 @@ def _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bia
         return
     _BACKWARD_COMPILED.add(key)
 
-    def meta(t):
-        return None if t is None else torch.empty_like(t, device="meta")
+    def meta(t):       # torch.empty, not empty_like: a meta empty_like runs torch's Python refs (imports sympy)
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     with compile_only(q.device):
         train_backward(*map(meta, (q, k, v, g, beta, initial_state)), cu_seqlens, meta(A_log), meta(dt_bias),
@@ -357,7 +357,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     DU = torch.empty(R, HV, V, dtype=f32, device=dev)
     DH = torch.empty(HS.shape, dtype=prec.work, device=dev)
     DQG = torch.empty(R, HV, K, dtype=f32, device=dev)
-    DKD, DW = torch.empty_like(DQG), torch.empty_like(DQG)
+    DKD, DW = (torch.empty(R, HV, K, dtype=f32, device=dev) for _ in range(2))
     DAQK = torch.empty(R, HV, bt, dtype=f32, device=dev)
     DGC = torch.empty(GC.shape, dtype=f32, device=dev)
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
@@ -393,6 +393,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                             TANGENT_MAX=TANGENT_MAX, DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact,
                             TWO_FLOAT=prec.two_float, **gate_kw),
                        bwd_intra_tiles(K, V))
+    if dev.type == "meta":           # compiled only (_compile_backward): no gradient was computed
+        return None
     # GVA: the query / key heads' gradients are the sums over their value heads
     G = HV // H
     dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
