@@ -39,7 +39,7 @@ _triton_interpreter.patch()
 
 __all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
            "shared_memory", "eager_or_op", "cdiv", "next_pow2", "compiled_together",
-           "compile_only"]
+           "compile_only", "compile_configs"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -215,6 +215,32 @@ def _fit_concurrently(launches: Sequence[_Launch]) -> None:
         return
     with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
         for f in [pool.submit(_fit_one, p) for p in todo]:
+            f.result()
+
+
+def compile_configs(jobs: Sequence[Tuple[object, tuple, dict, Sequence]]) -> None:
+    """Compile, concurrently (one thread per configuration), every ``triton.Config`` of each job
+    ``(jit kernel, args, kwargs, configs)``: ``kernel.warmup`` with the arguments of the coming launch, so an
+    autotuner that then benchmarks the configurations one after another finds each compiled (its first call of
+    a new key costs the slowest compile, not the sum)."""
+    work = [(kernel, args, kwargs, c) for kernel, args, kwargs, configs in jobs for c in configs]
+    if not work:
+        return
+    device = next(a.device for a in work[0][1] if isinstance(a, torch.Tensor))
+    for kernel in dict.fromkeys(w[0] for w in work):
+        _prime_jit(kernel, device)
+
+    def one(w):
+        kernel, args, kwargs, c = w
+        try:
+            with torch.cuda.device(device):
+                kernel.warmup(*args, grid=(1,), **kwargs, **c.kwargs, num_warps=c.num_warps,
+                              num_stages=c.num_stages)._init_handles()
+        except Exception:  # noqa: BLE001  (a configuration that does not build fails again, and is reported,
+            pass           # where the autotuner compiles it)
+
+    with ThreadPoolExecutor(max_workers=min(len(work), os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(one, w) for w in work]:
             f.result()
 
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
 
 from ... import _outputs, settings
-from .._launch import Tiles, cdiv, halving, index, launch, next_pow2, optional, param, sm_count, tiles, unit_last
+from .._launch import (Tiles, cdiv, compile_configs, halving, index, launch, next_pow2, optional, param, sm_count,
+                       tiles, unit_last)
 from .kernels_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from .kernels_decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_merge_kernel
 from .kernels_fwd import _flash_dropout_mask_kernel, _flash_fwd_kernel
@@ -124,6 +125,11 @@ def _tma_ok(*tensors) -> bool:
     return True
 
 
+def _autotunes(config: Optional[tuple], rows: int, grid_b: int) -> bool:
+    """Whether :func:`_launch` will autotune (GPU, no fixed configuration, a non-empty grid)."""
+    return config is None and rows > 0 and grid_b > 0 and not settings.triton_interpreter()
+
+
 def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple, kwargs: dict,
             config: Optional[tuple] = None) -> None:
     """Launch kernel ``kind``: grid (cdiv(rows, block), grid_b); autotuned on GPU, fixed under the
@@ -147,6 +153,24 @@ def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple,
                                                           num_stages=stages)
         return
     _tuned(kind, _dclass(d))[lambda meta: (triton.cdiv(rows, meta[grid_m]), grid_b)](*args, **kwargs)
+
+
+_COMPILED_KEYS: set = set()
+
+
+def _compile_ahead(launches: Sequence[Tuple[str, int, tuple, dict]]) -> None:
+    """Before launches ``(kind, head dim, args, kwargs)`` that will autotune a key not seen yet (GPU), compile
+    all their configurations concurrently (``compile_configs``), so the autotuner's benchmark finds them
+    compiled."""
+    jobs = []
+    for kind, d, args, kwargs in launches:
+        tuned = _tuned(kind, _dclass(d))
+        key = (kind, _dclass(d), tuple(kwargs.get(n) for n in tuned.keys),
+               tuple(a.dtype for a in args if isinstance(a, Tensor)))
+        if key not in _COMPILED_KEYS:
+            _COMPILED_KEYS.add(key)
+            jobs.append((_KERNELS[kind], args, kwargs, tuned.configs))
+    compile_configs(jobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,9 +257,11 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
     args = (q, k, v, out, lse, L.cu_q, L.cu_k, L.alibi, L.seed,
             *_strides(q, layout), *_strides(k, layout), *_strides(v, layout), *_strides(out, layout),
             *_lse_strides(lse, layout), *L.alibi_strides)
-    _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args,
-            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
-                 TMA_OK=not settings.triton_interpreter() and _tma_ok(k, v)), config)
+    kwargs = dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
+                  TMA_OK=not settings.triton_interpreter() and _tma_ok(k, v))
+    if _autotunes(config, L.sq, L.batch * L.hq):
+        _compile_ahead([("fwd", L.d, args, kwargs)])
+    _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args, kwargs, config)
     return out, lse
 
 
@@ -267,14 +293,18 @@ def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, l
     # 2. dK, dV: one program per key block and key head
     sc = dict(L.scalars)
     n_heads, group = sc.pop("n_heads"), sc.pop("group")
-    _launch("dkdv", L.d, "BLOCK_N", L.sk, L.batch * L.hk,
-            (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk, layout), *_strides(dv, layout), *lse_s,
-             *L.alibi_strides),
-            dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags), dkdv_config)
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk, layout), *_strides(dv, layout), *lse_s,
+                 *L.alibi_strides)
+    dkdv_kw = dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags)
+    dq_args = (q, k, v, do, lse, delta, dq, *common, *_strides(dq, layout), *lse_s, *L.alibi_strides)
+    dq_kw = dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m)
+    _compile_ahead([job for job, tuned in ((("dkdv", L.d, dkdv_args, dkdv_kw),
+                                             _autotunes(dkdv_config, L.sk, L.batch * L.hk)),
+                                            (("dq", L.d, dq_args, dq_kw), _autotunes(dq_config, L.sq, L.batch * L.hq)))
+                    if tuned])
+    _launch("dkdv", L.d, "BLOCK_N", L.sk, L.batch * L.hk, dkdv_args, dkdv_kw, dkdv_config)
     # 3. dQ: one program per query block and query head
-    _launch("dq", L.d, "BLOCK_M", L.sq, L.batch * L.hq,
-            (q, k, v, do, lse, delta, dq, *common, *_strides(dq, layout), *lse_s, *L.alibi_strides),
-            dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m), dq_config)
+    _launch("dq", L.d, "BLOCK_M", L.sq, L.batch * L.hq, dq_args, dq_kw, dq_config)
     if L.sk == 0 or L.batch * L.hk == 0:
         dk.zero_()
         dv.zero_()

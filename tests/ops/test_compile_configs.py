@@ -1,0 +1,42 @@
+"""``_launch.compile_configs``: every configuration of every job is compiled (``warmup`` with the launch's own
+arguments and the configuration's meta-parameters, warps and stages), concurrently, and a configuration that
+fails to build is left for the autotuner to report."""
+import contextlib
+import threading
+import time
+
+import torch
+import triton
+
+from delta_attn.ops import _launch
+
+
+class FakeKernel:
+    def __init__(self, fail=()):
+        self.calls, self.threads, self.fail = [], set(), fail
+
+    def warmup(self, *args, grid, **kwargs):
+        self.threads.add(threading.get_ident())
+        time.sleep(0.05)                       # long enough for the pool to start every job at once
+        self.calls.append((args, kwargs))
+        if kwargs["BLOCK"] in self.fail:
+            raise RuntimeError("does not build")
+        return type("Compiled", (), {"_init_handles": lambda self: None})()
+
+
+def test_every_configuration_compiles_concurrently(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "_prime_jit", lambda kernel, device: None)
+    a, b = FakeKernel(), FakeKernel(fail=(32,))
+    x = torch.zeros(4)
+    configs = [triton.Config({"BLOCK": n}, num_warps=w, num_stages=s) for n, w, s in ((16, 4, 2), (32, 8, 3))]
+    _launch.compile_configs([(a, (x, 7), {"FLAG": True}, configs), (b, (x,), {}, configs)])
+    assert sorted((kw["BLOCK"], kw["num_warps"], kw["num_stages"], kw.get("FLAG")) for _, kw in a.calls) == [
+        (16, 4, 2, True), (32, 8, 3, True)]
+    assert all(args == (x, 7) for args, _ in a.calls)
+    assert len(b.calls) == 2                   # the failing configuration was tried and did not stop the rest
+    assert len(a.threads | b.threads) > 1
+
+
+def test_nothing_to_compile_is_a_no_op():
+    _launch.compile_configs([])
