@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from . import settings
+from .reference import ACCUMULATION_DTYPES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -275,7 +276,7 @@ def state(name: str, s: Optional[torch.Tensor], expected: Tuple[int, ...], devic
           doc: str) -> None:
     if s is None:
         return
-    tensor(name, s, len(expected), (torch.float32, torch.float64), doc)
+    tensor(name, s, len(expected), ACCUMULATION_DTYPES, doc)
     shape_equal(name, s, expected, doc)
     if s.device != device:
         raise ValueError(f"{name} must be on the device of the inputs ({device}), got {s.device}")
@@ -326,7 +327,7 @@ def decode_step(q: torch.Tensor, state: torch.Tensor, per_slot: Tuple[int, ...],
     (:func:`state_indices`; their values: :func:`state_indices_value_checks`, on every call)."""
     b, t = q.shape[0], q.shape[1]
     positive_dim("new tokens per sequence (q.shape[1])", t)
-    tensor("state", state, 1 + len(per_slot), (torch.float32, torch.float64), f"{doc} float32 state pool")
+    tensor("state", state, 1 + len(per_slot), ACCUMULATION_DTYPES, f"{doc} float32 state pool")
     shape_equal("state", state, (state.shape[0], *per_slot), doc)
     if state.device != q.device:
         raise ValueError(f"state must be on the device of the inputs ({q.device}), got {state.device}")

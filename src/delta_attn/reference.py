@@ -53,6 +53,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# what accumulation_dtype returns: the dtypes a state (initial state, decode state pool) or a gate parameter
+# (A_log, dt_bias) is accepted in
+ACCUMULATION_DTYPES = (torch.float32, torch.float64)
+
+
 def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return accumulation_dtype(dtype) if upcast else dtype
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..ops.diag.api import gated_diag_attn, gated_diag_step
 from ..ops.kda.api import kda, kda_step
+from ..reference import accumulation_dtype
 from ._utils import GatedRMSNorm, ShortConvolution, dense_packing, init_decay_params, make_packing
 from .cache import RecurrentCache
 
@@ -28,8 +29,9 @@ def _low_rank(d_in: int, rank: int, d_out: int, bias: bool) -> nn.Sequential:
 
 
 def _fp32_param(p: torch.Tensor) -> torch.Tensor:
-    """The gate parameters enter the operators as float32 (float64 kept for float64 models)."""
-    return p if p.dtype in (torch.float32, torch.float64) else p.float()
+    """The gate parameters enter the operators in their accumulation dtype: float32 (float64 kept for float64
+    models); ``p`` itself when it already is."""
+    return p.to(accumulation_dtype(p.dtype))
 
 
 class _RecurrentLayer(nn.Module):

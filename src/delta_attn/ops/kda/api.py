@@ -12,6 +12,7 @@ import torch
 
 from ... import _checks as C
 from ...backends import Call, explain_call, select
+from ...reference import ACCUMULATION_DTYPES
 from . import cudnn, register
 from .args import KDAArgs
 
@@ -82,10 +83,10 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
             raise ValueError("lower_bound needs A_log: the bounded gate is "
                              "lower_bound * sigmoid(exp(A_log) * (g + dt_bias))")
     else:
-        C.tensor("A_log", A_log, 1, (torch.float32, torch.float64), "(HV,)")
+        C.tensor("A_log", A_log, 1, ACCUMULATION_DTYPES, "(HV,)")
         C.shape_equal("A_log", A_log, (hv,), "(HV,)")
         if dt_bias is not None:
-            C.tensor("dt_bias", dt_bias, 1, (torch.float32, torch.float64), "(HV * K,)")
+            C.tensor("dt_bias", dt_bias, 1, ACCUMULATION_DTYPES, "(HV * K,)")
             C.shape_equal("dt_bias", dt_bias, (hv * kd,), "(HV * K,)")
         if lower_bound is not None:
             lower_bound = C.number("lower_bound", lower_bound, doc="a finite number < 0")

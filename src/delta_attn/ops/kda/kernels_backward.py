@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .kernels_scan import _scan_program, _scan_rows
 from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_gate_grads, _kda_gdiff,
-                           _kda_l2norm_bwd_rows, _kda_rel, _kda_round_tf32, _kda_row_at, _kda_row_norms_sliced,
-                           _kda_tangent, _kda_tangent_sum)
+                           _kda_head_gate, _kda_l2norm_bwd_rows, _kda_rel, _kda_round_tf32, _kda_row_at,
+                           _kda_row_norms_sliced, _kda_tangent, _kda_tangent_sum)
 
 
 @triton.jit
@@ -313,38 +313,38 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
     if EXACT:
         if tl.load(FLAGS + c * HV + hv) == 0:
             return
-    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
-                                                                   BT, GATE)
-    a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
-    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
+    ch = _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K, V, BT)
+    gate = _kda_head_gate(g, dt_bias, A_log, lower_bound, hv, GATE)
+    a_off = (ch.rows * HV + hv)[:, None] * BT + ch.i[None, :]
+    nq, rk = _kda_row_norms_sliced(q, k, ch.q_off, ch.mr, K, BT, BK, L2NORM)
     rq = nq * scale
-    T = tl.load(TM + a_off, mask=mr[:, None], other=0.0)
+    T = tl.load(TM + a_off, mask=ch.mr[:, None], other=0.0)
     db = tl.zeros([BT], tl.float32)
     dT = tl.zeros([BT, BT], tl.float32)
     # 1. U = T (beta v): dv = beta T^T dU, dbeta += v . T^T dU, dT += dU (beta v)^T
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
-        m = mr[:, None] & (vc[None, :] < V)
-        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        du = tl.load(DU + v_off + vc[None, :], mask=m, other=0.0)
+        m = ch.mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + ch.v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        du = tl.load(DU + ch.v_off + vc[None, :], mask=m, other=0.0)
         dbv = tl.dot(tl.trans(T), du, input_precision=DOT_PREC)
-        tl.store(DV + v_off + vc[None, :], (b[:, None] * dbv).to(DV.dtype.element_ty), mask=m)
+        tl.store(DV + ch.v_off + vc[None, :], (ch.b[:, None] * dbv).to(DV.dtype.element_ty), mask=m)
         db += tl.sum(vs * dbv, 1)
-        dT += tl.dot(du, tl.trans(b[:, None] * vs), input_precision=DOT_PREC)
+        dT += tl.dot(du, tl.trans(ch.b[:, None] * vs), input_precision=DOT_PREC)
     # 2. W = T Kb with Kb = beta exp(G) k: dT += dW Kb^T, K slice by K slice
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G, Gl_ = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                         HAS_DT_BIAS, FLOOR, TWO_FLOAT)
-        dw = tl.load(DW + g_off + cols[None, :], mask=m, other=0.0)
-        dT += tl.dot(dw, tl.trans(b[:, None] * ks * tl.exp(G)), input_precision=DOT_PREC)
+        m = ch.mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G, Gl_ = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                         TWO_FLOAT)
+        dw = tl.load(DW + ch.g_off + cols[None, :], mask=m, other=0.0)
+        dT += tl.dot(dw, tl.trans(ch.b[:, None] * ks * tl.exp(G)), input_precision=DOT_PREC)
     # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk lower-triangular
     dA = -tl.dot(tl.dot(tl.trans(T), dT, input_precision=DOT_PREC), tl.trans(T), input_precision=DOT_PREC)
-    dA = tl.where(i[:, None] > i[None, :], dA, 0.0)
-    dAqk = tl.load(DAQK + a_off, mask=mr[:, None], other=0.0)
-    dAqk = tl.where(i[:, None] >= i[None, :], dAqk, 0.0)
+    dA = tl.where(ch.i[:, None] > ch.i[None, :], dA, 0.0)
+    dAqk = tl.load(DAQK + a_off, mask=ch.mr[:, None], other=0.0)
+    dAqk = tl.where(ch.i[:, None] >= ch.i[None, :], dAqk, 0.0)
     # 4. per K slice: through the decayed products, qg, kd, Kb, the cumulative sum, floor and gate
     dotq = tl.zeros([BT], tl.float32)
     dotk = tl.zeros([BT], tl.float32)
@@ -352,14 +352,14 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         mc = cols < K
-        m = mr[:, None] & mc[None, :]
-        qr = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        kr = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        m = ch.mr[:, None] & mc[None, :]
+        qr = tl.load(q + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        kr = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
         qs = qr * rq[:, None]
         ks = kr * rk[:, None]
-        x, d, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                       HAS_DT_BIAS, FLOOR, TWO_FLOAT)
-        dx, dA_ = _kda_gate_grads(x, a, lower_bound, GATE)
+        x, d, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                       TWO_FLOAT)
+        dx, dA_ = _kda_gate_grads(x, gate.a, gate.lower_bound, GATE)
         # the cumulative tangents of the floored log decay along A_log and dt_bias (in two floats, as G)
         # (Ra, Rx: relative to the chunk's middle row, for the factored products)
         Wa, Wal = G, Gl
@@ -368,20 +368,20 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         Rx = G
         if GATE != 0:
             Wa, Wal = _kda_cumsum(_kda_tangent(dA_, d, m, FLOOR), FLOOR, TWO_FLOAT)
-            Ra = _kda_rel(Wa, Wal, i, (L - 1) // 2, TWO_FLOAT)
+            Ra = _kda_rel(Wa, Wal, ch.i, (ch.L - 1) // 2, TWO_FLOAT)
             if HAS_DT_BIAS:
                 Wx, Wxl = _kda_cumsum(_kda_tangent(dx, d, m, FLOOR), FLOOR, TWO_FLOAT)
-                Rx = _kda_rel(Wx, Wxl, i, (L - 1) // 2, TWO_FLOAT)
-        G_last = _kda_row_at(G, i, L - 1)
+                Rx = _kda_rel(Wx, Wxl, ch.i, (ch.L - 1) // 2, TWO_FLOAT)
+        G_last = _kda_row_at(G, ch.i, ch.L - 1)
         eG = tl.exp(G)
-        eL = tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT))
-        Xa = b[:, None] * ks
-        dqg = tl.load(DQG + g_off + cols[None, :], mask=m, other=0.0)
-        dkd = tl.load(DKD + g_off + cols[None, :], mask=m, other=0.0)
-        dw = tl.load(DW + g_off + cols[None, :], mask=m, other=0.0)
+        eL = tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT))
+        Xa = ch.b[:, None] * ks
+        dqg = tl.load(DQG + ch.g_off + cols[None, :], mask=m, other=0.0)
+        dkd = tl.load(DKD + ch.g_off + cols[None, :], mask=m, other=0.0)
+        dw = tl.load(DW + ch.g_off + cols[None, :], mask=m, other=0.0)
         dgc = tl.load(DGC + (c * HV + hv) * K + cols, mask=mc, other=0.0)
         dKb = tl.dot(tl.trans(T), dw, input_precision=DOT_PREC)
-        Gm = _kda_rel(G, Gl, i, BT // 2 - 1, TWO_FLOAT)
+        Gm = _kda_rel(G, Gl, ch.i, BT // 2 - 1, TWO_FLOAT)
         fast = tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX
         if GATE != 0:
             if TWO_FLOAT:       # fp32: a tangent spread over more than TANGENT_MAX takes the exact products too
@@ -393,7 +393,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                 P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
                 pwa, pwx = _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE, HAS_DT_BIAS)
             else:
-                P1, P3, P24, dGp, pwa, pwx = _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, Wa, Wal, Wx, Wxl,
+                P1, P3, P24, dGp, pwa, pwx = _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, ch.i, Wa, Wal, Wx, Wxl,
                                                                BT, BC, BK, DOT_PREC, ROUND_TF32, TWO_FLOAT, GATE,
                                                                HAS_DT_BIAS)
         else:
@@ -402,7 +402,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
             P1, P3, P24, dGp = _kda_bwd_factored(qs, ks, Xa, Gm, dAqk, dA, DOT_PREC, ROUND_TF32)
             pwa, pwx = _kda_bwd_factored_pairs(dGp, Ra, Rx, GATE, HAS_DT_BIAS)
         dqs = eG * dqg + P1
-        dks = P24 + b[:, None] * P3 + eL * dkd + b[:, None] * eG * dKb
+        dks = P24 + ch.b[:, None] * P3 + eL * dkd + ch.b[:, None] * eG * dKb
         db += tl.sum(ks * P3, 1) + tl.sum(eG * ks * dKb, 1)
         # d/dG of qs e^G, (k_i E_ij k_j), (q_i E_ij k_j), beta k e^G; then to the per-token log decays d_t
         # (G_i = sum_{s<=i} d_s): a reverse cumulative sum. kd = k e^(G_last - G) and e^(G_last) depend on
@@ -414,23 +414,23 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         end = tl.exp(G_last) * dgc
         dd = tl.cumsum(dG, 0, reverse=True) + (tl.cumsum(kdd, 0) - kdd) + end[None, :]
         dd = tl.where(d < -FLOOR, 0.0, dd)       # a select that keeps a NaN gate NaN (see _kda_floor)
-        tl.store(DG + g_off + cols[None, :], dd * dx, mask=m)
+        tl.store(DG + ch.g_off + cols[None, :], dd * dx, mask=m)
         if GATE != 0:
-            dal += _kda_tangent_sum(Wa, Wal, dGo, kdd, end, i, L, TWO_FLOAT) + pwa
+            dal += _kda_tangent_sum(Wa, Wal, dGo, kdd, end, ch.i, ch.L, TWO_FLOAT) + pwa
             if HAS_DT_BIAS:
-                tl.store(DDT + (c * HV + hv) * K + cols, _kda_tangent_sum(Wx, Wxl, dGo, kdd, end, i, L, TWO_FLOAT)
+                tl.store(DDT + (c * HV + hv) * K + cols, _kda_tangent_sum(Wx, Wxl, dGo, kdd, end, ch.i, ch.L, TWO_FLOAT)
                          + pwx, mask=mc)
         gq = dqs * rq[:, None]
         gk = dks * rk[:, None]
         if L2NORM:
             dotq += tl.sum(gq * qr, 1)
             dotk += tl.sum(gk * kr, 1)
-        tl.store(DQ + g_off + cols[None, :], gq, mask=m)
-        tl.store(DK + g_off + cols[None, :], gk, mask=m)
-    tl.store(DB + rows * HV + hv, db, mask=mr)
+        tl.store(DQ + ch.g_off + cols[None, :], gq, mask=m)
+        tl.store(DK + ch.g_off + cols[None, :], gk, mask=m)
+    tl.store(DB + ch.rows * HV + hv, db, mask=ch.mr)
     if GATE != 0:
         tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
     # 5. l2 norm backward
     if L2NORM:
-        _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K, BK)
+        _kda_l2norm_bwd_rows(q, k, DQ, DK, ch.q_off, ch.g_off, ch.mr, nq, rk, dotq, dotk, K, BK)
 

@@ -8,11 +8,17 @@ cumulative log decay, the chunk's rows and row norms, and their backward pieces.
   a difference of chunk-local sums (kept in two floats for fp32 inputs: ``_kda_cumsum``);
 * rows: the (sequence, first row, length) of a chunk, its row offsets and beta; the L2 row norms
   of q and k (``use_qk_l2norm``) and their backward.
+
+Two named structures (Triton aggregates) carry what every per-chunk kernel forms first and passes on:
+``KdaChunkRows`` (``_kda_chunk_rows``: the chunk's rows for one value head) and ``KdaGate``
+(``_kda_head_gate``: the value head's gate inputs).
 """
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: Triton 3.6's aggregate checks each field with ``isinstance``
+# against the class annotation, which must then be a type, not a string.
 
 import triton
 import triton.language as tl
+from triton.language.core import _aggregate as aggregate    # triton.aggregate in Triton >= 3.7; here from 3.6 on
 
 DECAY_FLOOR = 30.0
 
@@ -50,14 +56,39 @@ def _kda_floor(d, FLOOR: tl.constexpr):
     return tl.where(d < -FLOOR, -FLOOR, d)
 
 
+@aggregate
+class KdaGate:
+    """The gate of one value head (``_kda_head_gate``): the gate input ``g`` and ``dt_bias`` (pointers; dt_bias
+    read only with ``HAS_DT_BIAS``), ``a = exp(A_log[hv])`` (1 without a gate) and ``lower_bound`` (fp32)."""
+    g: tl.tensor
+    dt_bias: tl.tensor
+    a: tl.tensor
+    lower_bound: tl.tensor
+
+    @triton.constexpr_function
+    def __init__(self, g, dt_bias, a, lower_bound):
+        self.g = g
+        self.dt_bias = dt_bias
+        self.a = a
+        self.lower_bound = lower_bound
+
+
 @triton.jit
-def _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.constexpr,
-                    GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """Gate input x and the log decay d (fp32, before the floor) of one (rows x cols) tile."""
-    x = tl.load(g + g_off, mask=mask, other=0.0).to(tl.float32)
+def _kda_head_gate(g, dt_bias, A_log, lower_bound, hv, GATE: tl.constexpr):
+    """The ``KdaGate`` of value head hv."""
+    a = tl.full([], 1.0, tl.float32)        # read by the gate only when GATE != 0
+    if GATE != 0:
+        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
+    return KdaGate(g, dt_bias, a, tl.cast(lower_bound, tl.float32))   # the cast: a tensor in the interpreter too
+
+
+@triton.jit
+def _kda_load_decay(gate, g_off, hv, cols, mask, K: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """Gate input x and the log decay d (fp32, before the floor) of one (rows x cols) tile (``gate``: a KdaGate)."""
+    x = tl.load(gate.g + g_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
-        x += tl.load(dt_bias + hv * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-    d = _kda_gate(x, a, lower_bound, GATE)
+        x += tl.load(gate.dt_bias + hv * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+    d = _kda_gate(x, gate.a, gate.lower_bound, GATE)
     return x, d
 
 
@@ -135,21 +166,47 @@ def _kda_rel(G, Gl, i, r, TWO_FLOAT: tl.constexpr):
 
 
 @triton.jit
-def _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K: tl.constexpr, GATE: tl.constexpr,
-                     HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, TWO_FLOAT: tl.constexpr):
+def _kda_chunk_decay(gate, g_off, hv, cols, mask, K: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                     FLOOR: tl.constexpr, TWO_FLOAT: tl.constexpr):
     """``_kda_load_decay`` and G, the log decay floored at -FLOOR and summed over the chunk's rows up to
     each row (0 on masked rows), as G + Gl (``_kda_cumsum``): (x, d, G, Gl)."""
-    x, d = _kda_load_decay(g, dt_bias, a, lower_bound, g_off, hv, cols, mask, K, GATE, HAS_DT_BIAS)
+    x, d = _kda_load_decay(gate, g_off, hv, cols, mask, K, GATE, HAS_DT_BIAS)
     G, Gl = _kda_cumsum(tl.where(mask, _kda_floor(d, FLOOR), 0.0), FLOOR, TWO_FLOAT)
     return x, d, G, Gl
 
 
+@aggregate
+class KdaChunkRows:
+    """The rows of one chunk for one value head (``_kda_chunk_rows``): the value head ``hv``, the chunk's length
+    ``L``, the row index ``i`` (0 .. BT - 1), its mask ``mr`` (i < L), the packed ``rows``, the row offsets of
+    q / k (``q_off``, at the q / k head hv // (HV // H)), of g and the K-wide operands (``g_off``) and of v and the
+    V-wide ones (``v_off``), all (BT, 1), and beta of each row (``b``, fp32, 0 on masked rows)."""
+    hv: tl.tensor
+    L: tl.tensor
+    i: tl.tensor
+    mr: tl.tensor
+    rows: tl.tensor
+    q_off: tl.tensor
+    g_off: tl.tensor
+    v_off: tl.tensor
+    b: tl.tensor
+
+    @triton.constexpr_function
+    def __init__(self, hv, L, i, mr, rows, q_off, g_off, v_off, b):
+        self.hv = hv
+        self.L = L
+        self.i = i
+        self.mr = mr
+        self.rows = rows
+        self.q_off = q_off
+        self.g_off = g_off
+        self.v_off = v_off
+        self.b = b
+
+
 @triton.jit
-def _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    GATE: tl.constexpr):
-    """The rows of chunk c for value head hv (chunk_info: (sequence, first row, length) per chunk):
-    the q / k head h = hv // (HV // H), the chunk's length L, the row index i, its mask, the packed
-    rows, the row offsets of q / k, g and v, the gate's a = exp(A_log) (1 without a gate) and beta."""
+def _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """The ``KdaChunkRows`` of chunk c for value head hv (chunk_info: (sequence, first row, length) per chunk)."""
     h = hv // (HV // H)
     row0 = tl.load(chunk_info + c * 3 + 1).to(tl.int64)
     L = tl.load(chunk_info + c * 3 + 2)
@@ -159,11 +216,8 @@ def _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K: tl.constexpr, V: t
     q_off = (rows * H + h)[:, None] * K
     g_off = (rows * HV + hv)[:, None] * K
     v_off = (rows * HV + hv)[:, None] * V
-    a = 1.0
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + hv).to(tl.float32))
     b = tl.load(beta + rows * HV + hv, mask=mr, other=0.0).to(tl.float32)
-    return h, L, i, mr, rows, q_off, g_off, v_off, a, b
+    return KdaChunkRows(hv, L, i, mr, rows, q_off, g_off, v_off, b)
 
 
 @triton.jit

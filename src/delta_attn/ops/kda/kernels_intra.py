@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_load_decay,
-                           _kda_rel, _kda_row_at, _kda_row_norms_sliced)
+from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_head_gate,
+                           _kda_load_decay, _kda_rel, _kda_row_at, _kda_row_norms_sliced)
 
 
 @triton.jit
@@ -74,27 +74,27 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
 
 
 @triton.jit
-def _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk,
-                  K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                  HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr, TWO_FLOAT: tl.constexpr,
-                  OP: tl.constexpr):
-    """The UT transform applied: U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice, the dots on
-    ``OP`` operands (``DOT_PREC`` for fp32 ones)."""
+def _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                  GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr,
+                  TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
+    """The UT transform applied to the chunk ``ch`` (a KdaChunkRows; ``gate`` its head's KdaGate, rk the rows'
+    k factors): U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice, the dots on ``OP`` operands
+    (``DOT_PREC`` for fp32 ones)."""
     To = T.to(OP)
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
-        m = mr[:, None] & (vc[None, :] < V)
-        vs = tl.load(v + v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(To, (b[:, None] * vs).to(OP), input_precision=DOT_PREC)
-        tl.store(U + v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
+        m = ch.mr[:, None] & (vc[None, :] < V)
+        vs = tl.load(v + ch.v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.dot(To, (ch.b[:, None] * vs).to(OP), input_precision=DOT_PREC)
+        tl.store(U + ch.v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G, Gl_ = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                         HAS_DT_BIAS, FLOOR, TWO_FLOAT)
-        w = tl.dot(To, (b[:, None] * ks * tl.exp(G)).to(OP), input_precision=DOT_PREC)
-        tl.store(W + g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
+        m = ch.mr[:, None] & (cols[None, :] < K)
+        ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G, Gl_ = _kda_chunk_decay(gate, ch.g_off + cols[None, :], ch.hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                         TWO_FLOAT)
+        w = tl.dot(To, (ch.b[:, None] * ks * tl.exp(G)).to(OP), input_precision=DOT_PREC)
+        tl.store(W + ch.g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -111,18 +111,18 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     if EXACT:
         if tl.load(FLAGS + c * HV + hv) == 0:
             return
-    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
-                                                                   BT, GATE)
-    tril = i[:, None] >= i[None, :]
+    ch = _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K, V, BT)
+    gate = _kda_head_gate(g, dt_bias, A_log, lower_bound, hv, GATE)
+    tril = ch.i[:, None] >= ch.i[None, :]
     # 1. row norms of q and k, K slice by K slice (KS = KP: one slice); the scale is folded into rq
     sq = tl.zeros([BT], tl.float32)
     sk = tl.zeros([BT], tl.float32)
     if L2NORM:
         for k0 in range(0, K, KS):
             cols = k0 + tl.arange(0, KS)
-            m = mr[:, None] & (cols[None, :] < K)
-            qx = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            kx = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            m = ch.mr[:, None] & (cols[None, :] < K)
+            qx = tl.load(q + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            kx = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32)
             sq += tl.sum(qx * qx, 1)
             sk += tl.sum(kx * kx, 1)
         rk = 1.0 / tl.sqrt(sk + 1e-6)
@@ -138,18 +138,18 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         # 2x. exact pairwise products, K slice by K slice (BK)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
-            m = mr[:, None] & (cols[None, :] < K)
-            qs_ = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-            ks_ = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K,
-                                               GATE, HAS_DT_BIAS, FLOOR, TWO_FLOAT)
-            G_last = _kda_row_at(G, i, L - 1)
+            m = ch.mr[:, None] & (cols[None, :] < K)
+            qs_ = tl.load(q + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks_ = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                               TWO_FLOAT)
+            G_last = _kda_row_at(G, ch.i, ch.L - 1)
             Gij = _kda_gdiff(G[:, None, :], Gl[:, None, :], G[None, :, :], Gl[None, :, :], TWO_FLOAT)
             E = tl.exp(tl.where(tril[:, :, None], Gij, float("-inf")))
             akk += tl.sum(ks_[:, None, :] * ks_[None, :, :] * E, 2)
             aqk += tl.sum(qs_[:, None, :] * ks_[None, :, :] * E, 2)
-            tl.store(QG + g_off + cols[None, :], (qs_ * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
-            tl.store(KD + g_off + cols[None, :], (ks_ * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+            tl.store(QG + ch.g_off + cols[None, :], (qs_ * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + ch.g_off + cols[None, :], (ks_ * tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT)))
                      .to(KD.dtype.element_ty), mask=m)
             tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
     else:
@@ -158,20 +158,20 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         bad = 0.0
         for k0 in range(0, K, KS):
             cols = k0 + tl.arange(0, KS)
-            m = mr[:, None] & (cols[None, :] < K)
-            qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-            ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            xs_, ds_, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K,
-                                               GATE, HAS_DT_BIAS, FLOOR, TWO_FLOAT)
+            m = ch.mr[:, None] & (cols[None, :] < K)
+            qs = tl.load(q + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+            ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+            xs_, ds_, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                               TWO_FLOAT)
             bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
             eP = tl.exp(G)
             kn = ks * tl.exp(-G)
             kn = kn.to(OP)
             akk += tl.dot((ks * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
             aqk += tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
-            G_last = tl.sum(tl.where(i[:, None] == L - 1, G, 0.0), 0)
-            tl.store(QG + g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
-            tl.store(KD + g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+            G_last = tl.sum(tl.where(ch.i[:, None] == ch.L - 1, G, 0.0), 0)
+            tl.store(QG + ch.g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
+            tl.store(KD + ch.g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT)))
                      .to(KD.dtype.element_ty), mask=m)
             tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
         fast = bad <= FACTOR_MAX
@@ -179,13 +179,12 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         if not fast:
             return
     # 3. UT transform: T = (I + strictly_lower(beta_i k_i D_ij k_j))^-1; Aqk stored (i >= j)
-    akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
+    akk = tl.where(ch.i[:, None] > ch.i[None, :], ch.b[:, None] * akk, 0.0)
     aqk = tl.where(tril, aqk, 0.0)
     T = _kda_tri_inverse_dots(akk, BT, INV_PREC)
-    tl.store(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
+    tl.store(AQK + (ch.rows * HV + hv)[:, None] * BT + ch.i[None, :], aqk.to(AQK.dtype.element_ty), mask=ch.mr[:, None])
     # 4. U = T (beta v), W = T (beta exp(G) k)
-    _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, KS, GATE,
-                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)
+    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, KS, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)
 
 
 @triton.jit
@@ -200,28 +199,28 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
-    h, L, i, mr, rows, q_off, g_off, v_off, a, b = _kda_chunk_rows(chunk_info, A_log, beta, c, hv, H, HV, K, V,
-                                                                   BT, GATE)
-    blk = i // BC                                   # sub-chunk of each row
+    ch = _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K, V, BT)
+    gate = _kda_head_gate(g, dt_bias, A_log, lower_bound, hv, GATE)
+    blk = ch.i // BC                                # sub-chunk of each row
     # 0. row factors: q_used = rq * q (scale folded in), k_used = rk * k
-    nq, rk = _kda_row_norms_sliced(q, k, q_off, mr, K, BT, BK, L2NORM)
+    nq, rk = _kda_row_norms_sliced(q, k, ch.q_off, ch.mr, K, BT, BK, L2NORM)
     rq = nq * scale
     # 1. per K slice: decays, output operands, intra-chunk products
     akk = tl.zeros([BT, BT], tl.float32)
     aqk = tl.zeros([BT, BT], tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        m = mr[:, None] & (cols[None, :] < K)
-        qs = tl.load(q + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        ks = tl.load(k + q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        x_, d, G, Gl = _kda_chunk_decay(g, dt_bias, a, lower_bound, g_off + cols[None, :], hv, cols, m, K, GATE,
-                                        HAS_DT_BIAS, FLOOR, TWO_FLOAT)     # chunk-local, <= 0, finite
-        G_last = _kda_row_at(G, i, L - 1)
-        tl.store(QG + g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
-        tl.store(KD + g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, i, L - 1, TWO_FLOAT)))
+        m = ch.mr[:, None] & (cols[None, :] < K)
+        qs = tl.load(q + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                        TWO_FLOAT)     # chunk-local, <= 0, finite
+        G_last = _kda_row_at(G, ch.i, ch.L - 1)
+        tl.store(QG + ch.g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
+        tl.store(KD + ch.g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT)))
                  .to(KD.dtype.element_ty), mask=m)
         tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
-        Gm = _kda_rel(G, Gl, i, BT // 2 - 1, TWO_FLOAT)               # relative to the chunk's middle
+        Gm = _kda_rel(G, Gl, ch.i, BT // 2 - 1, TWO_FLOAT)            # relative to the chunk's middle
         if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
             # fast: one reference (the middle token) for every pair. Entries i >= j are exp(G_i - G_j) <= 1
             # as a product of two factors <= exp(FACTOR_MAX); entries i < j may overflow to inf / NaN and
@@ -235,14 +234,14 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
             Gr = G                                                     # G - G_ref (G_ref = 0 for sub-chunk 0)
             for sa in range(1, NB):
-                Gr = tl.where(blk[:, None] == sa, _kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT), Gr)
+                Gr = tl.where(blk[:, None] == sa, _kda_rel(G, Gl, ch.i, sa * BC - 1, TWO_FLOAT), Gr)
             eR = tl.exp(Gr)                                            # row factor, exponent <= 0
             kr_ = ks * eR
             qr_ = qs * eR
             for sa in range(1, NB):
                 # column factor exp(G_ref(a) - G_j) for the columns before sub-chunk a (exponent <= 0)
-                gaj = -_kda_rel(G, Gl, i, sa * BC - 1, TWO_FLOAT)
-                kc = ks * tl.exp(tl.where(i[:, None] < sa * BC, gaj, float("-inf")))
+                gaj = -_kda_rel(G, Gl, ch.i, sa * BC - 1, TWO_FLOAT)
+                kc = ks * tl.exp(tl.where(ch.i[:, None] < sa * BC, gaj, float("-inf")))
                 sel = (blk == sa)[:, None]
                 akk += tl.where(sel, tl.dot(kr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
                 aqk += tl.where(sel, tl.dot(qr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
@@ -253,11 +252,10 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             eye = (s4[:, None] == s4[None, :])[:, None, :, None]
             for kd0 in range(0, BK, BKD):
                 cd = k0 + kd0 + tl.arange(0, BKD)
-                md = mr[:, None] & (cd[None, :] < K)
-                qd = tl.load(q + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rq[:, None]
-                kd_ = tl.load(k + q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rk[:, None]
-                xd_, dd = _kda_load_decay(g, dt_bias, a, lower_bound, g_off + cd[None, :], hv, cd, md, K, GATE,
-                                        HAS_DT_BIAS)
+                md = ch.mr[:, None] & (cd[None, :] < K)
+                qd = tl.load(q + ch.q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rq[:, None]
+                kd_ = tl.load(k + ch.q_off + cd[None, :], mask=md, other=0.0).to(tl.float32) * rk[:, None]
+                xd_, dd = _kda_load_decay(gate, ch.g_off + cd[None, :], hv, cd, md, K, GATE, HAS_DT_BIAS)
                 Gd, Ld = _kda_cumsum(tl.where(md, _kda_floor(dd, FLOOR), 0.0), FLOOR, TWO_FLOAT)
                 G4 = tl.reshape(Gd, (NB, BC, BKD))
                 L4 = tl.reshape(Ld, (NB, BC, BKD))
@@ -271,12 +269,12 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                 akk += tl.reshape(tl.where(eye, dk4[:, :, None, :], 0.0), (BT, BT))
                 aqk += tl.reshape(tl.where(eye, dq4[:, :, None, :], 0.0), (BT, BT))
     # 2. UT transform by block forward substitution
-    akk = tl.where(i[:, None] > i[None, :], b[:, None] * akk, 0.0)
-    aqk = tl.where(i[:, None] >= i[None, :], aqk, 0.0)
-    a_off = (rows * HV + hv)[:, None] * BT + i[None, :]
-    tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=mr[:, None])
+    akk = tl.where(ch.i[:, None] > ch.i[None, :], ch.b[:, None] * akk, 0.0)
+    aqk = tl.where(ch.i[:, None] >= ch.i[None, :], aqk, 0.0)
+    a_off = (ch.rows * HV + hv)[:, None] * BT + ch.i[None, :]
+    tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=ch.mr[:, None])
     T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
-    tl.store(TM + a_off, T, mask=mr[:, None])          # kept for the backward
+    tl.store(TM + a_off, T, mask=ch.mr[:, None])       # kept for the backward
     # 3. U = T (beta v), W = T (beta exp(G) k)
-    _kda_apply_ut(T, b, v, k, g, dt_bias, a, lower_bound, U, W, v_off, q_off, g_off, hv, mr, rk, K, V, BV, BK, GATE,
-                  HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, tl.float32)
+    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT,
+                  tl.float32)
