@@ -14,8 +14,18 @@ DEV = "cuda"
 GPU_CASES = 1000
 
 
+# Open defects found on the GPU by seed -> what exceeds the error rule (H200, 2026-12-04; the same figures at
+# 7fc4c60, so older than that commit); strict, so a fix shows.
+KNOWN = {
+    213: "bf16, K 176, V 160, one token, no gate: o 1.07x the bound",
+    997: "bf16, K 96, V 112, two tokens, L2 norm, gradients: dbeta 1.09x the bound",
+}
+
+
 @pytest.mark.parametrize("seed", range(GPU_CASES))
-def test_random_configuration(seed):
+def test_random_configuration(seed, request):
+    if seed in KNOWN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[seed]))
     case = properties.draw_kda(10_000 + seed, "gpu")
     try:
         bad = properties.kda_check(case, DEV)
