@@ -40,3 +40,22 @@ def test_every_configuration_compiles_concurrently(monkeypatch):
 
 def test_nothing_to_compile_is_a_no_op():
     _launch.compile_configs([])
+
+
+def test_flash_compiles_each_new_autotune_key_once_and_skips_fixed_configurations(monkeypatch):
+    """flash's compile-ahead hands every configuration of a new autotune key to compile_configs, once per key,
+    and nothing for a launch with a fixed configuration or an empty grid."""
+    from delta_attn.ops.flash import launch as fl
+    jobs = []
+    monkeypatch.setattr(fl.settings, "triton_interpreter", lambda: False)
+    monkeypatch.setattr(fl, "compile_configs", jobs.extend)
+    monkeypatch.setattr(fl, "_COMPILED_KEYS", set())
+    x = torch.zeros(4, dtype=torch.bfloat16)
+    kw = dict(SQ_BUCKET=64, SK_BUCKET=64, REVERSE_M=False, PLAIN=True, TMA_OK=False, IS_VARLEN=False,
+              SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, HAS_WL=False, HAS_WR=True, HEAD_DIM=128)
+    new = ("fwd", 128, "BLOCK_M", 100, 2, (x,), kw, None)
+    fl._compile_ahead([new, ("fwd", 128, "BLOCK_M", 100, 2, (x,), kw, (128, 128, 8, 3)),
+                       ("fwd", 128, "BLOCK_M", 0, 2, (x,), kw, None)])
+    assert [(k, c) for k, _, _, c in jobs] == [(fl._flash_fwd_kernel, fl._tuned("fwd", 128).configs)]
+    fl._compile_ahead([new])                   # the same key again: nothing more to compile
+    assert len(jobs) == 1

@@ -158,12 +158,13 @@ def _launch(kind: str, d: int, grid_m: str, rows: int, grid_b: int, args: tuple,
 _COMPILED_KEYS: set = set()
 
 
-def _compile_ahead(launches: Sequence[Tuple[str, int, tuple, dict]]) -> None:
-    """Before launches ``(kind, head dim, args, kwargs)`` that will autotune a key not seen yet (GPU), compile
-    all their configurations concurrently (``compile_configs``), so the autotuner's benchmark finds them
-    compiled."""
+def _compile_ahead(launches: Sequence[tuple]) -> None:
+    """Before launches (:func:`_launch`'s arguments) that will autotune a key not seen yet (GPU), compile all
+    their configurations concurrently (``compile_configs``), so the autotuner's benchmark finds them compiled."""
     jobs = []
-    for kind, d, args, kwargs in launches:
+    for kind, d, _, rows, grid_b, args, kwargs, config in launches:
+        if not _autotunes(config, rows, grid_b):
+            continue
         tuned = _tuned(kind, _dclass(d))
         key = (kind, _dclass(d), tuple(kwargs.get(n) for n in tuned.keys),
                tuple(a.dtype for a in args if isinstance(a, Tensor)))
@@ -171,6 +172,13 @@ def _compile_ahead(launches: Sequence[Tuple[str, int, tuple, dict]]) -> None:
             _COMPILED_KEYS.add(key)
             jobs.append((_KERNELS[kind], args, kwargs, tuned.configs))
     compile_configs(jobs)
+
+
+def _launch_all(launches: Sequence[tuple]) -> None:
+    """:func:`_launch` each of ``launches`` in order, their new autotune keys compiled together first."""
+    _compile_ahead(launches)
+    for one in launches:
+        _launch(*one)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,9 +267,7 @@ def flash_fwd(q, k, v, cu_q=None, cu_k=None, max_sq=0, max_sk=0, layout="bshd", 
             *_lse_strides(lse, layout), *L.alibi_strides)
     kwargs = dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m, PLAIN=L.plain,
                   TMA_OK=not settings.triton_interpreter() and _tma_ok(k, v))
-    if _autotunes(config, L.sq, L.batch * L.hq):
-        _compile_ahead([("fwd", L.d, args, kwargs)])
-    _launch("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args, kwargs, config)
+    _launch_all([("fwd", L.d, "BLOCK_M", L.sq, L.batch * L.hq, args, kwargs, config)])
     return out, lse
 
 
@@ -290,21 +296,17 @@ def flash_bwd(do, q, k, v, out, lse, cu_q=None, cu_k=None, max_sq=0, max_sk=0, l
         delta.sub_(torch.where(lse == float("inf"), 0.0, dlse))
     common = (L.cu_q, L.cu_k, L.alibi, L.seed, *_strides(q, layout), *_strides(k, layout), *_strides(v, layout),
               *_strides(do, layout))
-    # 2. dK, dV: one program per key block and key head
     sc = dict(L.scalars)
     n_heads, group = sc.pop("n_heads"), sc.pop("group")
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk, layout), *_strides(dv, layout), *lse_s,
-                 *L.alibi_strides)
-    dkdv_kw = dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags)
-    dq_args = (q, k, v, do, lse, delta, dq, *common, *_strides(dq, layout), *lse_s, *L.alibi_strides)
-    dq_kw = dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m)
-    _compile_ahead([job for job, tuned in ((("dkdv", L.d, dkdv_args, dkdv_kw),
-                                             _autotunes(dkdv_config, L.sk, L.batch * L.hk)),
-                                            (("dq", L.d, dq_args, dq_kw), _autotunes(dq_config, L.sq, L.batch * L.hq)))
-                    if tuned])
-    _launch("dkdv", L.d, "BLOCK_N", L.sk, L.batch * L.hk, dkdv_args, dkdv_kw, dkdv_config)
-    # 3. dQ: one program per query block and query head
-    _launch("dq", L.d, "BLOCK_M", L.sq, L.batch * L.hq, dq_args, dq_kw, dq_config)
+    # 2. dK, dV: one program per key block and key head; 3. dQ: one program per query block and query head
+    _launch_all([
+        ("dkdv", L.d, "BLOCK_N", L.sk, L.batch * L.hk,
+         (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk, layout), *_strides(dv, layout), *lse_s,
+          *L.alibi_strides),
+         dict(**sc, n_heads=n_heads, n_kv_heads=L.hk, group=group, **L.flags), dkdv_config),
+        ("dq", L.d, "BLOCK_M", L.sq, L.batch * L.hq,
+         (q, k, v, do, lse, delta, dq, *common, *_strides(dq, layout), *lse_s, *L.alibi_strides),
+         dict(**L.scalars, **L.flags, REVERSE_M=L.reverse_m), dq_config)])
     if L.sk == 0 or L.batch * L.hk == 0:
         dk.zero_()
         dv.zero_()
