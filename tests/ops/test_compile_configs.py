@@ -38,10 +38,6 @@ def test_every_configuration_compiles_concurrently(monkeypatch):
     assert len(a.threads | b.threads) > 1
 
 
-def test_nothing_to_compile_is_a_no_op():
-    _launch.compile_configs([])
-
-
 def test_flash_compiles_each_new_autotune_key_once_and_skips_fixed_configurations(monkeypatch):
     """flash's compile-ahead hands every configuration of a new autotune key to compile_configs, once per key,
     and nothing for a launch with a fixed configuration or an empty grid."""

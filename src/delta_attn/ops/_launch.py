@@ -213,9 +213,7 @@ def _fit_concurrently(launches: Sequence[_Launch]) -> None:
         for p in todo:
             _fit_one(p)
         return
-    with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-        for f in [pool.submit(_fit_one, p) for p in todo]:
-            f.result()
+    _in_threads(_fit_one, todo)
 
 
 def compile_configs(jobs: Sequence[Tuple[object, tuple, dict, Sequence]]) -> None:
@@ -239,8 +237,13 @@ def compile_configs(jobs: Sequence[Tuple[object, tuple, dict, Sequence]]) -> Non
         except Exception:  # noqa: BLE001  (a configuration that does not build fails again, and is reported,
             pass           # where the autotuner compiles it)
 
-    with ThreadPoolExecutor(max_workers=min(len(work), os.cpu_count() or 1)) as pool:
-        for f in [pool.submit(one, w) for w in work]:
+    _in_threads(one, work)
+
+
+def _in_threads(fn: Callable, items: Sequence) -> None:
+    """``fn(item)`` for every item, one thread each (at most one per CPU); the first error is raised."""
+    with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(fn, x) for x in items]:
             f.result()
 
 
