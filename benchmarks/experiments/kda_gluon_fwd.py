@@ -50,23 +50,29 @@ def _mm_fma(a, b, FL: gl.constexpr):
 def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.constexpr):
     h = gl.program_id(0)
     n = gl.program_id(1).to(gl.int64)
-    # layouts: BL the [BT, K] input tiles; SL the S^T accumulator [V, K]; PL the [V, BT] products;
-    # M2 the mma_v2 [BT, BT] products; FL the fp32 FMA [BT, BT] tiles
+    KH: gl.constexpr = K // 2
+    # layouts: BL the [BT, K] input tiles; SL the two halves S^T[:, :64], S^T[:, 64:] (wgmma accumulators
+    # [V, K/2]: a half at a time goes to bf16 for the A operand, which keeps the register peak down);
+    # PL the [V, BT] products; M2 the mma_v2 [BT, BT] products; FL the fp32 FMA [BT, BT] tiles
     BL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
     PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
     M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     FL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
     PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)      # register A operand of the [V, *] x [*, BT] wgmmas
     SA: gl.constexpr = gl.DotOperandLayout(0, SL, 2)      # register A operand of the state update
-    # shared memory: the K-wide B operands ([BT, K], read transposed) and the [BT, BT] ones
+    # shared memory: the K-wide operands [BT, K] (B operands of the wgmmas, read transposed and by halves
+    # of K; and the bf16 operands of Akk / Aqk), the [BT, BT] B operands, exp(Gl)
     KSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    VSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kb_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # -(beta e^G k)
     qg_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # q e^G
+    kn_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # k e^-G
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # k e^(Gl - G)
     tt_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], TSH)    # T
     aq_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], TSH)    # Aqk
+    gl_s = gl.allocate_shared_memory(gl.float32, [K], VSH)          # exp(Gl)
 
     rows = gl.arange(0, BT, layout=gl.SliceLayout(1, BL))
     cols = gl.arange(0, K, layout=gl.SliceLayout(0, BL))
@@ -75,42 +81,40 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
     fi = gl.arange(0, BT, layout=gl.SliceLayout(1, FL))
     fj = gl.arange(0, BT, layout=gl.SliceLayout(0, FL))
     eye = gl.where(fi[:, None] == fj[None, :], 1.0, 0.0)
-    S = gl.zeros([K, K], gl.float32, SL)                           # S^T [V, K]
+    S0 = gl.zeros([K, KH], gl.float32, SL)                         # S^T[:, :K/2]
+    S1 = gl.zeros([K, KH], gl.float32, SL)                         # S^T[:, K/2:]
     row0 = n * T                                                   # first token row of the sequence
     for t0 in range(0, T, BT):
-        # 0. the chunk's inputs
+        # 0. the chunk's q, k, g, beta
         tok = row0 + t0 + rows
         off = (tok[:, None] * H + h) * K + cols[None, :]
         qc = gl.load(q + off).to(gl.float32)
         kc = gl.load(k + off).to(gl.float32)
         gc = gl.load(g + off)
         bc = gl.load(beta + tok * H + h)
-        ptok = row0 + t0 + pcol
-        vT = gl.load(v + (ptok[None, :] * H + h) * K + prow[:, None]).to(gl.float32)   # v^T [V, BT]
-        bP = gl.load(beta + ptok * H + h)
         # 1. L2 norm of q and k, scale into q
         qc = qc * (gl.rsqrt(gl.sum(qc * qc, 1) + 1e-6) * scale)[:, None]
         kc = kc * gl.rsqrt(gl.sum(kc * kc, 1) + 1e-6)[:, None]
-        # 2. cumulative decay in the chunk and the decayed operands
+        # 2. cumulative decay in the chunk; the decayed operands to shared memory (bf16)
         G = gl.associative_scan(gc, 0, _add)
         Gl = gl.sum(gl.where((rows == BT - 1)[:, None], G, 0.0), 0)
         eG = gl.exp(G)
         kp = kc * eG
-        kn = kc * gl.exp(-G)
-        qp = qc * eG
-        gl.thread_barrier()                     # the previous chunk's wgmmas are done with the buffers
+        gl.thread_barrier()                     # the previous chunk's readers are done with the buffers
         kb_s.store((-kp * bc[:, None]).to(gl.bfloat16))
-        qg_s.store(qp.to(gl.bfloat16))
+        qg_s.store((qc * eG).to(gl.bfloat16))
+        kn_s.store((kc * gl.exp(-G)).to(gl.bfloat16))
         kd_s.store((kc * gl.exp(Gl[None, :] - G)).to(gl.bfloat16))
-        # 3. Akk and Aqk (tf32 tensor cores), masked in the FMA layout
-        knT = gl.convert_layout(gl.permute(kn, (1, 0)), gl.DotOperandLayout(1, M2, 1))
+        gl_s.store(gl.exp(Gl))
+        gl.thread_barrier()
+        # 3. Akk = -(kb kn^T) (beta_i in kb), Aqk = qg kn^T (bf16 mma_v2), masked in the FMA layout
+        knT = kn_s.permute((1, 0)).load(gl.DotOperandLayout(1, M2, 2))
         zero2 = gl.zeros([BT, BT], gl.float32, M2)
-        akk = mma_v2(gl.convert_layout(kp, gl.DotOperandLayout(0, M2, 1)), knT, zero2, input_precision="tf32")
-        aqk = mma_v2(gl.convert_layout(qp, gl.DotOperandLayout(0, M2, 1)), knT, zero2, input_precision="tf32")
-        bF = gl.convert_layout(bc, gl.SliceLayout(1, FL))
-        akk = gl.where(fi[:, None] > fj[None, :], gl.convert_layout(akk, FL) * bF[:, None], 0.0)
+        akk = mma_v2(kb_s.load(gl.DotOperandLayout(0, M2, 2)), knT, zero2)
+        aqk = mma_v2(qg_s.load(gl.DotOperandLayout(0, M2, 2)), knT, zero2)
+        akk = gl.where(fi[:, None] > fj[None, :], -gl.convert_layout(akk, FL), 0.0)
         aqk = gl.where(fi[:, None] >= fj[None, :], gl.convert_layout(aqk, FL), 0.0)
-        # 4. T = (I + Akk)^-1 by the doubling product (Akk strictly lower: A^16 = 0)
+        # 4. T = (I + Akk)^-1 by the doubling product (Akk strictly lower: A^16 = 0), fp32
         a2 = _mm_fma(akk, akk, FL)
         a4 = _mm_fma(a2, a2, FL)
         a8 = _mm_fma(a4, a4, FL)
@@ -121,19 +125,29 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
         tt_s.store(tm.to(gl.bfloat16))
         aq_s.store(aqk.to(gl.bfloat16))
         fence_async_shared()
-        # 5. the state products on the old state: X^T = (beta v)^T - S^T (beta e^G k)^T, (q e^G S)^T
-        sa = gl.convert_layout(S.to(gl.bfloat16), PA)
-        x = warpgroup_mma(sa, kb_s.permute((1, 0)), vT * bP[None, :])
-        qs = warpgroup_mma(sa, qg_s.permute((1, 0)), gl.zeros([K, BT], gl.float32, PL))
+        # 5. the state products on the old state, by halves of K:
+        #    X^T = (beta v)^T - S^T (beta e^G k)^T and (q e^G S)^T = S^T (q e^G)^T
+        ptok = row0 + t0 + pcol
+        vT = gl.load(v + (ptok[None, :] * H + h) * K + prow[:, None]).to(gl.float32)   # v^T [V, BT]
+        x = vT * gl.load(beta + ptok * H + h)[None, :]
+        sa = gl.convert_layout(S0.to(gl.bfloat16), PA)
+        x = warpgroup_mma(sa, kb_s.slice(0, KH, dim=1).permute((1, 0)), x)
+        qs = warpgroup_mma(sa, qg_s.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL))
+        sa = gl.convert_layout(S1.to(gl.bfloat16), PA)
+        x = warpgroup_mma(sa, kb_s.slice(KH, KH, dim=1).permute((1, 0)), x)
+        qs = warpgroup_mma(sa, qg_s.slice(KH, KH, dim=1).permute((1, 0)), qs)
         # 6. u^T = X^T T^T
         u = warpgroup_mma(gl.convert_layout(x.to(gl.bfloat16), PA), tt_s.permute((1, 0)),
                           gl.zeros([K, BT], gl.float32, PL))
         ub = u.to(gl.bfloat16)
         # 7. o^T = (q e^G S)^T + u^T Aqk^T
         ot = warpgroup_mma(gl.convert_layout(ub, PA), aq_s.permute((1, 0)), qs)
-        # 8. S^T = S^T e^Gl + u^T (k e^(Gl - G))
-        eGl = gl.convert_layout(gl.exp(Gl), gl.SliceLayout(0, SL))
-        S = warpgroup_mma(gl.convert_layout(ub, SA), kd_s, S * eGl[None, :])
+        # 8. S^T = S^T e^Gl + u^T (k e^(Gl - G)), by halves of K
+        ua = gl.convert_layout(ub, SA)
+        S0 = warpgroup_mma(ua, kd_s.slice(0, KH, dim=1),
+                           S0 * gl_s.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :])
+        S1 = warpgroup_mma(ua, kd_s.slice(KH, KH, dim=1),
+                           S1 * gl_s.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :])
         # 9. o[t, h, :] from o^T
         gl.store(o + (ptok[None, :] * H + h) * K + prow[:, None], ot.to(gl.bfloat16))
 
@@ -205,8 +219,9 @@ def bench():
             ref = da.kda(q, k, v, g, beta, use_qk_l2norm=True, backend="triton")[0]
             out = gluon_kda_fwd(q, k, v, g, beta)
             diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            tg = triton.testing.do_bench(lambda: gluon_kda_fwd(q, k, v, g, beta), warmup=25, rep=200)
-            tt = triton.testing.do_bench(lambda: da.kda(q, k, v, g, beta, use_qk_l2norm=True, backend="triton"),
+            args = (q, k, v, g, beta)
+            tg = triton.testing.do_bench(lambda a=args: gluon_kda_fwd(*a), warmup=25, rep=200)
+            tt = triton.testing.do_bench(lambda a=args: da.kda(*a, use_qk_l2norm=True, backend="triton"),
                                          warmup=25, rep=200)
         print(f"{f'{B}x{T}':>10} {tg:9.3f} {tt:10.3f} {tt / tg:13.2f} {diff:13.3e}")
 
