@@ -28,7 +28,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BT = 16     # chunk length
 D = 128     # K = V
@@ -130,24 +130,31 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
         ptok = row0 + t0 + pcol
         vT = gl.load(v + (ptok[None, :] * H + h) * K + prow[:, None]).to(gl.float32)   # v^T [V, BT]
         x = vT * gl.load(beta + ptok * H + h)[None, :]
-        sa = gl.convert_layout(S0.to(gl.bfloat16), PA)
-        x = warpgroup_mma(sa, kb_s.slice(0, KH, dim=1).permute((1, 0)), x)
-        qs = warpgroup_mma(sa, qg_s.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL))
-        sa = gl.convert_layout(S1.to(gl.bfloat16), PA)
-        x = warpgroup_mma(sa, kb_s.slice(KH, KH, dim=1).permute((1, 0)), x)
-        qs = warpgroup_mma(sa, qg_s.slice(KH, KH, dim=1).permute((1, 0)), qs)
+        # both bf16 halves materialised before the first issue (the empty wait pins them there): ptxas
+        # serialises every wgmma of the kernel if registers of an accumulator are read while one is in flight
+        sa0 = gl.convert_layout(S0.to(gl.bfloat16), PA)
+        sa1 = gl.convert_layout(S1.to(gl.bfloat16), PA)
+        sa0, sa1 = warpgroup_mma_wait(0, deps=[sa0, sa1])
+        x = warpgroup_mma(sa0, kb_s.slice(0, KH, dim=1).permute((1, 0)), x, is_async=True)
+        qs = warpgroup_mma(sa0, qg_s.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL),
+                           is_async=True)
+        x = warpgroup_mma(sa1, kb_s.slice(KH, KH, dim=1).permute((1, 0)), x, is_async=True)
+        qs = warpgroup_mma(sa1, qg_s.slice(KH, KH, dim=1).permute((1, 0)), qs, is_async=True)
+        x, qs, sa0, sa1 = warpgroup_mma_wait(0, deps=[x, qs, sa0, sa1])
         # 6. u^T = X^T T^T
         u = warpgroup_mma(gl.convert_layout(x.to(gl.bfloat16), PA), tt_s.permute((1, 0)),
                           gl.zeros([K, BT], gl.float32, PL))
         ub = u.to(gl.bfloat16)
-        # 7. o^T = (q e^G S)^T + u^T Aqk^T
-        ot = warpgroup_mma(gl.convert_layout(ub, PA), aq_s.permute((1, 0)), qs)
-        # 8. S^T = S^T e^Gl + u^T (k e^(Gl - G)), by halves of K
+        # 7. o^T = (q e^G S)^T + u^T Aqk^T (issued below with step 8)
+        # 8. S^T = S^T e^Gl + u^T (k e^(Gl - G)), by halves of K, in flight with step 7 (operands first)
+        S0 = S0 * gl_s.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :]
+        S1 = S1 * gl_s.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :]
+        uo = gl.convert_layout(ub, PA)
         ua = gl.convert_layout(ub, SA)
-        S0 = warpgroup_mma(ua, kd_s.slice(0, KH, dim=1),
-                           S0 * gl_s.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :])
-        S1 = warpgroup_mma(ua, kd_s.slice(KH, KH, dim=1),
-                           S1 * gl_s.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :])
+        ot = warpgroup_mma(uo, aq_s.permute((1, 0)), qs, is_async=True)
+        S0 = warpgroup_mma(ua, kd_s.slice(0, KH, dim=1), S0, is_async=True)
+        S1 = warpgroup_mma(ua, kd_s.slice(KH, KH, dim=1), S1, is_async=True)
+        ot, S0, S1, uo, ua = warpgroup_mma_wait(0, deps=[ot, S0, S1, uo, ua])
         # 9. o[t, h, :] from o^T
         gl.store(o + (ptok[None, :] * H + h) * K + prow[:, None], ot.to(gl.bfloat16))
 
