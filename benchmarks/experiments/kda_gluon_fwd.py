@@ -2,7 +2,8 @@
 keeps the transposed state S^T [V, K] as a wgmma accumulator in registers across all chunks.
 
 python benchmarks/experiments/kda_gluon_fwd.py [--compile-only]
---compile-only: compile for sm_90 without a GPU and print registers, spills and shared memory.
+--compile-only: compile for sm_90 without a GPU and print registers, spills and shared memory (Triton 3.6; a
+Triton 3.6 venv's site-packages on PYTHONPATH does it on a machine whose own Triton is another version).
 Default (CUDA GPU): relative error against ``delta_attn.kda(..., backend="torch")`` in float64 (B=2, T=64, H=2),
 then a timing table against ``delta_attn.kda(..., backend="triton")`` at 64x1024 and 8x4096 (H=16).
 
@@ -14,6 +15,8 @@ Gl its last row):
   u^T = X^T T^T                                  wgmma [V,BT]x[BT,BT]
   o^T = S^T (q e^G)^T + u^T Aqk^T                wgmma, the old state
   S^T = S^T e^Gl + u^T (k e^(Gl - G))            wgmma [V,BT]x[BT,K] accumulating into the decayed state
+S^T is held as two [V, K/2] accumulators so that only one half's bf16 copy (the A operand) is live at a time;
+the x / q products of one half are one asynchronous wgmma group. Akk, Aqk and the wgmma B operands are bf16.
 Limitations: dense equal-length sequences (T % 16 == 0), K = V = 128, no initial / final state, bf16 in and
 out; the factored e^G e^-G form of Akk / Aqk needs |G| within ~30 over a chunk (long-memory decays).
 """
@@ -130,31 +133,31 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
         ptok = row0 + t0 + pcol
         vT = gl.load(v + (ptok[None, :] * H + h) * K + prow[:, None]).to(gl.float32)   # v^T [V, BT]
         x = vT * gl.load(beta + ptok * H + h)[None, :]
-        # both bf16 halves materialised before the first issue (the empty wait pins them there): ptxas
-        # serialises every wgmma of the kernel if registers of an accumulator are read while one is in flight
-        sa0 = gl.convert_layout(S0.to(gl.bfloat16), PA)
-        sa1 = gl.convert_layout(S1.to(gl.bfloat16), PA)
-        sa0, sa1 = warpgroup_mma_wait(0, deps=[sa0, sa1])
-        x = warpgroup_mma(sa0, kb_s.slice(0, KH, dim=1).permute((1, 0)), x, is_async=True)
-        qs = warpgroup_mma(sa0, qg_s.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL),
+        # a half at a time (its bf16 copy pinned before the issue by an empty wait: ptxas serialises every
+        # wgmma of the kernel if a non-wgmma instruction touches wgmma registers while one is in flight)
+        sa = gl.convert_layout(S0.to(gl.bfloat16), PA)
+        sa = warpgroup_mma_wait(0, deps=[sa])
+        x = warpgroup_mma(sa, kb_s.slice(0, KH, dim=1).permute((1, 0)), x, is_async=True)
+        qs = warpgroup_mma(sa, qg_s.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL),
                            is_async=True)
-        x = warpgroup_mma(sa1, kb_s.slice(KH, KH, dim=1).permute((1, 0)), x, is_async=True)
-        qs = warpgroup_mma(sa1, qg_s.slice(KH, KH, dim=1).permute((1, 0)), qs, is_async=True)
-        x, qs, sa0, sa1 = warpgroup_mma_wait(0, deps=[x, qs, sa0, sa1])
+        x, qs, sa = warpgroup_mma_wait(0, deps=[x, qs, sa])
+        sa = gl.convert_layout(S1.to(gl.bfloat16), PA)
+        sa = warpgroup_mma_wait(0, deps=[sa])
+        x = warpgroup_mma(sa, kb_s.slice(KH, KH, dim=1).permute((1, 0)), x, is_async=True)
+        qs = warpgroup_mma(sa, qg_s.slice(KH, KH, dim=1).permute((1, 0)), qs, is_async=True)
+        x, qs, sa = warpgroup_mma_wait(0, deps=[x, qs, sa])
         # 6. u^T = X^T T^T
         u = warpgroup_mma(gl.convert_layout(x.to(gl.bfloat16), PA), tt_s.permute((1, 0)),
                           gl.zeros([K, BT], gl.float32, PL))
         ub = u.to(gl.bfloat16)
-        # 7. o^T = (q e^G S)^T + u^T Aqk^T (issued below with step 8)
-        # 8. S^T = S^T e^Gl + u^T (k e^(Gl - G)), by halves of K, in flight with step 7 (operands first)
-        S0 = S0 * gl_s.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :]
-        S1 = S1 * gl_s.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :]
-        uo = gl.convert_layout(ub, PA)
+        # 7. o^T = (q e^G S)^T + u^T Aqk^T
+        ot = warpgroup_mma(gl.convert_layout(ub, PA), aq_s.permute((1, 0)), qs)
+        # 8. S^T = S^T e^Gl + u^T (k e^(Gl - G)), by halves of K (synchronous: issued asynchronously with
+        #    step 7, ptxas serialised every wgmma of the kernel)
         ua = gl.convert_layout(ub, SA)
-        ot = warpgroup_mma(uo, aq_s.permute((1, 0)), qs, is_async=True)
-        S0 = warpgroup_mma(ua, kd_s.slice(0, KH, dim=1), S0, is_async=True)
-        S1 = warpgroup_mma(ua, kd_s.slice(KH, KH, dim=1), S1, is_async=True)
-        ot, S0, S1, uo, ua = warpgroup_mma_wait(0, deps=[ot, S0, S1, uo, ua])
+        S0 = warpgroup_mma(ua, kd_s.slice(0, KH, dim=1), S0 * gl_s.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :])
+        S1 = warpgroup_mma(ua, kd_s.slice(KH, KH, dim=1),
+                           S1 * gl_s.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :])
         # 9. o[t, h, :] from o^T
         gl.store(o + (ptok[None, :] * H + h) * K + prow[:, None], ot.to(gl.bfloat16))
 
@@ -192,9 +195,17 @@ def compile_only():
             regs = int(tok[4:])
         elif tok.startswith("STACK:"):
             spills = int(tok[6:])
+        # ptxas's own report: spill bytes, and whether it serialised the wgmmas (advisory C7514)
+        with open(f.name[:-6] + ".ptx", "w") as p:
+            p.write(ck.asm["ptx"])
+        pv = subprocess.run([os.path.join(tools, "ptxas"), "-v", "-arch=sm_90a", p.name, "-o", f.name],
+                            capture_output=True, text=True).stderr
+        os.unlink(p.name)
     print(f"triton {triton.__version__}, sm_90, num_warps=4: registers {regs}, stack (spill) bytes {spills}, "
           f"shared {ck.metadata.shared} B")
-    print(res.strip())
+    for line in pv.splitlines():
+        if "spill" in line or "C7514" in line:
+            print("ptxas:", line.strip())
 
 
 def check():
