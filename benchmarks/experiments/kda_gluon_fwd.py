@@ -127,7 +127,8 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
         tm = tm + _mm_fma(tm, a8, FL)
         tt_s.store(tm.to(gl.bfloat16))
         aq_s.store(aqk.to(gl.bfloat16))
-        fence_async_shared()
+        fence_async_shared()                    # this thread's stores visible to the wgmmas' async proxy,
+        gl.thread_barrier()                     # and every thread's
         # 5. the state products on the old state, by halves of K:
         #    X^T = (beta v)^T - S^T (beta e^G k)^T and (q e^G S)^T = S^T (q e^G)^T
         ptok = row0 + t0 + pcol
