@@ -9,7 +9,7 @@ then a timing table against ``delta_attn.kda(..., backend="triton")`` at 64x1024
 
 Per chunk of BT = 16 tokens (q, k L2-normalised, scale folded into q; G = cumulative sum of g in the chunk,
 Gl its last row):
-  Akk = strict_lower(beta_i (k e^G)(k e^-G)^T), Aqk = lower(q e^G (k e^-G)^T)   (mma_v2, tf32)
+  Akk = strict_lower(beta_i (k e^G)(k e^-G)^T), Aqk = lower(q e^G (k e^-G)^T)   (mma_v2, bf16)
   T = (I + Akk)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)                           (fp32 FMA dots)
   X^T = (beta v)^T - S^T (beta e^G k)^T          wgmma [V,K]x[K,BT], S^T the register A operand
   u^T = X^T T^T                                  wgmma [V,BT]x[BT,BT]
