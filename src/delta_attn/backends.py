@@ -90,6 +90,8 @@ class Capability:
 
 
 def package_available(module: str) -> bool:
+    """Whether ``module`` can be imported. A constant of the graph under torch.compile (importlib's lookup is a
+    call dynamo refuses to trace): marked below, where ``_assume_constant_result`` is defined."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -442,6 +444,7 @@ def _assume_constant_result(fn: Callable) -> Callable:
 
 
 _choose = _assume_constant_result(_choose)
+package_available = _assume_constant_result(package_available)
 
 
 def select(call: Call, backend: str = "auto") -> Callable:

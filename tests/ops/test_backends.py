@@ -192,3 +192,26 @@ def test_choose_is_marked_as_the_public_decorator_marks():
     marks = vars(torch.compiler.assume_constant_result(probe))
     assert marks, "torch.compiler.assume_constant_result no longer marks the function: revisit backends.py"
     assert {k: getattr(backends._choose, k, None) for k in marks} == marks
+
+
+def test_capability_checks_trace_under_torch_compile(monkeypatch):
+    """auto for kda asks cuDNN's capability (its `requires` packages among it) while torch.compile traces the call:
+    the package lookup must be a trace-time constant. torch 2.11's dynamo refuses to trace importlib's find_spec
+    (newer ones trace it); a find_spec that breaks the graph when traced (a no-op when run) stands for that here."""
+    import importlib.util
+
+    import torch._dynamo
+    from delta_attn.backends import BACKENDS
+    real, graph_break = importlib.util.find_spec, torch._dynamo.graph_break
+
+    def find_spec(name, package=None):
+        graph_break()
+        return real(name, package)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    call = fake_call(op="kda", dtype=torch.bfloat16, features=frozenset(), seqlen=64)
+
+    def fn(x):
+        return x + 1 if BACKENDS["cudnn"].not_supported_reasons(call) else x - 1
+    x = torch.zeros(3)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), fn(x))
