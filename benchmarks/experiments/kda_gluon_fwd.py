@@ -9,16 +9,20 @@ then a timing table against ``delta_attn.kda(..., backend="triton")`` at 64x1024
 
 Per chunk of BT = 16 tokens (q, k L2-normalised, scale folded into q; G = cumulative sum of g in the chunk,
 Gl its last row):
+  0. cp.async brings the next chunk's raw q, k, v, g, beta into the other stage of a two-stage ring
   Akk = strict_lower(beta_i (k e^G)(k e^-G)^T), Aqk = lower(q e^G (k e^-G)^T)   (mma_v2, bf16)
-  T = (I + Akk)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)                           (fp32 FMA dots)
+  T = (I + Akk)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)                           (mma_v2, tf32)
   X^T = (beta v)^T - S^T (beta e^G k)^T          wgmma [V,K]x[K,BT], S^T the register A operand
   u^T = X^T T^T                                  wgmma [V,BT]x[BT,BT]
   o^T = S^T (q e^G)^T + u^T Aqk^T                wgmma, the old state
   S^T = S^T e^Gl + u^T (k e^(Gl - G))            wgmma [V,BT]x[BT,K] accumulating into the decayed state
-S^T is held as two [V, K/2] accumulators so that only one half's bf16 copy (the A operand) is live at a time;
-the x / q products of one half are one asynchronous wgmma group. Akk, Aqk and the wgmma B operands are bf16.
+The [BT, K] tiles of the decay work sit in one warp per 32 channels (all 16 tokens of a channel in one warp), so
+the cumulative sum over tokens never leaves a warp. S^T is held as two [V, K/2] accumulators so that only one
+half's bf16 copy (the A operand) is live at a time; the x / q products of one half are one asynchronous wgmma
+group. Akk, Aqk and the wgmma B operands are bf16.
 Limitations: dense equal-length sequences (T % 16 == 0), K = V = 128, no initial / final state, bf16 in and
-out; the factored e^G e^-G form of Akk / Aqk needs |G| within ~30 over a chunk (long-memory decays).
+out, one program per (head, sequence) (no split of long sequences); the factored e^G e^-G form of Akk / Aqk
+needs |G| within ~80 over a chunk (fp32 / bf16 exponent range).
 """
 import argparse
 import os
@@ -30,10 +34,12 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BT = 16     # chunk length
+WARPS = 4   # one warpgroup (8 warps: cross-warp sums and spills, measured 1.7x slower)
+MAXNREG = None   # registers per thread (128 with 8 warps spills)
 D = 128     # K = V
 
 
@@ -43,32 +49,60 @@ def _add(a, b):
 
 
 @gluon.jit
-def _mm_fma(a, b, FL: gl.constexpr):
-    """a @ b for two small fp32 tiles in the blocked layout FL: exact fp32 FMA products."""
-    return gl.dot_fma(gl.convert_layout(a, gl.DotOperandLayout(0, FL, 0)),
-                      gl.convert_layout(b, gl.DotOperandLayout(1, FL, 0)), gl.zeros_like(a))
+def _mm_tf32(a, b, M2: gl.constexpr):
+    """a @ b for two [BT, BT] fp32 tiles in the mma_v2 layout M2 (tf32 products, fp32 accumulation)."""
+    return mma_v2(gl.convert_layout(a, gl.DotOperandLayout(0, M2, 1)),
+                  gl.convert_layout(b, gl.DotOperandLayout(1, M2, 1)), gl.zeros_like(a), input_precision="tf32")
 
 
 @gluon.jit
-def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.constexpr):
+def _issue_chunk(q, k, v, g, beta, q_s, k_s, v_s, g_s, b_s, row, H, h, K: gl.constexpr, BT: gl.constexpr,
+                 CP: gl.constexpr, CG: gl.constexpr, CB: gl.constexpr):
+    """cp.async of one chunk's raw q, k, v (bf16), g (fp32) [BT, K] and beta [BT] into one stage of the ring."""
+    r = row + gl.arange(0, BT, layout=gl.SliceLayout(1, CP))
+    c = gl.arange(0, K, layout=gl.SliceLayout(0, CP))
+    off = (r[:, None] * H + h) * K + c[None, :]
+    async_copy.async_copy_global_to_shared(q_s, q + off)
+    async_copy.async_copy_global_to_shared(k_s, k + off)
+    async_copy.async_copy_global_to_shared(v_s, v + off)
+    rg = row + gl.arange(0, BT, layout=gl.SliceLayout(1, CG))
+    cg = gl.arange(0, K, layout=gl.SliceLayout(0, CG))
+    async_copy.async_copy_global_to_shared(g_s, g + (rg[:, None] * H + h) * K + cg[None, :])
+    async_copy.async_copy_global_to_shared(b_s, beta + (row + gl.arange(0, BT, layout=CB)) * H + h)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.constexpr, W: gl.constexpr):
     h = gl.program_id(0)
     n = gl.program_id(1).to(gl.int64)
     KH: gl.constexpr = K // 2
-    # layouts: BL the [BT, K] input tiles; SL the two halves S^T[:, :64], S^T[:, 64:] (wgmma accumulators
+    # layouts: BL the [BT, K] decay-work tiles (a warp holds all BT tokens of K / W channels: the cumulative sum
+    # over tokens stays in the warp); SL the two halves S^T[:, :64], S^T[:, 64:] (wgmma accumulators
     # [V, K/2]: a half at a time goes to bf16 for the A operand, which keeps the register peak down);
-    # PL the [V, BT] products; M2 the mma_v2 [BT, BT] products; FL the fp32 FMA [BT, BT] tiles
-    BL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
-    PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-    M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-    FL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+    # PL the [V, BT] products; M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies
+    BL: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [1, W], [1, 0])
+    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, KH, 16])
+    PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
+    M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
+    CP: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    CG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+    CB: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)      # register A operand of the [V, *] x [*, BT] wgmmas
     SA: gl.constexpr = gl.DotOperandLayout(0, SL, 2)      # register A operand of the state update
-    # shared memory: the K-wide operands [BT, K] (B operands of the wgmmas, read transposed and by halves
-    # of K; and the bf16 operands of Akk / Aqk), the [BT, BT] B operands, exp(Gl)
+    # shared memory: a two-stage ring of raw chunk inputs (cp.async); the K-wide operands [BT, K] (B operands
+    # of the wgmmas, read transposed and by halves of K; and the bf16 operands of Akk / Aqk), the [BT, BT]
+    # B operands, exp(Gl)
     KSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    KSH3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    GSH3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     VSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH3)  # raw q, k, v, g, beta ring
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH3)
+    vr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH3)
+    gr_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], GSH3)
+    br_s = gl.allocate_shared_memory(gl.float32, [2, BT], VSH)
     kb_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # -(beta e^G k)
     qg_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # q e^G
     kn_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)     # k e^-G
@@ -78,23 +112,29 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
     gl_s = gl.allocate_shared_memory(gl.float32, [K], VSH)          # exp(Gl)
 
     rows = gl.arange(0, BT, layout=gl.SliceLayout(1, BL))
-    cols = gl.arange(0, K, layout=gl.SliceLayout(0, BL))
     prow = gl.arange(0, K, layout=gl.SliceLayout(1, PL))           # V channel of a [V, BT] tile
     pcol = gl.arange(0, BT, layout=gl.SliceLayout(0, PL))          # token of a [V, BT] tile
-    fi = gl.arange(0, BT, layout=gl.SliceLayout(1, FL))
-    fj = gl.arange(0, BT, layout=gl.SliceLayout(0, FL))
-    eye = gl.where(fi[:, None] == fj[None, :], 1.0, 0.0)
+    mi = gl.arange(0, BT, layout=gl.SliceLayout(1, M2))
+    mj = gl.arange(0, BT, layout=gl.SliceLayout(0, M2))
+    eye = gl.where(mi[:, None] == mj[None, :], 1.0, 0.0)
     S0 = gl.zeros([K, KH], gl.float32, SL)                         # S^T[:, :K/2]
     S1 = gl.zeros([K, KH], gl.float32, SL)                         # S^T[:, K/2:]
     row0 = n * T                                                   # first token row of the sequence
+    _issue_chunk(q, k, v, g, beta, qr_s.index(0), kr_s.index(0), vr_s.index(0), gr_s.index(0), br_s.index(0),
+                 row0, H, h, K, BT, CP, CG, CB)
     for t0 in range(0, T, BT):
-        # 0. the chunk's q, k, g, beta
-        tok = row0 + t0 + rows
-        off = (tok[:, None] * H + h) * K + cols[None, :]
-        qc = gl.load(q + off).to(gl.float32)
-        kc = gl.load(k + off).to(gl.float32)
-        gc = gl.load(g + off)
-        bc = gl.load(beta + tok * H + h)
+        # 0. prefetch the next chunk (the last one again at the end) into the other stage; wait for this one
+        st = (t0 // BT) % 2
+        gl.thread_barrier()                     # the previous chunk's readers are done with the buffers
+        nxt = row0 + gl.minimum(t0 + BT, T - BT)
+        _issue_chunk(q, k, v, g, beta, qr_s.index(1 - st), kr_s.index(1 - st), vr_s.index(1 - st),
+                     gr_s.index(1 - st), br_s.index(1 - st), nxt, H, h, K, BT, CP, CG, CB)
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        qc = qr_s.index(st).load(BL).to(gl.float32)
+        kc = kr_s.index(st).load(BL).to(gl.float32)
+        gc = gr_s.index(st).load(BL)
+        bc = br_s.index(st).load(gl.SliceLayout(1, BL))
         # 1. L2 norm of q and k, scale into q
         qc = qc * (gl.rsqrt(gl.sum(qc * qc, 1) + 1e-6) * scale)[:, None]
         kc = kc * gl.rsqrt(gl.sum(kc * kc, 1) + 1e-6)[:, None]
@@ -103,28 +143,29 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
         Gl = gl.sum(gl.where((rows == BT - 1)[:, None], G, 0.0), 0)
         eG = gl.exp(G)
         kp = kc * eG
-        gl.thread_barrier()                     # the previous chunk's readers are done with the buffers
         kb_s.store((-kp * bc[:, None]).to(gl.bfloat16))
         qg_s.store((qc * eG).to(gl.bfloat16))
-        kn_s.store((kc * gl.exp(-G)).to(gl.bfloat16))
-        kd_s.store((kc * gl.exp(Gl[None, :] - G)).to(gl.bfloat16))
-        gl_s.store(gl.exp(Gl))
+        kn = kc * gl.exp(-G)
+        eGl = gl.exp(Gl)
+        kn_s.store(kn.to(gl.bfloat16))
+        kd_s.store((kn * eGl[None, :]).to(gl.bfloat16))
+        gl_s.store(eGl)
         gl.thread_barrier()
-        # 3. Akk = -(kb kn^T) (beta_i in kb), Aqk = qg kn^T (bf16 mma_v2), masked in the FMA layout
+        # 3. Akk = -(kb kn^T) (beta_i in kb), Aqk = qg kn^T (bf16 mma_v2), masked
         knT = kn_s.permute((1, 0)).load(gl.DotOperandLayout(1, M2, 2))
         zero2 = gl.zeros([BT, BT], gl.float32, M2)
         akk = mma_v2(kb_s.load(gl.DotOperandLayout(0, M2, 2)), knT, zero2)
         aqk = mma_v2(qg_s.load(gl.DotOperandLayout(0, M2, 2)), knT, zero2)
-        akk = gl.where(fi[:, None] > fj[None, :], -gl.convert_layout(akk, FL), 0.0)
-        aqk = gl.where(fi[:, None] >= fj[None, :], gl.convert_layout(aqk, FL), 0.0)
-        # 4. T = (I + Akk)^-1 by the doubling product (Akk strictly lower: A^16 = 0), fp32
-        a2 = _mm_fma(akk, akk, FL)
-        a4 = _mm_fma(a2, a2, FL)
-        a8 = _mm_fma(a4, a4, FL)
+        akk = gl.where(mi[:, None] > mj[None, :], -akk, 0.0)
+        aqk = gl.where(mi[:, None] >= mj[None, :], aqk, 0.0)
+        # 4. T = (I + Akk)^-1 by the doubling product (Akk strictly lower: A^16 = 0), tf32 mma_v2
+        a2 = _mm_tf32(akk, akk, M2)
+        a4 = _mm_tf32(a2, a2, M2)
+        a8 = _mm_tf32(a4, a4, M2)
         tm = eye - akk
-        tm = tm + _mm_fma(tm, a2, FL)
-        tm = tm + _mm_fma(tm, a4, FL)
-        tm = tm + _mm_fma(tm, a8, FL)
+        tm = tm + _mm_tf32(tm, a2, M2)
+        tm = tm + _mm_tf32(tm, a4, M2)
+        tm = tm + _mm_tf32(tm, a8, M2)
         tt_s.store(tm.to(gl.bfloat16))
         aq_s.store(aqk.to(gl.bfloat16))
         fence_async_shared()                    # this thread's stores visible to the wgmmas' async proxy,
@@ -132,8 +173,8 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, T, H, scale, K: gl.constexpr, BT: gl.co
         # 5. the state products on the old state, by halves of K:
         #    X^T = (beta v)^T - S^T (beta e^G k)^T and (q e^G S)^T = S^T (q e^G)^T
         ptok = row0 + t0 + pcol
-        vT = gl.load(v + (ptok[None, :] * H + h) * K + prow[:, None]).to(gl.float32)   # v^T [V, BT]
-        x = vT * gl.load(beta + ptok * H + h)[None, :]
+        vT = vr_s.index(st).permute((1, 0)).load(PL).to(gl.float32)                   # v^T [V, BT]
+        x = vT * br_s.index(st).load(gl.SliceLayout(0, PL))[None, :]
         # a half at a time (its bf16 copy pinned before the issue by an empty wait: ptxas serialises every
         # wgmma of the kernel if a non-wgmma instruction touches wgmma registers while one is in flight)
         sa = gl.convert_layout(S0.to(gl.bfloat16), PA)
@@ -170,7 +211,7 @@ def gluon_kda_fwd(q, k, v, g, beta):
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and g.dtype == beta.dtype == torch.float32
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty_like(v)
-    _kda_fwd_kernel[(H, B)](q, k, v, g, beta, o, T, H, K ** -0.5, K=K, BT=BT, num_warps=4)
+    _kda_fwd_kernel[(H, B)](q, k, v, g, beta, o, T, H, K ** -0.5, K=K, BT=BT, W=WARPS, num_warps=WARPS, maxnreg=MAXNREG)
     return o
 
 
@@ -180,9 +221,10 @@ def compile_only():
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*fp32", "o": "*bf16",
-           "T": "i32", "H": "i32", "scale": "fp32", "K": "constexpr", "BT": "constexpr"}
-    src = GluonASTSource(_kda_fwd_kernel, sig, constexprs={"K": D, "BT": BT})
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+           "T": "i32", "H": "i32", "scale": "fp32", "K": "constexpr", "BT": "constexpr", "W": "constexpr"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}     # the tensors' pointers, as the JIT sees them
+    src = GluonASTSource(_kda_fwd_kernel, sig, constexprs={"K": D, "BT": BT, "W": WARPS}, attrs=aligned)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS, "maxnreg": MAXNREG})
     # registers and spills: from the cubin's resource usage (n_regs / n_spills need a driver)
     regs = spills = None
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -202,7 +244,7 @@ def compile_only():
         pv = subprocess.run([os.path.join(tools, "ptxas"), "-v", "-arch=sm_90a", p.name, "-o", f.name],
                             capture_output=True, text=True).stderr
         os.unlink(p.name)
-    print(f"triton {triton.__version__}, sm_90, num_warps=4: registers {regs}, stack (spill) bytes {spills}, "
+    print(f"triton {triton.__version__}, sm_90, num_warps={WARPS}, maxnreg={MAXNREG}: registers {regs}, stack (spill) bytes {spills}, "
           f"shared {ck.metadata.shared} B")
     for line in pv.splitlines():
         if "spill" in line or "C7514" in line:
