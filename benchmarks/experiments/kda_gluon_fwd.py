@@ -2,8 +2,9 @@
 keeps the transposed state S^T [V, K] as a wgmma accumulator in registers across all chunks.
 
 python benchmarks/experiments/kda_gluon_fwd.py [--compile-only]
---compile-only: compile for sm_90 without a GPU and print registers, spills and shared memory (Triton 3.6; a
-Triton 3.6 venv's site-packages on PYTHONPATH does it on a machine whose own Triton is another version).
+--compile-only: compile for sm_90 without a GPU and print registers, spills, shared memory and the SASS
+instruction count (Triton 3.6; a Triton 3.6 venv's site-packages on PYTHONPATH does it on a machine whose own
+Triton is another version).
 Default (CUDA GPU): relative error against ``delta_attn.kda(..., backend="torch")`` in float64 (B=2, T=64, H=2),
 then a timing table against ``delta_attn.kda(..., backend="triton")`` at 64x1024 and 8x4096 (H=16).
 
@@ -25,7 +26,9 @@ out, one program per (head, sequence) (no split of long sequences); the factored
 needs |G| within ~80 over a chunk (fp32 / bf16 exponent range).
 """
 import argparse
+import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -225,27 +228,32 @@ def compile_only():
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}     # the tensors' pointers, as the JIT sees them
     src = GluonASTSource(_kda_fwd_kernel, sig, constexprs={"K": D, "BT": BT, "W": WARPS}, attrs=aligned)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS, "maxnreg": MAXNREG})
-    # registers and spills: from the cubin's resource usage (n_regs / n_spills need a driver)
-    regs = spills = None
+    # registers and spills: from the cubin's resource usage (n_regs / n_spills need a driver); the static count
+    # of SASS instructions (the loop body is nearly all of it: an offline proxy for the instructions per chunk)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        res = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+    with tempfile.TemporaryDirectory() as d:
+        cubin, ptx = os.path.join(d, "k.cubin"), os.path.join(d, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(ck.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(ck.asm["ptx"])
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin],
                              capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+        # ptxas's own report: spill bytes, and whether it serialised the wgmmas (advisory C7514)
+        pv = subprocess.run([os.path.join(tools, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", cubin],
+                            capture_output=True, text=True).stderr
+    regs = spills = None
     for tok in res.replace(",", " ").split():
         if tok.startswith("REG:"):
             regs = int(tok[4:])
         elif tok.startswith("STACK:"):
             spills = int(tok[6:])
-        # ptxas's own report: spill bytes, and whether it serialised the wgmmas (advisory C7514)
-        with open(f.name[:-6] + ".ptx", "w") as p:
-            p.write(ck.asm["ptx"])
-        pv = subprocess.run([os.path.join(tools, "ptxas"), "-v", "-arch=sm_90a", p.name, "-o", f.name],
-                            capture_output=True, text=True).stderr
-        os.unlink(p.name)
-    print(f"triton {triton.__version__}, sm_90, num_warps={WARPS}, maxnreg={MAXNREG}: registers {regs}, stack (spill) bytes {spills}, "
-          f"shared {ck.metadata.shared} B")
+    ops = collections.Counter(m.group(1).split(".")[0] for m in
+                              re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    print(f"triton {triton.__version__}, sm_90, num_warps={WARPS}, maxnreg={MAXNREG}: registers {regs}, "
+          f"stack (spill) bytes {spills}, shared {ck.metadata.shared} B")
+    print(f"SASS instructions {sum(ops.values())}:", " ".join(f"{k} {n}" for k, n in ops.most_common(12)))
     for line in pv.splitlines():
         if "spill" in line or "C7514" in line:
             print("ptxas:", line.strip())
