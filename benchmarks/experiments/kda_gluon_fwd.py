@@ -6,7 +6,8 @@ python benchmarks/experiments/kda_gluon_fwd.py [--compile-only]
 instruction count (Triton 3.6; a Triton 3.6 venv's site-packages on PYTHONPATH does it on a machine whose own
 Triton is another version).
 Default (CUDA GPU): relative error against ``delta_attn.kda(..., backend="torch")`` in float64 (B=2, T=64, H=2),
-then a timing table against ``delta_attn.kda(..., backend="triton")`` at 64x1024 and 8x4096 (H=16).
+then a timing table against ``delta_attn.kda(..., backend="triton")`` and cuDNN-FE's KDA (if installed) at
+64x1024, 8x4096 and 16x2048, long and strong decays (H=16).
 
 Per chunk of BT = 16 tokens (q, k L2-normalised, scale folded into q; G = cumulative sum of g in the chunk,
 Gl its last row):
@@ -279,20 +280,24 @@ def inputs(B, T, H):
 
 
 def bench():
-    import delta_attn as da
-    H = 16
-    print(f"{'shape':>10} {'gluon ms':>9} {'triton ms':>10} {'triton/gluon':>13} {'max rel diff':>13}")
-    for B, T in [(64, 1024), (8, 4096)]:
-        q, k, v, g, beta = inputs(B, T, H)
-        with torch.no_grad():
-            ref = da.kda(q, k, v, g, beta, use_qk_l2norm=True, backend="triton")[0]
-            out = gluon_kda_fwd(q, k, v, g, beta)
-            diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            args = (q, k, v, g, beta)
-            tg = triton.testing.do_bench(lambda a=args: gluon_kda_fwd(*a), warmup=25, rep=200)
-            tt = triton.testing.do_bench(lambda a=args: da.kda(*a, use_qk_l2norm=True, backend="triton"),
-                                         warmup=25, rep=200)
-        print(f"{f'{B}x{T}':>10} {tg:9.3f} {tt:10.3f} {tt / tg:13.2f} {diff:13.3e}")
+    """Medians against the shipped Triton forward and cuDNN-FE called natively (``kda_prefill.py``'s inputs and
+    call, beside this script), both decay regimes, one process."""
+    import kda_prefill as kp
+    print(f"{'shape':>9} {'decays':>6} {'gluon ms':>9} {'triton ms':>10} {'cuDNN-FE ms':>12} {'cuDNN/gluon':>12} "
+          f"{'max rel diff':>13}")
+    for B, T in [(64, 1024), (8, 4096), (16, 2048)]:
+        for regime in ("long", "strong"):
+            x = kp.inputs(B, T, regime)
+            with torch.no_grad():
+                ref = kp.ours_fn(*x)()
+                out = gluon_kda_fwd(*x)
+                diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                tg, tt = kp.bench(lambda x=x: gluon_kda_fwd(*x)), kp.bench(kp.ours_fn(*x))
+                try:
+                    tc = kp.bench(kp.cudnn_fn(*x))
+                except ImportError:                 # nvidia-cudnn-frontend not installed
+                    tc = float("nan")
+            print(f"{f'{B}x{T}':>9} {regime:>6} {tg:9.3f} {tt:10.3f} {tc:12.3f} {tc / tg:12.2f} {diff:13.3e}")
 
 
 def main():
