@@ -1,12 +1,17 @@
-"""KDA inference prefill (bf16 intra-chunk operands, and with --sweep the tf32 ones) against cuDNN frontend's native KDA, one process (bf16, H = 16, K = V = 128).
+"""KDA inference prefill, ``da.kda(backend="triton")`` under no_grad, against cuDNN frontend's native KDA, one
+process (bf16, H = 16, K = V = 128).
 
-python benchmarks/experiments/kda_prefill.py [--sweep] [--shapes 64x1024,8x4096]
-Prints one row per (shape, decay regime): ours ms, cuDNN-FE ms, ratio (cuDNN / ours), fraction of the memory floor,
-and the max |ours - cuDNN| relative to max |o|.
+python benchmarks/experiments/kda_prefill.py [--split] [--unchecked] [--sweep] [--shapes 64x1024,8x4096]
+Prints one row per (shape, decay regime, config): ours ms, cuDNN-FE ms, ratio (cuDNN / ours), fraction of the
+memory floor, and the max |ours - cuDNN| relative to max |o|. Configs: the shipped dispatch (the fused Gluon kernel
+or the split kernels, ``launch.fused_forward_unsupported``); ``--split``: the split kernels forced; ``--unchecked``:
+the shipped dispatch without the g <= 0 value check (DELTA_ATTN_SKIP_VALUE_CHECKS=1: no reduction, no host read);
+``--sweep``: the split kernels' intra-chunk dots on tf32 operands; ``--intra-sweep``: their tiles.
 """
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import torch
@@ -73,6 +78,8 @@ def _stats():
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--split", action="store_true", help="also the split kernels (intra-chunk stage + scan), forced")
+    ap.add_argument("--unchecked", action="store_true", help="also the shipped dispatch without the g value check")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--regimes", default="long,strong")
@@ -108,15 +115,24 @@ def main():
                 print("cudnn failed", type(e).__name__, str(e)[:300])
                 diff, t_c = float("nan"), float("nan")
             configs = [None]
+            if args.split:
+                configs += ["split"]
+            if args.unchecked:
+                configs += ["unchecked"]
             if args.sweep:
                 configs += ["tf32"]
             if args.intra_sweep:
                 configs += [(ks, w, bt) for bt in (16, 32) for ks in (32, 64, 128) for w in (4, 8)]
             for cfg in configs:
+                min_programs = launch.FUSED_MIN_PROGRAMS
+                if cfg is not None and cfg != "unchecked":      # the split kernels' configs
+                    launch.FUSED_MIN_PROGRAMS = 1 << 62
+                if cfg == "unchecked":
+                    os.environ["DELTA_ATTN_SKIP_VALUE_CHECKS"] = "1"
                 if cfg == "tf32":      # the inference intra-chunk dots on fp32 operands in tf32
                     orig = launch.precision
                     launch.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), infer_op=tl.float32)
-                elif cfg is not None:  # (KS, warps, chunk length) of the inference intra-chunk kernel
+                elif isinstance(cfg, tuple):  # (KS, warps, chunk length) of the inference intra-chunk kernel
                     ks, w, bt_ = cfg
                     saved = launch.infer_intra_tiles, launch.infer_chunk
                     shipped = launch.infer_intra_tiles
@@ -129,9 +145,11 @@ def main():
                     t_o = float("nan")
                     print("ours failed", cfg, type(e).__name__, str(e)[:200])
                 finally:
+                    launch.FUSED_MIN_PROGRAMS = min_programs
+                    os.environ.pop("DELTA_ATTN_SKIP_VALUE_CHECKS", None)
                     if cfg == "tf32":
                         launch.precision = orig
-                    elif cfg is not None:
+                    elif isinstance(cfg, tuple):
                         launch.infer_intra_tiles, launch.infer_chunk = saved
                 row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
                            floor_frac=floor_ms / t_o, rel_diff=diff)

@@ -11,7 +11,7 @@ from .. import settings
 MIN_TRITON = (3, 6)         # Gluon's API moves between releases: the oldest version the kernels run on
 
 
-def _version() -> tuple:
+def version() -> tuple:
     parts = []
     for p in triton.__version__.split(".")[:2]:
         digits = "".join(c for c in p if c.isdigit())
@@ -20,7 +20,7 @@ def _version() -> tuple:
 
 
 gluon = gl = None
-if _version() >= MIN_TRITON:
+if version() >= MIN_TRITON:
     try:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl

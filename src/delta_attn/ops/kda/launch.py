@@ -25,12 +25,14 @@ import triton
 import triton.language as tl
 
 from ..._outputs import empty
-from .._gluon import available as gluon_available
+from ...backends import device_capability
+from .._gluon import available as gluon_available, version as gluon_version
 from .._launch import (Tiles, cdiv, compile_only, compiled_together, halving, index, launch, next_pow2, optional,
                        param, sm_count, tiles, unit_last)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
+from .kernels_fused import BT as FUSED_CHUNK, WARPS as FUSED_WARPS, _kda_fused_fwd_kernel
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
 from .kernels_scan import _kda_fwd_scan_kernel
@@ -38,6 +40,8 @@ from .kernels_scan import _kda_fwd_scan_kernel
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
 CHUNK_LENGTHS = (16, 32, TRAIN_CHUNK)   # every chunk length a pipeline runs (inference: infer_chunk's 16 or 32)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
+FUSED_MIN_PROGRAMS = 64   # (sequence, value head) pairs from which the fused inference forward runs
+FUSED_TRITON = (3, 6)     # the Triton release whose Gluon API the fused kernel is written for
 TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
                       # the gate parameters' gradients are formed from the factored products, whose rounding it
                       # weights (CPU fuzz, K 16, V 48, gate input + 1: dA_log at 0.91 of the rule without this
@@ -294,9 +298,53 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     return o, final, saved
 
 
+def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
+    """Why the fused Gluon forward (``kernels_fused.py``) does not run this inference call (None: it does)."""
+    if not gluon_available(q.device) or _kda_fused_fwd_kernel is None:
+        return "not a CUDA call with Gluon available"
+    if gluon_version() != FUSED_TRITON:
+        return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
+                f"{'.'.join(map(str, FUSED_TRITON))}")
+    if device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU (the kernel's wgmma is Hopper's)"
+    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return "q, k, v are not bfloat16"
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return "K and V are not both 128"
+    if A_log is not None:
+        return "a gate (A_log, dt_bias, lower_bound) is given"
+    if num_seqs * v.shape[2] < FUSED_MIN_PROGRAMS:
+        return (f"{num_seqs * v.shape[2]} (sequence, value head) pairs: one program each would leave the GPU idle "
+                f"(fewer than {FUSED_MIN_PROGRAMS})")
+    return None
+
+
+def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32."""
+    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
+                                       param(beta, torch.float32), param(initial_state, torch.float32))
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = empty(v.shape, v.dtype, q.device)
+    final = empty((N, HV, K, K), torch.float32, q.device) if output_final_state else None
+    if N > 0:
+        cu = index(cu_seqlens) if cu_seqlens is not None else None
+        _kda_fused_fwd_kernel[(HV, N)](
+            q, k, v, g, beta, o, optional(cu, q), optional(initial_state, g), optional(final, g), T, H, HV, HV // H,
+            float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX, L2NORM=bool(use_qk_l2norm),
+            VARLEN=cu is not None, HAS_H0=initial_state is not None, STORE_FINAL=final is not None,
+            TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0, num_warps=FUSED_WARPS)
+    return o, final
+
+
 def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                   output_final_state, allow_tf32):
-    """Inference prefill: (o, final_state or None)."""
+    """Inference prefill: (o, final_state or None), by the fused Gluon kernel where it runs
+    (:func:`fused_forward_unsupported`), else by the intra-chunk stage and the state scan."""
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if fused_forward_unsupported(q, v, A_log, N) is None:
+        return fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state)
     o, final, _ = _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
                            use_qk_l2norm, output_final_state, allow_tf32, train=False)
     return o, final

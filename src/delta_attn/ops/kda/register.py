@@ -39,9 +39,11 @@ CUDNN_WHY = ("training on dense sequences of <= 32768 tokens: cuDNN's KDA measur
 TRITON_WHY = {
     "grad": "training on sequences longer than 32768 tokens: Triton and cuDNN measured even (1.05x at 65536)",
     "varlen": "packed (varlen) batch: each new token total builds a cuDNN graph (about 40 ms), so Triton",
-    "forward": ("forward only: Triton (cuDNN's forward is faster for dense batches of sequences up to 8192 tokens, but "
-                "each new shape builds a cuDNN graph of about 40 ms, which prefill lengths that change per request "
-                "would pay on every call; ask for backend='cudnn' with fixed shapes)"),
+    "forward": ("forward only: Triton, whose fused Gluon kernel runs bf16, K = V = 128 calls without gate parameters "
+                "on sm_90 from 64 (sequence, value head) pairs (1.1-2.3x the split kernels, H200), the split kernels "
+                "otherwise (docs/DISPATCH.md); cuDNN's forward is faster with strong decays, but each new shape builds "
+                "a cuDNN graph of about 40 ms, which prefill lengths that change per request would pay on every call "
+                "(ask for backend='cudnn' with fixed shapes)"),
 }
 
 

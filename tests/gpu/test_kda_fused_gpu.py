@@ -1,0 +1,76 @@
+"""The fused Gluon KDA inference forward (``ops/kda/kernels_fused.py``) on an sm_90 GPU (marked `gpu`): every KDA
+property configuration in its domain (bf16, K = V = 128, no gate parameters, no gradient: planted decays of -50,
+-1e4 and -inf, NaN gates, GVA, packed sequences with empty ones, initial / final states, strided views), and
+chunks that take the exact token-by-token path next to factored ones, against the float64 reference with the error
+rule. The fused kernel's program-count threshold is lifted so that small configurations take it too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import properties as P
+
+DEV = "cuda"
+SEED0 = 100_000
+
+
+def _in_domain(case) -> bool:
+    kc = case.p["kda"]
+    return kc.dtype == "bf16" and kc.K == kc.V == 128 and kc.gate is None and not case.grad
+
+
+# the first 60 property seeds (tests/gpu/test_properties_gpu.py's draws, and further ones) in the fused domain
+SEEDS = [s for s in range(2000) if _in_domain(P.draw("kda", SEED0 + s, "gpu"))][:60]
+
+
+@pytest.fixture
+def fused_runs(monkeypatch):
+    """Every (sequence, value head) count takes the fused kernel; the list of its calls."""
+    from delta_attn.ops.kda import launch
+    if launch.fused_forward_unsupported(torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16),
+                                        torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16), None,
+                                        launch.FUSED_MIN_PROGRAMS) is not None:
+        pytest.skip("the fused KDA forward does not run on this GPU / Triton")
+    monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
+    runs = []
+    real = launch.fused_forward
+
+    def spy(*args, **kw):
+        runs.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "fused_forward", spy)
+    return runs
+
+
+def test_the_domain_is_drawn_with_its_edges():
+    cases = [P.draw("kda", SEED0 + s, "gpu") for s in SEEDS]
+    kcs = [c.p["kda"] for c in cases]
+    assert len(SEEDS) == 60
+    assert any(k.cu is not None for k in kcs) and any(k.cu is None for k in kcs)
+    assert {k.decay for k in kcs} >= {None, -50.0, -1e4, float("-inf")}
+    assert any(c.nan is not None for c in cases) and any(k.HV > k.H for k in kcs)
+    assert any(k.h0 for k in kcs) and any(k.final for k in kcs) and any(not k.l2 for k in kcs)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_property_configuration(seed, fused_runs):
+    case = P.draw("kda", SEED0 + seed, "gpu")
+    assert P.Checker(case, DEV).check("triton") == "ran"
+    assert fused_runs, "the fused kernel did not run"
+
+
+@pytest.mark.parametrize("T,cu", [(1100, None), (0, (0, 300, 300, 317, 1024))])
+def test_exact_chunks_between_factored_ones(T, cu, fused_runs):
+    """Strong decays (-80, -inf) planted in a few chunks of otherwise mild ones: those chunks go token by token,
+    the others factored, and the state carries across both."""
+    B = 2 if cu is None else 1
+    c = P.KDACase(seed=5, B=B, T=T if cu is None else cu[-1], cu=cu, H=2, HV=4, K=128, V=128, dtype="bf16",
+                  gate=None, l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=True, grad=False)
+    xs, kw = P.kda_inputs(c, DEV)
+    g = xs[3]
+    for row, val in ((20, -80.0), (21, -80.0), (333, float("-inf")), (600, -1e4), (601, -1e4)):
+        g[:, row, 1, :64] = val
+    bad, _ = P.kda_compare(xs, kw, False, c.seed, use_qk_l2norm=True, output_final_state=True)
+    assert not bad, "; ".join(bad)
+    assert fused_runs
