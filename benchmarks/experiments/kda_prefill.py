@@ -131,7 +131,7 @@ def main():
                     os.environ["DELTA_ATTN_SKIP_VALUE_CHECKS"] = "1"
                 if cfg == "tf32":      # the inference intra-chunk dots on fp32 operands in tf32
                     orig = launch.precision
-                    launch.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), infer_op=tl.float32)
+                    launch.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), intra_op=tl.float32)
                 elif isinstance(cfg, tuple):  # (KS, warps, chunk length) of the inference intra-chunk kernel
                     ks, w, bt_ = cfg
                     saved = launch.infer_intra_tiles, launch.infer_chunk

@@ -288,12 +288,15 @@ def test_jit_state_is_created_before_the_compile_threads(monkeypatch):
 
 
 def test_precision_rules():
-    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on bf16 storage; fp16: exact per-chunk dots. tf32 on
-    fp32 tiles only for K <= 128 (IEEE beyond)."""
+    """fp32: IEEE dots unless allow_tf32; bf16: tf32 on fp32 tiles, bf16 operands for the forward intra-chunk
+    products; fp16: exact per-chunk dots. tf32 on fp32 tiles only for K <= 128 (IEEE beyond)."""
     p = launch.precision
     assert (p(torch.float32, False, 64).dot, p(torch.float32, False, 64).scan) == ("ieee", "ieee")
     assert (p(torch.float32, True, 128).dot, p(torch.float32, True, 128).scan) == ("tf32", "tf32")
     assert p(torch.bfloat16, False, 64).work == torch.bfloat16 and p(torch.bfloat16, False, 64).dot == "tf32"
+    # the forward intra-chunk products and UT transform: bf16 operands for bf16 inputs, the input dtype otherwise
+    assert [p(dt, False, 64, train=t).intra_op for dt in (torch.bfloat16, torch.float16, torch.float32)
+            for t in (False, True)] == [tl.bfloat16] * 2 + [tl.float32] * 4
     assert p(torch.float16, False, 64).dot == "ieee" and p(torch.float16, False, 64).work == torch.float32
     # fp16: forward scans in 3xTF32 (training: K <= 64, IEEE above), backward scans in IEEE
     assert (p(torch.float16, False, 128).fwd_scan, p(torch.float16, False, 128).scan) == ("tf32x3", "ieee")

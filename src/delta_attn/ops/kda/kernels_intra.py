@@ -195,7 +195,7 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                            BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                            GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr,
                            FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-                           TWO_FLOAT: tl.constexpr):
+                           TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
@@ -226,9 +226,9 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             # as a product of two factors <= exp(FACTOR_MAX); entries i < j may overflow to inf / NaN and
             # are discarded by the select (tl.where) of step 2, never multiplied.
             eP = tl.exp(Gm)
-            kn = ks * tl.exp(-Gm)
-            akk += tl.dot(ks * eP, tl.trans(kn), input_precision=DOT_PREC)
-            aqk += tl.dot(qs * eP, tl.trans(kn), input_precision=DOT_PREC)
+            kn = (ks * tl.exp(-Gm)).to(OP)
+            akk += tl.dot((ks * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
+            aqk += tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
         else:
             # safe, off-diagonal blocks: reference G_ref(a) = G at row a*BC - 1 for the rows of sub-chunk a
             # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
@@ -236,12 +236,12 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             for sa in range(1, NB):
                 Gr = tl.where(blk[:, None] == sa, _kda_rel(G, Gl, ch.i, sa * BC - 1, TWO_FLOAT), Gr)
             eR = tl.exp(Gr)                                            # row factor, exponent <= 0
-            kr_ = ks * eR
-            qr_ = qs * eR
+            kr_ = (ks * eR).to(OP)
+            qr_ = (qs * eR).to(OP)
             for sa in range(1, NB):
                 # column factor exp(G_ref(a) - G_j) for the columns before sub-chunk a (exponent <= 0)
                 gaj = -_kda_rel(G, Gl, ch.i, sa * BC - 1, TWO_FLOAT)
-                kc = ks * tl.exp(tl.where(ch.i[:, None] < sa * BC, gaj, float("-inf")))
+                kc = (ks * tl.exp(tl.where(ch.i[:, None] < sa * BC, gaj, float("-inf")))).to(OP)
                 sel = (blk == sa)[:, None]
                 akk += tl.where(sel, tl.dot(kr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
                 aqk += tl.where(sel, tl.dot(qr_, tl.trans(kc), input_precision=DOT_PREC), 0.0)
@@ -276,5 +276,4 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
     tl.store(TM + a_off, T, mask=ch.mr[:, None])       # kept for the backward
     # 3. U = T (beta v), W = T (beta exp(G) k)
-    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT,
-                  tl.float32)
+    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)

@@ -60,12 +60,14 @@ class Precision:
     scan: str              # dots of the backward state scan and of the per-chunk operand gradients
     fwd_scan: str          # dots of the forward state scan (they make the output)
     two_float: bool        # cumulative log decays in two floats (fp32 with exact dots: kernels_gate._kda_cumsum)
-    infer_op: tl.dtype     # operand dtype of the inference intra-chunk products and UT transform
+    intra_op: tl.dtype     # operand dtype of the forward intra-chunk products and UT transform
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
-    """bf16: tf32 dots on bf16 storage (its 8-bit mantissa is coarser than tf32's); the inference intra-chunk products
-    and UT transform on bf16 operands (bf16 tensor-core rate; their results are stored in bf16). fp16: exact per-chunk
+    """bf16: the scans' dots take the bf16-stored intermediates as they are (bf16 tensor-core products); the forward
+    intra-chunk products and UT transform (inference and training) on bf16 operands (bf16 tensor-core rate; their
+    results are stored in bf16); tf32 for the fp32 tiles of the triangular inverse and of the backward's per-chunk
+    products. fp16: exact per-chunk
     dots (fp16's range is too narrow for the UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles fp16's
     rounding (H200 property seeds: output 8 % over the rule with a tf32 forward scan, dbeta 60 % over with tf32 backward
     scans), so fp16 scans run 3xTF32 or IEEE: the inference forward scan in 3xTF32 for K <= 128; the training forward
@@ -275,13 +277,13 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
         if NC > 0 and train:
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
                    common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
-                   dict(fixed, BC=16, INV_PREC=prec.dot), train_intra_tiles(K, V))
+                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op), train_intra_tiles(K, V))
         elif NC > 0:
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
             for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
                 launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
                        common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
-                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.infer_op), infer_intra_tiles(K, V, bt))
+                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.intra_op), infer_intra_tiles(K, V, bt))
         # 2. state scan and output
         o = empty((B, T, HV, V), v.dtype, q.device)
         final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
