@@ -178,21 +178,43 @@ def value_checks_enabled() -> bool:
             and not settings.skip_value_checks())
 
 
-def log_decay(name: str, g: torch.Tensor, hint: str = "") -> None:
+def log_decay(name: str, g: torch.Tensor, hint: str = "", pending: Optional[list] = None) -> None:
     """A log decay is <= 0: the state is multiplied by ``exp(g)`` in [0, 1] (``-inf`` resets it). A positive entry
     (a state that grows, which the chunked kernels' ``exp(G_i - G_j)`` arithmetic assumes never happens) is a
     ``ValueError`` naming ``name``; ``hint`` says what to pass instead. NaN is not refused: it keeps its documented
     meaning (that sequence's outputs and state become NaN, the others are untouched). One reduction on the device
     and one host read, when :func:`value_checks_enabled` (never under CUDA-graph capture or torch.compile tracing,
-    nor with DELTA_ATTN_SKIP_VALUE_CHECKS=1: the caller then keeps g <= 0)."""
+    nor with DELTA_ATTN_SKIP_VALUE_CHECKS=1: the caller then keeps g <= 0).
+
+    ``pending`` (a list, for calls whose outputs are all new tensors): on a CUDA tensor the reduction is enqueued
+    and its host read appended to ``pending`` as a function, which :func:`finish_pending` runs after the call's
+    kernels are enqueued. The GPU then never waits for the host between the check and the kernels; the call still
+    raises before it returns, and nothing it was given has been modified."""
     if g.numel() == 0 or not value_checks_enabled():
         return
-    top = g.amax().item()
+    if pending is None or g.device.type != "cuda":
+        _decay_verdict(name, g, hint, g.amax().item())
+        return
+    top = g.amax()
+    host = torch.empty((), dtype=top.dtype, pin_memory=True)
+    host.copy_(top, non_blocking=True)
+    read = torch.cuda.Event()
+    read.record()
+    pending.append(lambda: (read.synchronize(), _decay_verdict(name, g, hint, host.item())))
+
+
+def _decay_verdict(name: str, g: torch.Tensor, hint: str, top: float) -> None:
     if top != top:          # a NaN entry hides the maximum of the others (rare: a second pass)
         top = g.nan_to_num(nan=0.0, posinf=float("inf")).amax().item()
     if top > 0:
         raise ValueError(f"{name} is a log decay and must be <= 0 (the state is multiplied by exp({name}) <= 1 at "
                          f"each token), got a value of {top:g}" + (f"; {hint}" if hint else ""))
+
+
+def finish_pending(pending: Optional[list]) -> None:
+    """Run the host reads :func:`log_decay` deferred into ``pending`` (each raises on a bad value)."""
+    for read in pending or ():
+        read()
 
 
 INT32_MAX = 2 ** 31 - 1

@@ -74,3 +74,31 @@ def test_exact_chunks_between_factored_ones(T, cu, fused_runs):
     bad, _ = P.kda_compare(xs, kw, False, c.seed, use_qk_l2norm=True, output_final_state=True)
     assert not bad, "; ".join(bad)
     assert fused_runs
+
+
+@pytest.mark.parametrize("op", ["kda", "diag"])
+@pytest.mark.parametrize("nan", [False, True])
+def test_positive_decay_raises_after_the_launch(op, nan, fused_runs):
+    """On CUDA the g <= 0 check reads its reduction after the kernels are enqueued (``_checks.log_decay`` with
+    ``pending``): a positive entry still raises from the call (a NaN elsewhere does not hide it), the initial
+    state given is untouched, and a valid call afterwards runs."""
+    import delta_attn as da
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    B, T, H, D = 4, 100, 16, 128
+    q, k, v = (torch.randn(B, T, H, D, device=DEV, generator=gen).bfloat16() for _ in range(3))
+    g = -torch.rand(B, T, H, D, device=DEV, generator=gen)
+    g[2, 57, 3, 9] = 0.25
+    if nan:
+        g[0, 3, 1, 1] = float("nan")
+    beta = torch.rand(B, T, H, device=DEV, generator=gen)
+    h0 = torch.randn(B, H, D, D if op == "kda" else 1, device=DEV, generator=gen).squeeze(-1)
+    before = h0.clone()
+    fn = ((lambda gg: da.kda(q, k, v, gg, beta, initial_state=h0, use_qk_l2norm=True, backend="triton"))
+          if op == "kda" else (lambda gg: da.gated_diag_attn(q, k, v, gg, initial_state=h0, backend="triton")))
+    with pytest.raises(ValueError, match=r"^g is a log decay and must be <= 0.*0\.25"):
+        fn(g)
+    assert torch.equal(h0, before)
+    o, _ = fn(g.clamp(max=0.0))
+    assert torch.isfinite(o).all() if not nan else torch.isfinite(o[1:]).all()
+    if op == "kda":
+        assert fused_runs

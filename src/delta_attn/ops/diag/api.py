@@ -5,6 +5,8 @@ it to the backend the registry selects (``register.py`` declares what each backe
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ... import _checks as C
@@ -25,7 +27,9 @@ def _validate_qkvg(q, k, v, g):
     C.positive_dim("head dim D", q.shape[3])
 
 
-def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlens=None) -> DiagArgs:
+def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlens=None,
+             pending: Optional[list] = None) -> DiagArgs:
+    """The validated call; ``pending``: the host read of g's range deferred into it (``C.log_decay``)."""
     _validate_qkvg(q, k, v, g)
     C.flag("output_final_state", output_final_state)
     b, t, h, d = q.shape
@@ -34,7 +38,7 @@ def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlen
         if b != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {b}")
         cu_seqlens, n = C.cu_seqlens("cu_seqlens", cu_seqlens, t, q.device)   # int32, contiguous
-    C.log_decay("g", g)
+    C.log_decay("g", g, pending=pending)
     C.state("initial_state", initial_state, (n, h, d), q.device, "(N, H, D) float32")
     return DiagArgs(q, k, v, g, initial_state, output_final_state, cu_seqlens, n)
 
@@ -80,8 +84,11 @@ def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False,
     >>> o.shape, s.shape
     (torch.Size([2, 9, 4, 8]), torch.Size([2, 4, 8]))
     """
-    args = validate(q, k, v, g, initial_state, output_final_state, cu_seqlens)
-    return select(args.call("diag"), backend)(args)
+    pending: list = []       # g's range is read after the kernels are enqueued (outputs are new tensors)
+    args = validate(q, k, v, g, initial_state, output_final_state, cu_seqlens, pending)
+    out = select(args.call("diag"), backend)(args)
+    C.finish_pending(pending)
+    return out
 
 
 def gated_diag_step(q, k, v, g, state, *, state_indices=None, num_accepted_tokens=None, backend="auto"):

@@ -134,44 +134,54 @@ if gluon is not None:
         return exact
 
     @gluon.jit
+    def _row(ptr, off, ok, N: gl.constexpr, W: gl.constexpr, DST: gl.constexpr):
+        """N consecutive values at ``ptr + off`` as fp32 in layout DST (0 when not ``ok``), loaded one per thread
+        (a compact pointer tensor) and then redistributed."""
+        i = gl.arange(0, N, layout=gl.BlockedLayout([1], [32], [W], [0]))
+        x = gl.load(ptr + off + i, mask=(i < N) & ok, other=0.0).to(gl.float32)
+        return gl.convert_layout(x, DST)
+
+    @gluon.jit
     def _exact_chunk(S0, S1, q, k, v, g, beta, o, row, eos, HQ, HV, hq, h, scale, K: gl.constexpr,
-                     BT: gl.constexpr, SL: gl.constexpr, L2NORM: gl.constexpr):
+                     BT: gl.constexpr, W: gl.constexpr, SL: gl.constexpr, L2NORM: gl.constexpr):
         """The chunk's tokens one by one from the recurrence in fp32 (decay, delta rule, output), from the state
         halves S0 = S^T[:, :K/2], S1 = S^T[:, K/2:] the chunk starts from; o rows stored, the state returned."""
         KH: gl.constexpr = K // 2
-        cols = gl.arange(0, KH, layout=gl.SliceLayout(0, SL))
-        vr = gl.arange(0, K, layout=gl.SliceLayout(1, SL))
+        CV: gl.constexpr = gl.SliceLayout(0, SL)     # a row of S^T's K columns (one half)
+        RV: gl.constexpr = gl.SliceLayout(1, SL)     # a column of S^T's V rows
+        # the chunk's first row through an opaque move: no address of this rarely taken path becomes an induction
+        # variable of the chunk loop (loop strength reduction would carry them, and their updates, on the fast path)
+        row = gl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [row], dtype=gl.int64, is_pure=True, pack=1)
         for t in range(0, gl.minimum(eos - row, BT)):    # a run-time bound: not unrolled
             r = row + t
             ok = r < eos
-            mc = (cols < KH) & ok
-            mv = (vr < K) & ok
             qk_off = (r * HQ + hq) * K
             v_off = (r * HV + h) * K
             # S <- Diag(exp(g_t)) S (the K columns of S^T)
-            S0 = S0 * gl.exp(gl.load(g + v_off + cols, mask=mc, other=0.0))[None, :]
-            S1 = S1 * gl.exp(gl.load(g + v_off + KH + cols, mask=mc, other=0.0))[None, :]
+            S0 = S0 * gl.exp(_row(g, v_off, ok, KH, W, CV))[None, :]
+            S1 = S1 * gl.exp(_row(g, v_off + KH, ok, KH, W, CV))[None, :]
             # S <- S + beta k (v - S^T k)^T
-            k0 = gl.load(k + qk_off + cols, mask=mc, other=0.0).to(gl.float32)
-            k1 = gl.load(k + qk_off + KH + cols, mask=mc, other=0.0).to(gl.float32)
+            k0 = _row(k, qk_off, ok, KH, W, CV)
+            k1 = _row(k, qk_off + KH, ok, KH, W, CV)
             if L2NORM:
                 rk = gl.rsqrt(gl.sum(k0 * k0, 0) + gl.sum(k1 * k1, 0) + 1e-6)
                 k0 = k0 * rk
                 k1 = k1 * rk
             p = gl.sum(S0 * k0[None, :], 1) + gl.sum(S1 * k1[None, :], 1)
-            vt = gl.load(v + v_off + vr, mask=mv, other=0.0).to(gl.float32)
-            d = (vt - p) * gl.load(beta + r * HV + h, mask=ok, other=0.0)
+            d = (_row(v, v_off, ok, K, W, RV) - p) * gl.load(beta + r * HV + h, mask=ok, other=0.0)
             S0 = S0 + d[:, None] * k0[None, :]
             S1 = S1 + d[:, None] * k1[None, :]
             # o_t = S^T (scale q_t)
-            q0 = gl.load(q + qk_off + cols, mask=mc, other=0.0).to(gl.float32)
-            q1 = gl.load(q + qk_off + KH + cols, mask=mc, other=0.0).to(gl.float32)
+            q0 = _row(q, qk_off, ok, KH, W, CV)
+            q1 = _row(q, qk_off + KH, ok, KH, W, CV)
             if L2NORM:
                 rq = gl.rsqrt(gl.sum(q0 * q0, 0) + gl.sum(q1 * q1, 0) + 1e-6) * scale
             else:
                 rq = scale
             ot = (gl.sum(S0 * q0[None, :], 1) + gl.sum(S1 * q1[None, :], 1)) * rq
-            gl.store(o + v_off + vr, ot.to(o.dtype.element_ty), mask=mv)
+            OL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+            oi = gl.arange(0, K, layout=OL)
+            gl.store(o + v_off + oi, gl.convert_layout(ot, OL).to(o.dtype.element_ty), mask=(oi < K) & ok)
         return S0, S1
 
     @gluon.jit
@@ -311,8 +321,8 @@ if gluon is not None:
             S1 = S1 * eGl.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :]
             gl.thread_barrier()                     # chunk c + 1's factors complete; o_s read; o rows stored
             if exact != 0:                          # the chunk's state and o rows, exactly
-                S0, S1 = _exact_chunk(S0, S1, q, k, v, g, beta, o, bos + t0, eos, HQ, HV, hq, h, scale, K, BT, SL,
-                                      L2NORM)
+                S0, S1 = _exact_chunk(S0, S1, q, k, v, g, beta, o, bos + t0, eos, HQ, HV, hq, h, scale, K, BT, W,
+                                      SL, L2NORM)
             exact = exact_next
         async_copy.wait_group(0)                    # the last prefetch (a repeat of the last chunk) lands
         if STORE_FINAL:
