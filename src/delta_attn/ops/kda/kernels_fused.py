@@ -30,7 +30,6 @@ from .._gluon import gl, gluon
 
 BT = 16          # tokens per chunk
 WARPS = 4        # one warpgroup (8 warps: cross-warp sums and register spills, measured 2.2x slower)
-LOG2E = 1.4426950408889634
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
