@@ -4,6 +4,8 @@ tested with: ``gluon`` / ``gl`` are its modules, or None. A kernel with a Gluon 
 results, with the layout chosen by Triton (docs/DISPATCH.md)."""
 from __future__ import annotations
 
+import functools
+
 import triton
 
 from .. import settings
@@ -11,7 +13,9 @@ from .. import settings
 MIN_TRITON = (3, 6)         # Gluon's API moves between releases: the oldest version the kernels run on
 
 
+@functools.lru_cache(maxsize=None)
 def version() -> tuple:
+    """(major, minor) of the installed Triton (parsed once: the dispatch of every call asks)."""
     parts = []
     for p in triton.__version__.split(".")[:2]:
         digits = "".join(c for c in p if c.isdigit())
