@@ -866,3 +866,16 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     with emulated_gluon(), interpreter_bf16():
         yield
+
+
+def gpu_module_on_cpu(name: str):
+    """tests/gpu/<name>.py loaded again as its own module with its device (``DEV``) the CPU: its check functions
+    then run on the emulator inside :func:`on_cpu`."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent / "gpu" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"emulated_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.DEV = "cpu"
+    return mod
