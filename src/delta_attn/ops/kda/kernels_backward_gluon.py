@@ -1,0 +1,374 @@
+"""Factored intra-chunk backward of KDA training (Gluon, Hopper sm_90): the ``EXACT=False`` launch of
+``kernels_backward._kda_bwd_intra_kernel`` for bf16 q, k, v, fp32 g (raw log decays, no gate parameters) and beta,
+K = V = 128, 64-token chunks. Same inputs, same outputs, same flags: a (chunk, value head) with a 16-channel slice
+whose |G - G_mid| exceeds FACTOR_MAX (or is NaN throughout) is flagged, and the Triton EXACT launch redoes it.
+
+One warpgroup per (chunk, value head); every product is a wgmma with M = the chunk's 64 tokens and the operands in
+shared memory, so no operand tile occupies registers. Precision per product:
+
+* tf32 (fp32 tiles, as the Triton kernel) for everything that involves T, dT or dA: T^T dU, dU (beta v)^T,
+  dW Kb^T, T^T dT T^T, T^T dW, dA fb, dA^T fc. T = (I + A)^-1 and dA = -T^T dT T^T are chained products whose
+  entries grow with the chunk's correlation; rounding them to bf16 would round every gradient that flows through
+  the UT transform once more at 2^-9. tf32 wgmma reads K-major operands only, so the tiles whose contraction runs
+  over the tokens are also stored transposed (T^T, dU^T, dW^T, dT^T, dA^T, fb^T, fc^T);
+* bf16 for the two products with dAqk (dAqk fb, dAqk^T fa): dAqk = dO u^T is itself a product of bf16 tensors,
+  rounded once to bf16 and the same tile read for both products.
+
+Every factor is rounded once to its operand type (fa, fb to bf16: fb feeds a bf16 and a tf32 product, and a bf16
+value is exact in tf32; fc to tf32) and the same rounded values scale both sides of the pair terms of dG, whose row
+and column sums must cancel in the reverse cumulative sum (``kernels_backward._kda_bwd_factored``).
+
+Steps (G = the chunk's cumulative floored log decay, per channel; b = beta; ks = k / |k|, qs = scale q / |q|):
+
+0. row norms of q and k; T (fp32) to shared memory as T and T^T;
+1. by V slices: dv = b (T^T dU), db = v . (T^T dU), dT = dU (b v)^T;
+2. by K slices: dT += dW (b ks e^G)^T;
+3. dA = -T^T dT T^T (strictly lower), dAqk (lower, bf16) to shared memory;
+4. by K slices of 32 channels: the factors relative to the middle token (fa = qs e^Gm, fb = ks e^-Gm,
+   fc = b ks e^Gm), the five products, dq, dk, db and dG; the flag test on each 16-channel group;
+   dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc with the decay floor (dd = 0 where g < -FLOOR:
+   a select, NaN stays NaN);
+5. with use_qk_l2norm, the l2-norm backward of dq, dk (re-read from where step 4 stored them).
+
+The cumulative sums run in CL, a layout where a thread holds 16 tokens of one channel and 4 lanes of a warp the
+rest, so a scan never leaves the warp; the element-wise work runs in the wgmma accumulator layout (MA). Decays are
+powers of two by one MUFU.EX2 (``kernels_fused._ex2``).
+
+Scope (``launch._bwd_intra_fused_unsupported`` says what is outside it): as above, TWO_FLOAT off.
+"""
+from __future__ import annotations
+
+from .._gluon import gl, gluon
+
+BT = 64          # tokens per chunk (the training chunk)
+BK = 16          # channels per K slice (steps 2 and 4)
+BV = 64          # values per V slice (step 1)
+WARPS = 4        # one warpgroup: M = 64 tokens per wgmma
+
+if gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    from .kernels_fused import _add, _ex2
+
+    LOG2E = gl.constexpr(1.4426950408889634)
+
+    @gluon.jit
+    def _in_loop(x, it):
+        """x, through a move the compiler cannot see through, that depends on the loop counter ``it``: what is formed
+        from it stays inside the loop (hoisted, every tensor's 64-bit address tile and every shared-memory
+        descriptor of the wgmmas would be carried across the loop in registers, and spill). A row stride passes it
+        as HV, not HV K: K's divisibility keeps the loads vectorised."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [x, it], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _ex2_here(x):
+        """``_ex2`` formed where it is written: not merged with an equal one formed earlier (a shorter live range
+        than holding that one)."""
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _round_tf32(x):
+        """x rounded to the nearest tf32 value, kept in fp32 (``kernels_gate._kda_round_tf32``)."""
+        bits = x.to(gl.int32, bitcast=True)
+        return ((bits + 0x1000) & -8192).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _row_at(x, i, r):
+        """Row r of a [BT, N] tile as an N vector (a select: a NaN in another row does not leak)."""
+        return gl.sum(gl.where(i[:, None] == r, x, 0.0), 0)
+
+    @gluon.jit
+    def _tile(ptr, off, mr):
+        """The tile at ptr + off (int32 offsets in the chunk; rows past the chunk's end: 0), as fp32."""
+        return gl.load(ptr + off, mask=mr[:, None], other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _cum_decay(d, mr, CL: gl.constexpr, FLOOR: gl.constexpr):
+        """G in CL (a channel's tokens in one warp): the cumulative sum over the chunk's rows of the log decays d
+        floored at -FLOOR (``kernels_gate._kda_chunk_decay``, GATE 0; rows past the chunk's end add 0)."""
+        df = gl.where(mr[:, None], gl.where(d < -FLOOR, -FLOOR, d), 0.0)      # a select: NaN stays NaN
+        return gl.associative_scan(gl.convert_layout(df, CL), 0, _add)
+
+    @gluon.jit
+    def _group_flag(mx, j, FACTOR_MAX: gl.constexpr, BK: gl.constexpr):
+        """1 when a 16-channel group fails the factored range test of the Triton kernel, else 0. mx: per channel
+        (j: 0 .. BK - 1) the max |G - G_mid| over the tokens (a NaN-ignoring max: NaN when all are NaN). The Triton
+        kernel's test is ``max <= FACTOR_MAX`` over a slice of 16 channels, its max NaN only when every entry is:
+        a group fails when one of its channels exceeds FACTOR_MAX or all of them are NaN."""
+        flag = gl.max(gl.where(mx > FACTOR_MAX, 1, 0), 0)
+        nan = gl.where(mx != mx, 1, 0)
+        for s in gl.static_range(BK // 16):
+            flag = gl.maximum(flag, gl.min(gl.where(j // 16 == s, nan, 1), 0))
+        return flag
+
+    @gluon.jit
+    def _kda_bwd_intra_fused_kernel(q, k, v, g, beta, chunk_info, TM, DU, DQG, DKD, DW, DAQK, DGC,
+                                    DQ, DK, DV, DB, DG, FLAGS, scale, H, HV,
+                                    K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+                                    BV: gl.constexpr, L2NORM: gl.constexpr, FLOOR: gl.constexpr,
+                                    FACTOR_MAX: gl.constexpr, W: gl.constexpr):
+        gl.static_assert(BK % W == 0 and BK // W <= 32 and K % BK == 0 and V % BV == 0, "K, V: whole slices")
+        c = gl.program_id(0).to(gl.int64)
+        hv = gl.program_id(1).to(gl.int64)
+        h = hv // (HV // H)
+        row0 = gl.load(chunk_info + c * 3 + 1).to(gl.int64)
+        L = gl.load(chunk_info + c * 3 + 2)
+        # the chunk's first row of every tensor (64-bit, once); offsets inside the chunk are int32
+        q = q + (row0 * H + h) * K
+        k = k + (row0 * H + h) * K
+        v = v + (row0 * HV + hv) * V
+        DU = DU + (row0 * HV + hv) * V
+        DV = DV + (row0 * HV + hv) * V
+        g = g + (row0 * HV + hv) * K
+        DQG = DQG + (row0 * HV + hv) * K
+        DKD = DKD + (row0 * HV + hv) * K
+        DW = DW + (row0 * HV + hv) * K
+        DQ = DQ + (row0 * HV + hv) * K
+        DK = DK + (row0 * HV + hv) * K
+        DG = DG + (row0 * HV + hv) * K
+        TM = TM + (row0 * HV + hv) * BT
+        DAQK = DAQK + (row0 * HV + hv) * BT
+        DGC = DGC + (c * HV + hv) * K
+        sq_row = H * K                  # row strides
+        sg_row = HV * K
+        sv_row = HV * V
+        sa_row = HV * BT
+        # layouts: MA / MH the [BT, BK] accumulators of tf32 / bf16 wgmmas (the same registers), M64 the [BT, BT]
+        # ones, MV the [BT, BV] ones; CL [BT, BK] with a channel's tokens in one warp (BT / LT per thread)
+        MA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BK, 8])
+        MH: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BK, 16])
+        M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 8])
+        MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BV, 8])
+        LC: gl.constexpr = BK // W                  # lanes per warp along the channels
+        LT: gl.constexpr = 32 // LC                 # lanes per warp along the tokens
+        CL: gl.constexpr = gl.BlockedLayout([BT // LT, 1], [LT, LC], [1, W], [0, 1])
+        RA: gl.constexpr = gl.SliceLayout(1, MA)
+        CA: gl.constexpr = gl.SliceLayout(0, MA)
+        RC: gl.constexpr = gl.SliceLayout(1, CL)
+        CC: gl.constexpr = gl.SliceLayout(0, CL)
+        R64: gl.constexpr = gl.SliceLayout(1, M64)
+        C64: gl.constexpr = gl.SliceLayout(0, M64)
+        RV: gl.constexpr = gl.SliceLayout(1, MV)
+        CV: gl.constexpr = gl.SliceLayout(0, MV)
+        # shared memory: fp32 [BT, BT] tiles T, T^T, dT^T, X = T^T dT, dA, dA^T; the V slice's dU, dU^T, b v; the
+        # K slice's operands (step 2: dW, Kb; step 4: dW^T, fb^T, fc^T fp32, fa, fb bf16); dAqk bf16
+        F32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        FK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(4 * BK, 128), element_bitwidth=32, rank=2)
+        HK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * BK, 128), element_bitwidth=16, rank=2)
+        H64: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        t_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        tt_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+
+        # 0. row norms of q, k (ones without L2NORM; the scale in rq), beta
+        iA = gl.arange(0, BT, layout=RA)
+        jA = gl.arange(0, BK, layout=CA)
+        mrA = iA < L
+        bA = gl.load(beta + (row0 + iA) * HV + hv, mask=mrA, other=0.0).to(gl.float32)
+        oqA = iA[:, None] * sq_row + jA[None, :]
+        ogA = iA[:, None] * sg_row + jA[None, :]
+        if L2NORM:
+            sq = gl.zeros([BT], gl.float32, RA)
+            sk = gl.zeros([BT], gl.float32, RA)
+            for k0 in range(0, K, BK):
+                qx = _tile(q + k0, oqA, mrA)
+                kx = _tile(k + k0, oqA, mrA)
+                sq += gl.sum(qx * qx, 1)
+                sk += gl.sum(kx * kx, 1)
+            nq = 1.0 / gl.sqrt(sq + 1e-6)
+            rk = 1.0 / gl.sqrt(sk + 1e-6)
+        else:
+            nq = gl.full([BT], 1.0, gl.float32, RA)
+            rk = gl.full([BT], 1.0, gl.float32, RA)
+        rq = nq * scale
+        # T, as T and T^T
+        i64 = gl.arange(0, BT, layout=R64)
+        j64 = gl.arange(0, BT, layout=C64)
+        mr64 = i64 < L
+        oa64 = i64[:, None] * sa_row + j64[None, :]
+        T = _tile(TM, oa64, mr64)
+        t_s.index(0).store(T)
+        tt_s.index(0).permute((1, 0)).store(T)
+
+        # 1. U = T (b v): dv = b T^T dU, db = v . T^T dU, dT = dU (b v)^T, V slice by V slice
+        iV = gl.arange(0, BT, layout=RV)
+        mrV = iV < L
+        ovV = iV[:, None] * sv_row + gl.arange(0, BV, layout=CV)[None, :]
+        bV = gl.convert_layout(bA, RV)
+        du_s = gl.allocate_shared_memory(gl.float32, [1, BT, BV], F32)
+        dut_s = gl.allocate_shared_memory(gl.float32, [1, BV, BT], F32)
+        bv_s = gl.allocate_shared_memory(gl.float32, [1, BT, BV], F32)
+        dT = gl.zeros([BT, BT], gl.float32, M64)
+        dbV = gl.zeros([BT], gl.float32, RV)
+        for v0 in range(0, V, BV):
+            z = _in_loop(0, v0)                     # the buffers at a run-time index: their wgmma descriptors are
+            tt = tt_s.index(z)                      # formed in the loop, not hoisted and held in registers
+            du_b = du_s.index(z)
+            dut_b = dut_s.index(z)
+            bv_b = bv_s.index(z)
+            du = _tile(DU + v0, ovV, mrV)
+            vs = _tile(v + v0, ovV, mrV)
+            gl.thread_barrier()                     # the previous slice's wgmmas are done with the buffers
+            du_b.store(du)
+            dut_b.permute((1, 0)).store(du)
+            bv_b.store(bV[:, None] * vs)
+            fence_async_shared()
+            gl.thread_barrier()
+            dbv = warpgroup_mma(tt, dut_b.permute((1, 0)), gl.zeros([BT, BV], gl.float32, MV))
+            dT = warpgroup_mma(du_b, bv_b.permute((1, 0)), dT)
+            gl.store(DV + v0 + ovV, (bV[:, None] * dbv).to(DV.dtype.element_ty), mask=mrV[:, None])
+            dbV += gl.sum(vs * dbv, 1)
+        gl.thread_barrier()                         # every warp's wgmmas are done with the slice buffers
+        db = gl.convert_layout(dbV, RA)
+
+        # 2. W = T Kb, Kb = b ks e^G: dT += dW Kb^T, K slice by K slice (the cumulative sum in CL)
+        iC = gl.arange(0, BT, layout=RC)
+        jC = gl.arange(0, BK, layout=CC)
+        dw_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        kb_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        for k0 in range(0, K, BK):
+            z = _in_loop(0, k0)
+            dw_b = dw_s.index(z)
+            kb_b = kb_s.index(z)
+            oqA = iA[:, None] * (_in_loop(H, k0) * K) + jA[None, :]
+            ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
+            eG = gl.convert_layout(_ex2(_cum_decay(_tile(g + k0, ogA, mrA), mrA, CL, FLOOR) * LOG2E), MA)
+            kbv = bA[:, None] * (_tile(k + k0, oqA, mrA) * rk[:, None]) * eG
+            dw = _tile(DW + k0, ogA, mrA)
+            gl.thread_barrier()
+            dw_b.store(dw)
+            kb_b.store(kbv)
+            fence_async_shared()
+            gl.thread_barrier()
+            dT = warpgroup_mma(dw_b, kb_b.permute((1, 0)), dT)
+
+        # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk lower-triangular, bf16 (a barrier after each
+        #    wgmma: a buffer written next may take the place of one that another warp's wgmma still reads)
+        da_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        dat_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], H64)
+        dtt_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        x_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        gl.thread_barrier()
+        dtt_s.index(0).permute((1, 0)).store(dT)
+        fence_async_shared()
+        gl.thread_barrier()
+        X = warpgroup_mma(tt_s.index(0), dtt_s.index(0).permute((1, 0)), gl.zeros([BT, BT], gl.float32, M64))
+        gl.thread_barrier()
+        x_s.index(0).store(X)
+        fence_async_shared()
+        gl.thread_barrier()
+        Y = warpgroup_mma(x_s.index(0), t_s.index(0).permute((1, 0)), gl.zeros([BT, BT], gl.float32, M64))
+        gl.thread_barrier()
+        dA = gl.where(i64[:, None] > j64[None, :], -Y, 0.0)
+        da_s.index(0).store(dA)
+        dat_s.index(0).permute((1, 0)).store(dA)
+        dAqk = _tile(DAQK, oa64, mr64)
+        aq_s.index(0).store(gl.where(i64[:, None] >= j64[None, :], dAqk, 0.0).to(gl.bfloat16))
+
+        # 4. per K slice: the decayed products factored at the middle token, dq, dk, db, dG
+        dwt_s = gl.allocate_shared_memory(gl.float32, [1, BK, BT], F32)
+        fbt_s = gl.allocate_shared_memory(gl.float32, [1, BK, BT], F32)
+        fct_s = gl.allocate_shared_memory(gl.float32, [1, BK, BT], F32)
+        fa_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
+        fb_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
+        dotq = gl.zeros([BT], gl.float32, RA)
+        dotk = gl.zeros([BT], gl.float32, RA)
+        for k0 in range(0, K, BK):
+            z = _in_loop(0, k0)
+            tt = tt_s.index(z)
+            da = da_s.index(z)
+            dat = dat_s.index(z)
+            aq = aq_s.index(z)
+            dwt = dwt_s.index(z)
+            fbt = fbt_s.index(z)
+            fct = fct_s.index(z)
+            fa_b = fa_s.index(z)
+            fb_b = fb_s.index(z)
+            oqA = iA[:, None] * (_in_loop(H, k0) * K) + jA[None, :]
+            ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
+            # 4a. decays: G (CL), its rows L - 1 and BT / 2 - 1, the factored range test (the slice's tiles loaded
+            #     first: their latencies overlap)
+            d = _tile(g + k0, ogA, mrA)
+            dqg = _tile(DQG + k0, ogA, mrA)
+            dkd = _tile(DKD + k0, ogA, mrA)
+            G = _cum_decay(d, mrA, CL, FLOOR)
+            Gl = _row_at(G, iC, L - 1)
+            Gr = _row_at(G, iC, BT // 2 - 1)
+            if _group_flag(gl.max(gl.abs(G - Gr[None, :]), 0), jC, FACTOR_MAX, BK) != 0:
+                gl.store(FLAGS + c * HV + hv, 1)    # redone by the EXACT launch (whatever is written here)
+            GA = gl.convert_layout(G, MA)
+            GlA = gl.convert_layout(Gl, CA)[None, :]
+            Gm = GA - gl.convert_layout(Gr, CA)[None, :]
+            # 4b. the factors, rounded once (fa, fb to bf16, fc to tf32), to shared memory with dW^T
+            qs = _tile(q + k0, oqA, mrA) * rq[:, None]
+            ks = _tile(k + k0, oqA, mrA) * rk[:, None]
+            Xa = bA[:, None] * ks
+            eP = _ex2(Gm * LOG2E)
+            fa = (qs * eP).to(gl.bfloat16)
+            fb = (ks * _ex2(-Gm * LOG2E)).to(gl.bfloat16)
+            fc = _round_tf32(Xa * eP)
+            dw = _tile(DW + k0, ogA, mrA)
+            gl.thread_barrier()
+            fa_b.store(fa)
+            fb_b.store(fb)
+            fbt.permute((1, 0)).store(fb.to(gl.float32))
+            fct.permute((1, 0)).store(fc)
+            dwt.permute((1, 0)).store(dw)
+            fence_async_shared()
+            gl.thread_barrier()
+            # 4d. dKb = T^T dW; P1 = eP dAqk fb, P3 = eP dA fb, P24 = eN (dAqk^T fa + dA^T fc)
+            zero = gl.zeros([BT, BK], gl.float32, MA)
+            dKb = warpgroup_mma(tt, dwt.permute((1, 0)), zero)
+            d3 = warpgroup_mma(da, fbt.permute((1, 0)), zero)
+            d24 = warpgroup_mma(dat, fct.permute((1, 0)), zero)
+            d1 = gl.convert_layout(warpgroup_mma(aq, fb_b, gl.zeros([BT, BK], gl.float32, MH)), MA,
+                                   assert_trivial=True)
+            d24 = gl.convert_layout(warpgroup_mma(aq.permute((1, 0)), fa_b,
+                                                  gl.convert_layout(d24, MH, assert_trivial=True)), MA,
+                                    assert_trivial=True)
+            # the pair terms of dG from the rounded factors (read back: not held across the products)
+            dGp = (fa_b.load(MA).to(gl.float32) * d1 - fb_b.load(MA).to(gl.float32) * d24
+                   + fct.permute((1, 0)).load(MA) * d3)
+            # 4c. the terms without the products: eG dqg and q e^G dqg (dq and dG), e^(G_last - G) dkd (dk) and
+            #     kdd = ks e^(G_last - G) dkd, whose exclusive cumulative sum (CL) plus e^G_last dgc enters dd
+            eG = _ex2_here(GA * LOG2E)
+            eL = _ex2(-(GA - GlA) * LOG2E)
+            dq0 = eG * dqg
+            dG0 = qs * eG * dqg
+            dk0 = eL * dkd
+            kdd = gl.convert_layout(ks * eL * dkd, CL)
+            dd0 = (gl.associative_scan(kdd, 0, _add) - kdd) + (_ex2(Gl * LOG2E) * gl.load(DGC + k0 + jC))[None, :]
+            # 4e. dq, dk, db (the exponentials formed again here: shorter live ranges than holding them)
+            eP = _ex2_here(Gm * LOG2E)
+            dqs = dq0 + eP * d1
+            bP3 = bA[:, None] * (eP * d3)
+            beK = bA[:, None] * eG * dKb
+            dks = _ex2_here(-Gm * LOG2E) * d24 + bP3 + dk0 + beK
+            db += gl.sum(ks * (eP * d3), 1) + gl.sum(eG * ks * dKb, 1)
+            dG = gl.where(mrA[:, None], gl.where(mrA[:, None], dG0 + ks * beK, 0.0) + dGp, 0.0)
+            if L2NORM:                          # sum(dq * q) of the l2 norm's backward, as sum(dqs * qs)
+                dotq += gl.sum(dqs * qs, 1)
+                dotk += gl.sum(dks * ks, 1)
+            gl.store(DQ + k0 + ogA, dqs * rq[:, None], mask=mrA[:, None])
+            gl.store(DK + k0 + ogA, dks * rk[:, None], mask=mrA[:, None])
+            # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc (CL); the floor
+            dd = gl.convert_layout(gl.associative_scan(gl.convert_layout(dG, CL), 0, _add, reverse=True) + dd0, MA)
+            dd = gl.where(d < -FLOOR, 0.0, dd)     # a select that keeps a NaN gate NaN
+            gl.store(DG + k0 + ogA, dd, mask=mrA[:, None])
+        gl.store(DB + (row0 + iA) * HV + hv, db, mask=mrA)
+
+        # 5. l2-norm backward: dx = r (dy - y (y . dy)), y = r x; DQ / DK hold r dy (each thread re-reads the
+        #    elements it stored: the same layout)
+        if L2NORM:
+            cq = nq * nq * dotq
+            ck = rk * rk * dotk
+            for k0 in range(0, K, BK):
+                oqA = iA[:, None] * (_in_loop(H, k0) * K) + jA[None, :]
+                ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
+                gq = _tile(DQ + k0, ogA, mrA) - _tile(q + k0, oqA, mrA) * cq[:, None]
+                gk = _tile(DK + k0, ogA, mrA) - _tile(k + k0, oqA, mrA) * ck[:, None]
+                gl.store(DQ + k0 + ogA, gq, mask=mrA[:, None])
+                gl.store(DK + k0 + ogA, gk, mask=mrA[:, None])
+else:
+    _kda_bwd_intra_fused_kernel = None
