@@ -1,38 +1,42 @@
 """Factored intra-chunk backward of KDA training (Gluon, Hopper sm_90): the ``EXACT=False`` launch of
 ``kernels_backward._kda_bwd_intra_kernel`` for bf16 q, k, v, fp32 g (raw log decays, no gate parameters) and beta,
-K = V = 128, 64-token chunks. Same inputs, same outputs, same flags: a (chunk, value head) with a 16-channel slice
-whose |G - G_mid| exceeds FACTOR_MAX (or is NaN throughout) is flagged, and the Triton EXACT launch redoes it.
+K = V = 128, 64-token chunks. Same inputs, outputs and flags: a (chunk, value head) with a 16-channel group whose
+|G - G_mid| exceeds FACTOR_MAX (or is NaN throughout) is flagged, and the Triton EXACT launch redoes it.
 
-One warpgroup per (chunk, value head); every product is a wgmma with M = the chunk's 64 tokens and the operands in
-shared memory, so no operand tile occupies registers. Precision per product:
+One warpgroup per (chunk, value head); every product is a wgmma with M = the chunk's 64 tokens and both operands in
+shared memory, so no operand tile takes registers. Precision per product:
 
-* tf32 (fp32 tiles, as the Triton kernel) for everything that involves T, dT or dA: T^T dU, dU (beta v)^T,
-  dW Kb^T, T^T dT T^T, T^T dW, dA fb, dA^T fc. T = (I + A)^-1 and dA = -T^T dT T^T are chained products whose
-  entries grow with the chunk's correlation; rounding them to bf16 would round every gradient that flows through
-  the UT transform once more at 2^-9. tf32 wgmma reads K-major operands only, so the tiles whose contraction runs
-  over the tokens are also stored transposed (T^T, dU^T, dW^T, dT^T, dA^T, fb^T, fc^T);
-* bf16 for the two products with dAqk (dAqk fb, dAqk^T fa): dAqk = dO u^T is itself a product of bf16 tensors,
-  rounded once to bf16 and the same tile read for both products.
+* tf32 (fp32 tiles, as in the Triton kernel) for every product with T, dT or dA: T^T dU, dU (b v)^T, dW Kb^T,
+  T^T dT T^T, T^T dW, dA fb, dA^T fc. T = (I + A)^-1 and dA = -T^T dT T^T are chained products of the UT
+  transform, and every gradient but dv's share of dq flows through them: bf16 would round them at 2^-9 where the
+  Triton kernel rounds at 2^-11. tf32 wgmma reads K-major operands only, so a tile whose contraction runs over the
+  tokens is stored transposed as well (T^T, dU^T, dW^T, dT^T, dA^T, fb^T, fc^T);
+* bf16 for the two products with dAqk (dAqk fb, dAqk^T fa): dAqk = dO u^T is itself formed from bf16 tensors; it is
+  rounded to bf16 once and the same tile feeds both products.
 
 Every factor is rounded once to its operand type (fa, fb to bf16: fb feeds a bf16 and a tf32 product, and a bf16
-value is exact in tf32; fc to tf32) and the same rounded values scale both sides of the pair terms of dG, whose row
-and column sums must cancel in the reverse cumulative sum (``kernels_backward._kda_bwd_factored``).
+value is exact in tf32; fc to tf32), and the pair terms of dG are formed from the same rounded values (read back
+from shared memory): their row and column sums cancel in the reverse cumulative sum
+(``kernels_backward._kda_bwd_factored``).
 
-Steps (G = the chunk's cumulative floored log decay, per channel; b = beta; ks = k / |k|, qs = scale q / |q|):
+Steps (G = the chunk's cumulative floored log decay per channel, Gm = G - G[BT / 2 - 1]; b = beta;
+qs = scale q / |q|, ks = k / |k|):
 
 0. row norms of q and k; T (fp32) to shared memory as T and T^T;
-1. by V slices: dv = b (T^T dU), db = v . (T^T dU), dT = dU (b v)^T;
-2. by K slices: dT += dW (b ks e^G)^T;
-3. dA = -T^T dT T^T (strictly lower), dAqk (lower, bf16) to shared memory;
-4. by K slices of 32 channels: the factors relative to the middle token (fa = qs e^Gm, fb = ks e^-Gm,
-   fc = b ks e^Gm), the five products, dq, dk, db and dG; the flag test on each 16-channel group;
-   dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc with the decay floor (dd = 0 where g < -FLOOR:
-   a select, NaN stays NaN);
-5. with use_qk_l2norm, the l2-norm backward of dq, dk (re-read from where step 4 stored them).
+1. by V slices of 64: dv = b (T^T dU), db = v . (T^T dU), dT = dU (b v)^T;
+2. by K slices of 16: dT += dW Kb^T, Kb = b ks e^G;
+3. dA = -T^T dT T^T (strictly lower); dAqk (lower) to bf16;
+4. by K slices of 16: the flag test; fa = qs e^Gm, fb = ks e^-Gm, fc = b ks e^Gm and dW^T to shared memory; the
+   five products dKb = T^T dW, dAqk fb, dA fb, dA^T fc + dAqk^T fa; dq, dk, db and dG; dd = reverse cumsum(dG) +
+   exclusive cumsum(kdd) + e^G_last dgc, set to 0 where g < -FLOOR (a select: NaN stays NaN);
+5. with use_qk_l2norm, the l2-norm backward of dq and dk (re-read where step 4 stored them, by the same threads).
 
-The cumulative sums run in CL, a layout where a thread holds 16 tokens of one channel and 4 lanes of a warp the
-rest, so a scan never leaves the warp; the element-wise work runs in the wgmma accumulator layout (MA). Decays are
-powers of two by one MUFU.EX2 (``kernels_fused._ex2``).
+Layouts: global memory is read and written in the wgmma accumulator layouts (two rows per thread: few addresses,
+8-byte accesses); the cumulative sums run in CL (a channel's 64 tokens in one warp: the scan never leaves it),
+reached by layout conversions. Registers: the products' operands stay in shared memory, the terms that do not need
+the products are formed after them, and in every loop the row stride and the buffers' index pass through an opaque
+move (``_in_loop``) so that neither the address tiles nor the wgmma descriptors are hoisted and held across the
+loop. Decays are powers of two by one MUFU.EX2 (``kernels_fused._ex2``).
 
 Scope (``launch._bwd_intra_fused_unsupported`` says what is outside it): as above, TWO_FLOAT off.
 """
@@ -317,7 +321,7 @@ if gluon is not None:
             dwt.permute((1, 0)).store(dw)
             fence_async_shared()
             gl.thread_barrier()
-            # 4d. dKb = T^T dW; P1 = eP dAqk fb, P3 = eP dA fb, P24 = eN (dAqk^T fa + dA^T fc)
+            # 4c. dKb = T^T dW; P1 = eP dAqk fb, P3 = eP dA fb, P24 = eN (dAqk^T fa + dA^T fc)
             zero = gl.zeros([BT, BK], gl.float32, MA)
             dKb = warpgroup_mma(tt, dwt.permute((1, 0)), zero)
             d3 = warpgroup_mma(da, fbt.permute((1, 0)), zero)
@@ -330,8 +334,9 @@ if gluon is not None:
             # the pair terms of dG from the rounded factors (read back: not held across the products)
             dGp = (fa_b.load(MA).to(gl.float32) * d1 - fb_b.load(MA).to(gl.float32) * d24
                    + fct.permute((1, 0)).load(MA) * d3)
-            # 4c. the terms without the products: eG dqg and q e^G dqg (dq and dG), e^(G_last - G) dkd (dk) and
-            #     kdd = ks e^(G_last - G) dkd, whose exclusive cumulative sum (CL) plus e^G_last dgc enters dd
+            # 4d. the terms without the products (formed after them: not held across them): eG dqg and qs e^G dqg
+            #     (dq and dG), e^(G_last - G) dkd (dk) and kdd = ks e^(G_last - G) dkd, whose exclusive cumulative sum
+            #     (CL) plus e^G_last dgc enters dd
             eG = _ex2_here(GA * LOG2E)
             eL = _ex2(-(GA - GlA) * LOG2E)
             dq0 = eG * dqg

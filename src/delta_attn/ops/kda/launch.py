@@ -27,9 +27,11 @@ import triton.language as tl
 from ..._outputs import empty
 from ...backends import device_capability
 from .._gluon import available as gluon_available, version as gluon_version
-from .._launch import (Tiles, cdiv, compile_only, compiled_together, halving, index, launch, next_pow2, optional,
-                       param, sm_count, tiles, unit_last)
+from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, index, launch, next_pow2,
+                       optional, param, sm_count, tiles, unit_last)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
+from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WARPS as FUSED_BWD_WARPS,
+                                     _kda_bwd_intra_fused_kernel)
 from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .kernels_fused import BT as FUSED_CHUNK, WARPS as FUSED_WARPS, _kda_fused_fwd_kernel
@@ -212,6 +214,12 @@ def bwd_intra_tiles(K: int, V: int):
 
 
 @functools.lru_cache(maxsize=None)
+def bwd_intra_fused_tiles():
+    """The Gluon factored backward's one configuration (its slices are fixed by ``kernels_backward_gluon``)."""
+    return (tiles("one warpgroup per (chunk, value head); K slices of 16, V slices of 64", num_warps=FUSED_BWD_WARPS),)
+
+
+@functools.lru_cache(maxsize=None)
 def step_tiles(K: int, V: int) -> Tiles:
     """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs) and warps.
     ``KP`` (K to a power of two) is fixed by the shape."""
@@ -318,6 +326,31 @@ def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
     if num_seqs * v.shape[2] < FUSED_MIN_PROGRAMS:
         return (f"{num_seqs * v.shape[2]} (sequence, value head) pairs: one program each would leave the GPU idle "
                 f"(fewer than {FUSED_MIN_PROGRAMS})")
+    return None
+
+
+def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                                 device: torch.device) -> Optional[str]:
+    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
+    ``EXACT=False`` launch of this training backward (None: it does). ``device``: the device the call runs on (or,
+    compiled ahead on meta tensors, compiles for: ``_launch.compile_device``)."""
+    if not gluon_available(device) or _kda_bwd_intra_fused_kernel is None:
+        return "not a CUDA call with Gluon available"
+    if gluon_version() != FUSED_TRITON:
+        return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
+                f"{'.'.join(map(str, FUSED_TRITON))}")
+    if device_capability(device) != (9, 0):
+        return "not an sm_90 GPU (the kernel's wgmma is Hopper's)"
+    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return "q, k, v are not bfloat16"
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return "K and V are not both 128"
+    if A_log is not None or dt_bias is not None or lower_bound is not None:
+        return "a gate (A_log, dt_bias, lower_bound) is given"
+    if g.dtype != torch.float32 or beta.dtype != torch.float32:
+        return "g or beta is not float32"
+    if prec.two_float:
+        return "cumulative log decays in two floats (exact dots)"
     return None
 
 
@@ -434,7 +467,17 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
         if NC > 0:
             gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
             flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
+            gluon_first = _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                                       compile_device(dev)) is None
             for exact in (False, True):
+                if gluon_first and not exact:   # the factored launch in Gluon; the flagged chunks as below
+                    launch(_kda_bwd_intra_fused_kernel, lambda t: (NC, HV),
+                           (q, k, v, g, beta, ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg,
+                            flags, float(scale), H, HV),
+                           dict(K=K, V=V, BT=bt, BK=FUSED_BWD_BK, BV=FUSED_BWD_BV, L2NORM=bool(use_qk_l2norm),
+                                FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, W=FUSED_BWD_WARPS),
+                           bwd_intra_fused_tiles())
+                    continue
                 launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
                        (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
                                                         db, dg, dal, optional(ddt, q), flags, float(scale),

@@ -1,0 +1,82 @@
+"""Which training backwards take the Gluon factored intra-chunk kernel (``launch._bwd_intra_fused_unsupported``),
+checked on CPU with the GPU facts patched in: every condition of its domain gives its own reason, and an in-domain
+call none; on CPU the Triton launches run. The kernel itself is tested on an sm_90 GPU
+(tests/gpu/test_kda_bwd_fused_gpu.py)."""
+import pytest
+import torch
+
+from delta_attn.ops.kda import launch
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(launch, "gluon_available", lambda device: True)
+    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
+    monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
+    if launch._kda_bwd_intra_fused_kernel is None:
+        pytest.skip("the installed Triton has no Gluon")
+
+
+def _call(dtype=torch.bfloat16, K=128, V=128, g_dtype=torch.float32, beta_dtype=torch.float32, A_log=None,
+          dt_bias=None, lower_bound=None, allow_tf32=False, device=CUDA):
+    q = torch.empty(1, 1, 2, K, dtype=dtype)
+    v = torch.empty(1, 1, 4, V, dtype=dtype)
+    g = torch.empty(1, 1, 4, K, dtype=g_dtype)
+    beta = torch.empty(1, 1, 4, dtype=beta_dtype)
+    prec = launch.precision(dtype, allow_tf32, K, train=True)
+    return launch._bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec, device)
+
+
+def test_in_domain_call_runs_gluon(hopper):
+    assert _call() is None
+    assert _call(allow_tf32=True) is None
+
+
+@pytest.mark.parametrize("case,expect", [
+    (dict(dtype=torch.float16), "bfloat16"),
+    (dict(dtype=torch.float32), "bfloat16"),
+    (dict(K=64), "K and V"),
+    (dict(V=256), "K and V"),
+    (dict(g_dtype=torch.bfloat16), "g or beta is not float32"),
+    (dict(beta_dtype=torch.bfloat16), "g or beta is not float32"),
+    (dict(A_log=torch.zeros(4)), "gate"),
+    (dict(dt_bias=torch.zeros(4 * 128)), "gate"),
+    (dict(lower_bound=-5.0), "gate"),
+])
+def test_each_condition_names_itself(hopper, case, expect):
+    assert expect in _call(**case)
+
+
+def test_two_float_decays_are_outside(hopper, monkeypatch):
+    """bf16 never sums the log decays in two floats; the condition is checked on its own all the same."""
+    assert not launch.precision(torch.bfloat16, False, 128, train=True).two_float
+    two = launch.Precision(torch.bfloat16, "tf32", "tf32", "tf32", True, launch.tl.bfloat16)
+    monkeypatch.setattr(launch, "precision", lambda *a, **k: two)
+    assert "two floats" in _call()
+
+
+def test_architecture_and_triton_release(hopper, monkeypatch):
+    monkeypatch.setattr(launch, "device_capability", lambda device: (10, 0))
+    assert "sm_90" in _call()
+    monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(launch, "gluon_version", lambda: (3, 9))
+    assert "Gluon API of Triton 3.6" in _call()
+
+
+def test_cpu_calls_take_the_triton_kernels():
+    assert "CUDA" in _call(device=torch.device("cpu"))
+
+
+def test_meta_tensors_compiled_ahead_stand_for_their_device():
+    """Compiled ahead (``_compile_backward``: meta tensors inside ``compile_only``), the dispatch asks about the
+    device the launches compile for, so the kernel the real call runs is the one compiled."""
+    from delta_attn.ops import _launch
+    meta = torch.device("meta")
+    assert _launch.compile_device(meta) == meta
+    with _launch.compiled_together():
+        with _launch.compile_only(CUDA):
+            assert _launch.compile_device(meta) == CUDA
+            assert _launch.compile_device(torch.device("cpu")) == torch.device("cpu")
+    assert _launch.compile_device(meta) == meta
