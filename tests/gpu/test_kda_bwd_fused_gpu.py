@@ -1,0 +1,209 @@
+"""The Gluon factored intra-chunk backward of KDA training (``ops/kda/kernels_backward_gluon.py``) on an sm_90 GPU
+(marked `gpu`), in its domain (bf16 q, k, v, fp32 g and beta, K = V = 128, no gate parameters):
+
+(a) kernel against kernel: the training backward runs twice on the same saved tensors, once with the Gluon kernel as
+    its factored launch and once with the Triton ``EXACT=False`` launch (the dispatch forced by patching
+    ``launch._bwd_intra_fused_unsupported``); what each factored launch wrote (dq per value head, dk, dv, dbeta, dg,
+    the flags) is read right after it ran. The flags must be equal; on the (chunk, value head) pairs left unflagged the
+    outputs must agree within BF16_TOL of the largest entry of their value head: the Gluon kernel forms the two dAqk
+    products on bf16 factors (2^-9 relative rounding each, where the Triton kernel rounds them to tf32, 2^-11), and a
+    product of three rounded factors summed over the chunk's 64 tokens, then cumulated over them for dg, stays
+    within 2^-7 of the largest entry; 2^-5 leaves a margin while a wrong row, column or transposition is off by the
+    entry itself. After the Triton EXACT launch, which redoes the flagged pairs, those pairs must be equal bit for bit
+    in both runs.
+(b) the whole gradients of ``da.kda(..., backend="triton")`` against the float64 reference with the error rule
+    (tests/properties.kda_compare), the Gluon kernel checked to have run.
+
+Decays: long memory (logsigmoid(N(4, 1))), strong (logsigmoid(N(0, 1))), and -1e4 planted at one token (floored to
+-30: still factored) or at two tokens of a chunk past its middle (|G - G_mid| > 60: flagged, redone exactly); packed
+sequences whose last chunks are short; GVA (HV = 2H); use_qk_l2norm on and off.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import properties as P
+
+DEV = "cuda"
+K = V = 128
+BF16_TOL = 2.0 ** -5
+OUTPUTS = ("DQ", "DK", "DV", "DB", "DG")
+
+
+def _gluon_runs() -> bool:
+    from delta_attn.ops.kda import launch
+    if not torch.cuda.is_available():
+        return False
+    x = torch.empty(1, 1, 1, K, device=DEV, dtype=torch.bfloat16)
+    f = torch.empty(1, 1, 1, K, device=DEV)
+    prec = launch.precision(torch.bfloat16, False, K, train=True)
+    return launch._bwd_intra_fused_unsupported(x, x, f, f[..., 0], None, None, None, prec, x.device) is None
+
+
+pytestmark = pytest.mark.skipif(not _gluon_runs(), reason="the Gluon KDA backward does not run on this GPU / Triton")
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(kernel, "fn", kernel).__name__
+
+
+@pytest.fixture
+def factored_runs(monkeypatch):
+    """Every run of an intra-chunk backward launch, as (kernel name, EXACT, {output: a copy taken right after it
+    ran}); the launches run at the end of ``compiled_together`` through ``_launch._run``."""
+    from delta_attn.ops import _launch
+    runs = []
+    real = _launch._run
+
+    def spy(p):
+        chosen = real(p)
+        name = _kernel_name(p.kernel)
+        if name in ("_kda_bwd_intra_fused_kernel", "_kda_bwd_intra_kernel"):
+            args = dict(zip(p.kernel.arg_names, p.args))
+            runs.append((name, bool(p.fixed.get("EXACT", False)),
+                         {n: args[n].clone() for n in OUTPUTS + ("FLAGS",)}))
+        return chosen
+
+    monkeypatch.setattr(_launch, "_run", spy)
+    return runs
+
+
+def _decays(shape, kind: str, gen, cu=None) -> torch.Tensor:
+    """fp32 log decays: "long" logsigmoid(N(4, 1)), "strong" logsigmoid(N(0, 1)); "one" / "pair": long ones with
+    -1e4 planted in every value head's first 16 channels at row 45 / rows 40 and 41 of every chunk long enough
+    (chunks of 64 rows from each sequence's start: ``cu``, or each batch row's)."""
+    B, T, HV, _ = shape
+    mean = 0.0 if kind == "strong" else 4.0
+    g = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen) + mean)
+    if kind in ("one", "pair"):
+        bounds = list(zip(cu[:-1], cu[1:])) if cu is not None else [(0, T)]
+        rows = (45,) if kind == "one" else (40, 41)
+        for bos, eos in bounds:
+            for c0 in range(bos, eos, 64):
+                if c0 + max(rows) < eos:
+                    for r in rows:
+                        g[:, c0 + r, :, :16] = -1e4
+    return g
+
+
+def _inputs(B, T, H, HV, decay: str, cu=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen).to(DEV, torch.bfloat16)
+    k = torch.randn(B, T, H, K, generator=gen).to(DEV, torch.bfloat16)
+    v = torch.randn(B, T, HV, V, generator=gen).to(DEV, torch.bfloat16)
+    g = _decays((B, T, HV, K), decay, gen, cu).to(DEV)
+    beta = torch.rand(B, T, HV, generator=gen).to(DEV)
+    do = torch.randn(B, T, HV, V, generator=gen).to(DEV, torch.bfloat16)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
+    N = B if cu is None else len(cu) - 1
+    dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
+    return q, k, v, g, beta, do, dht, cu_t
+
+
+def _pair_rows(chunk_t: torch.Tensor, flags: torch.Tensor, R: int) -> torch.Tensor:
+    """(R, HV) bool: the rows of each (chunk, value head) pair whose flag is 0."""
+    HV = flags.shape[1]
+    keep = torch.zeros(R, HV, dtype=torch.bool)
+    for (_, row0, L), f in zip(chunk_t.tolist(), flags.cpu()):
+        keep[row0:row0 + L] = (f == 0)[None, :]
+    return keep
+
+
+def _per_head_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor) -> float:
+    """max over value heads of max|a - b| / max|b| on the kept rows (a, b: (R, HV, ...))."""
+    a = a.double().cpu()
+    b = b.double().cpu()
+    worst = 0.0
+    for h in range(b.shape[1]):
+        rows = keep[:, h]
+        if not rows.any():
+            continue
+        x, y = a[rows, h], b[rows, h]
+        assert torch.isfinite(x).all() and torch.isfinite(y).all(), f"head {h}: non-finite entries"
+        scale = float(y.abs().max())
+        err = float((x - y).abs().max())
+        worst = max(worst, err / scale if scale > 0 else err)
+    return worst
+
+
+def _backward_twice(monkeypatch, factored_runs, B, T, H, HV, decay, cu, l2):
+    """The factored launch's outputs and the final ones of the Gluon run and the forced Triton run, and the chunk
+    table."""
+    from delta_attn.ops.kda import launch
+    q, k, v, g, beta, do, dht, cu_t = _inputs(B, T, H, HV, decay, cu)
+    scale = K ** -0.5
+    _, _, saved = launch.train_forward(q, k, v, g, beta, None, cu_t, None, None, scale, None, l2, True, False)
+    out = {}
+    for mode in ("gluon", "triton"):
+        if mode == "triton":
+            monkeypatch.setattr(launch, "_bwd_intra_fused_unsupported", lambda *a, **kw: "forced")
+        factored_runs.clear()
+        launch.train_backward(q, k, v, g, beta, None, cu_t, None, None, saved, do, dht, scale, None, l2, False)
+        torch.cuda.synchronize()
+        names = [(n, e) for n, e, _ in factored_runs]
+        first = "_kda_bwd_intra_fused_kernel" if mode == "gluon" else "_kda_bwd_intra_kernel"
+        assert names == [(first, False), ("_kda_bwd_intra_kernel", True)], names
+        out[mode] = (factored_runs[0][2], factored_runs[1][2])
+    ch = launch.chunk_tables(B, T, cu_t, q.device, launch.TRAIN_CHUNK)
+    return out, ch.chunk_t.cpu()
+
+
+CASES = [
+    # (B, T, H, HV, decay, cu_seqlens)
+    (2, 256, 2, 2, "long", None),
+    (2, 256, 2, 2, "strong", None),
+    (1, 300, 1, 2, "long", (0, 100, 237, 300)),       # packed: chunks of 64, 36, 64, 64, 9, 63 rows
+    (2, 200, 2, 4, "one", None),                      # -1e4 at one token per chunk: floored, factored
+    (1, 333, 2, 4, "pair", (0, 150, 333)),            # two -1e4 tokens past the middle: flagged, redone exactly
+]
+
+
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("B,T,H,HV,decay,cu", CASES)
+def test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, monkeypatch, factored_runs):
+    out, chunk_t = _backward_twice(monkeypatch, factored_runs, B, T, H, HV, decay, cu, l2)
+    (g1, g2), (t1, t2) = out["gluon"], out["triton"]
+    flags = g1["FLAGS"]
+    assert torch.equal(flags, t1["FLAGS"]), "the Gluon kernel flags other (chunk, value head) pairs"
+    if decay == "pair":
+        assert int(flags.sum()) > 0, "the planted pair of -1e4 decays must flag its chunks"
+    if decay in ("long", "one"):
+        assert int(flags.sum()) == 0
+    R = B * T
+    keep = _pair_rows(chunk_t, flags, R)
+    for n in OUTPUTS:
+        a, b = g1[n].reshape(R, HV, -1), t1[n].reshape(R, HV, -1)
+        err = _per_head_error(a, b, keep)
+        assert err <= BF16_TOL, f"{n}: {err:.3e} of the largest entry > {BF16_TOL:.3e}"
+    # after the EXACT launch: the flagged pairs were redone from the same inputs, bit for bit the same
+    for n in OUTPUTS:
+        a, b = g2[n].reshape(R, HV, -1), t2[n].reshape(R, HV, -1)
+        redone = ~keep
+        assert torch.equal(a.cpu()[redone], b.cpu()[redone]), f"{n}: the redone pairs differ"
+        assert _per_head_error(a, b, keep) <= BF16_TOL
+
+
+WHOLE = [
+    # KDACase fields that vary: B, T, cu, H, HV, l2, decay kind
+    (2, 300, None, 2, 2, True, "long"),
+    (2, 300, None, 2, 2, False, "strong"),
+    (1, 333, (0, 100, 237, 333), 1, 2, True, "long"),
+    (1, 400, (0, 150, 400), 2, 4, True, "pair"),
+    (2, 200, None, 2, 4, False, "one"),
+]
+
+
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", WHOLE)
+def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, factored_runs):
+    c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=K, V=V, dtype="bf16", gate=None, l2=l2, h0=True, final=True,
+                  decay=None, scale=None, fp32_gb=True, grad=True)
+    xs, kw = P.kda_inputs(c, DEV)
+    xs[3] = _decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu).to(DEV)
+    assert xs[3].dtype == xs[4].dtype == torch.float32
+    bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
+    assert not bad, "; ".join(bad)
+    ran = [(n, e) for n, e, _ in factored_runs]
+    assert ("_kda_bwd_intra_fused_kernel", False) in ran, ran
+    if decay == "pair":
+        assert any(int(o["FLAGS"].sum()) > 0 for n, _, o in factored_runs if n == "_kda_bwd_intra_fused_kernel")
