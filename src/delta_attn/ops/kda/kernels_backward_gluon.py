@@ -8,8 +8,8 @@ shared memory, so no operand tile takes registers. Precision per product:
 
 * tf32 (fp32 tiles, as in the Triton kernel) for every product with T, dT or dA: T^T dU, dU (b v)^T, dW Kb^T,
   T^T dT T^T, T^T dW, dA fb, dA^T fc. T = (I + A)^-1 and dA = -T^T dT T^T are chained products of the UT
-  transform, and every gradient but dv's share of dq flows through them: bf16 would round them at 2^-9 where the
-  Triton kernel rounds at 2^-11. tf32 wgmma reads K-major operands only, so a tile whose contraction runs over the
+  transform, and every gradient but dq flows through them: bf16 would round them at 2^-9 where the Triton kernel
+  rounds at 2^-11. tf32 wgmma reads K-major operands only, so a tile whose contraction runs over the
   tokens is stored transposed as well (T^T, dU^T, dW^T, dT^T, dA^T, fb^T, fc^T);
 * bf16 for the two products with dAqk (dAqk fb, dAqk^T fa): dAqk = dO u^T is itself formed from bf16 tensors; it is
   rounded to bf16 once and the same tile feeds both products.
@@ -31,12 +31,16 @@ qs = scale q / |q|, ks = k / |k|):
    exclusive cumsum(kdd) + e^G_last dgc, set to 0 where g < -FLOOR (a select: NaN stays NaN);
 5. with use_qk_l2norm, the l2-norm backward of dq and dk (re-read where step 4 stored them, by the same threads).
 
-Layouts: global memory is read and written in the wgmma accumulator layouts (two rows per thread: few addresses,
-8-byte accesses); the cumulative sums run in CL (a channel's 64 tokens in one warp: the scan never leaves it),
-reached by layout conversions. Registers: the products' operands stay in shared memory, the terms that do not need
-the products are formed after them, and in every loop the row stride and the buffers' index pass through an opaque
-move (``_in_loop``) so that neither the address tiles nor the wgmma descriptors are hoisted and held across the
-loop. Decays are powers of two by one MUFU.EX2 (``kernels_fused._ex2``).
+Memory: the K slices' raw tiles (g, q, k, dW, dqg, dkd) come by cp.async into a one-slice stage, the next slice's
+issued as soon as the current one is in registers (step 2's first slice while step 1 runs, step 4's while step 3
+runs); the other loads are issued together (step 0's and 5's loops unrolled). Global memory is read and written in
+the wgmma accumulator layouts (two rows per thread: few addresses, 8-byte accesses); the cumulative sums run in CL
+(a channel's 64 tokens in one warp: the scan never leaves it), reached by layout conversions.
+
+Registers (no spill with 4 warps): the products' operands stay in shared memory and step 4's five wgmmas are issued
+together; the terms that do not need the products are formed after them; in every loop the row stride and the
+buffers' index pass through an opaque move (``_in_loop``), so that neither address tiles nor wgmma descriptors are
+hoisted and held across the loop. Decays are powers of two by one MUFU.EX2 (``kernels_fused._ex2``).
 
 Scope (``launch._bwd_intra_fused_unsupported`` says what is outside it): as above, TWO_FLOAT off.
 """
@@ -50,7 +54,8 @@ BV = 64          # values per V slice (step 1)
 WARPS = 4        # one warpgroup: M = 64 tokens per wgmma
 
 if gluon is not None:
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     from .kernels_fused import _add, _ex2
 
@@ -86,6 +91,13 @@ if gluon is not None:
     def _tile(ptr, off, mr):
         """The tile at ptr + off (int32 offsets in the chunk; rows past the chunk's end: 0), as fp32."""
         return gl.load(ptr + off, mask=mr[:, None], other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _fetch(buf, ptr, row_stride, L, BT: gl.constexpr, BK: gl.constexpr, CP: gl.constexpr):
+        """cp.async of the [BT, BK] tile at ptr (rows row_stride apart) into buf; rows at or past L are zero-filled."""
+        i = gl.arange(0, BT, layout=gl.SliceLayout(1, CP))
+        j = gl.arange(0, BK, layout=gl.SliceLayout(0, CP))
+        async_copy.async_copy_global_to_shared(buf, ptr + (i[:, None] * row_stride + j[None, :]), mask=(i < L)[:, None])
 
     @gluon.jit
     def _cum_decay(d, mr, CL: gl.constexpr, FLOOR: gl.constexpr):
@@ -147,6 +159,8 @@ if gluon is not None:
         LC: gl.constexpr = BK // W                  # lanes per warp along the channels
         LT: gl.constexpr = 32 // LC                 # lanes per warp along the tokens
         CL: gl.constexpr = gl.BlockedLayout([BT // LT, 1], [LT, LC], [1, W], [0, 1])
+        CF: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BK, BK // 4], [W, 1], [1, 0])    # 16-byte cp.async
+        CH: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [W, 1], [1, 0])
         RA: gl.constexpr = gl.SliceLayout(1, MA)
         CA: gl.constexpr = gl.SliceLayout(0, MA)
         RC: gl.constexpr = gl.SliceLayout(1, CL)
@@ -174,7 +188,7 @@ if gluon is not None:
         if L2NORM:
             sq = gl.zeros([BT], gl.float32, RA)
             sk = gl.zeros([BT], gl.float32, RA)
-            for k0 in range(0, K, BK):
+            for k0 in gl.static_range(0, K, BK):         # unrolled: every slice's loads in flight at once
                 qx = _tile(q + k0, oqA, mrA)
                 kx = _tile(k + k0, oqA, mrA)
                 sq += gl.sum(qx * qx, 1)
@@ -193,6 +207,16 @@ if gluon is not None:
         T = _tile(TM, oa64, mr64)
         t_s.index(0).store(T)
         tt_s.index(0).permute((1, 0)).store(T)
+
+        # the raw tiles of a K slice (g, k, dW; step 4 adds q, dqg, dkd) come by cp.async one slice ahead: step 2's
+        # first slice is in flight while step 1 runs
+        rg_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        rk_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
+        rw_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        _fetch(rg_s.index(0), g, HV * K, L, BT, BK, CF)
+        _fetch(rk_s.index(0), k, H * K, L, BT, BK, CH)
+        _fetch(rw_s.index(0), DW, HV * K, L, BT, BK, CF)
+        async_copy.commit_group()
 
         # 1. U = T (b v): dv = b T^T dU, db = v . T^T dU, dT = dU (b v)^T, V slice by V slice
         iV = gl.arange(0, BT, layout=RV)
@@ -218,8 +242,9 @@ if gluon is not None:
             bv_b.store(bV[:, None] * vs)
             fence_async_shared()
             gl.thread_barrier()
-            dbv = warpgroup_mma(tt, dut_b.permute((1, 0)), gl.zeros([BT, BV], gl.float32, MV))
-            dT = warpgroup_mma(du_b, bv_b.permute((1, 0)), dT)
+            dbv = warpgroup_mma(tt, dut_b.permute((1, 0)), gl.zeros([BT, BV], gl.float32, MV), is_async=True)
+            dT = warpgroup_mma(du_b, bv_b.permute((1, 0)), dT, is_async=True)
+            dbv, dT = warpgroup_mma_wait(0, deps=[dbv, dT])
             gl.store(DV + v0 + ovV, (bV[:, None] * dbv).to(DV.dtype.element_ty), mask=mrV[:, None])
             dbV += gl.sum(vs * dbv, 1)
         gl.thread_barrier()                         # every warp's wgmmas are done with the slice buffers
@@ -234,12 +259,22 @@ if gluon is not None:
             z = _in_loop(0, k0)
             dw_b = dw_s.index(z)
             kb_b = kb_s.index(z)
-            oqA = iA[:, None] * (_in_loop(H, k0) * K) + jA[None, :]
-            ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
-            eG = gl.convert_layout(_ex2(_cum_decay(_tile(g + k0, ogA, mrA), mrA, CL, FLOOR) * LOG2E), MA)
-            kbv = bA[:, None] * (_tile(k + k0, oqA, mrA) * rk[:, None]) * eG
-            dw = _tile(DW + k0, ogA, mrA)
+            rg = rg_s.index(z)
+            rkb = rk_s.index(z)
+            rw = rw_s.index(z)
+            async_copy.wait_group(0)
             gl.thread_barrier()
+            d = rg.load(MA)
+            kr = rkb.load(MA).to(gl.float32)
+            dw = rw.load(MA)
+            gl.thread_barrier()                     # every thread has read the slice: the next one may come
+            if k0 + BK < K:
+                _fetch(rg, g + k0 + BK, HV * K, L, BT, BK, CF)
+                _fetch(rkb, k + k0 + BK, H * K, L, BT, BK, CH)
+                _fetch(rw, DW + k0 + BK, HV * K, L, BT, BK, CF)
+                async_copy.commit_group()
+            eG = gl.convert_layout(_ex2(_cum_decay(d, mrA, CL, FLOOR) * LOG2E), MA)
+            kbv = bA[:, None] * (kr * rk[:, None]) * eG
             dw_b.store(dw)
             kb_b.store(kbv)
             fence_async_shared()
@@ -248,22 +283,32 @@ if gluon is not None:
 
         # 3. T = (I + A)^-1: dA = -T^T dT T^T (strictly lower); dAqk lower-triangular, bf16 (a barrier after each
         #    wgmma: a buffer written next may take the place of one that another warp's wgmma still reads)
-        da_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
-        dat_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
-        aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], H64)
+        rq_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
+        rqg_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        rkd_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        gl.thread_barrier()                         # step 2's reads of the slice buffers are done
+        _fetch(rg_s.index(0), g, HV * K, L, BT, BK, CF)          # step 4's first slice, while step 3 runs
+        _fetch(rk_s.index(0), k, H * K, L, BT, BK, CH)
+        _fetch(rw_s.index(0), DW, HV * K, L, BT, BK, CF)
+        _fetch(rq_s.index(0), q, H * K, L, BT, BK, CH)
+        _fetch(rqg_s.index(0), DQG, HV * K, L, BT, BK, CF)
+        _fetch(rkd_s.index(0), DKD, HV * K, L, BT, BK, CF)
+        async_copy.commit_group()
         dtt_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
-        x_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
-        gl.thread_barrier()
         dtt_s.index(0).permute((1, 0)).store(dT)
         fence_async_shared()
         gl.thread_barrier()
         X = warpgroup_mma(tt_s.index(0), dtt_s.index(0).permute((1, 0)), gl.zeros([BT, BT], gl.float32, M64))
         gl.thread_barrier()
+        x_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
         x_s.index(0).store(X)
         fence_async_shared()
         gl.thread_barrier()
         Y = warpgroup_mma(x_s.index(0), t_s.index(0).permute((1, 0)), gl.zeros([BT, BT], gl.float32, M64))
         gl.thread_barrier()
+        da_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        dat_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
+        aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], H64)
         dA = gl.where(i64[:, None] > j64[None, :], -Y, 0.0)
         da_s.index(0).store(dA)
         dat_s.index(0).permute((1, 0)).store(dA)
@@ -289,13 +334,32 @@ if gluon is not None:
             fct = fct_s.index(z)
             fa_b = fa_s.index(z)
             fb_b = fb_s.index(z)
-            oqA = iA[:, None] * (_in_loop(H, k0) * K) + jA[None, :]
             ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
-            # 4a. decays: G (CL), its rows L - 1 and BT / 2 - 1, the factored range test (the slice's tiles loaded
-            #     first: their latencies overlap)
-            d = _tile(g + k0, ogA, mrA)
-            dqg = _tile(DQG + k0, ogA, mrA)
-            dkd = _tile(DKD + k0, ogA, mrA)
+            # 4a. the slice's tiles from the cp.async stage, the next slice's copies issued; decays: G (CL), its rows
+            #     L - 1 and BT / 2 - 1, the factored range test
+            rg = rg_s.index(z)
+            rkb = rk_s.index(z)
+            rw = rw_s.index(z)
+            rqb = rq_s.index(z)
+            rqg = rqg_s.index(z)
+            rkd = rkd_s.index(z)
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            d = rg.load(MA)
+            dqg = rqg.load(MA)
+            dkd = rkd.load(MA)
+            qs = rqb.load(MA).to(gl.float32) * rq[:, None]
+            ks = rkb.load(MA).to(gl.float32) * rk[:, None]
+            dw = rw.load(MA)
+            gl.thread_barrier()                     # every thread has read the slice: the next one may come
+            if k0 + BK < K:
+                _fetch(rg, g + k0 + BK, HV * K, L, BT, BK, CF)
+                _fetch(rkb, k + k0 + BK, H * K, L, BT, BK, CH)
+                _fetch(rw, DW + k0 + BK, HV * K, L, BT, BK, CF)
+                _fetch(rqb, q + k0 + BK, H * K, L, BT, BK, CH)
+                _fetch(rqg, DQG + k0 + BK, HV * K, L, BT, BK, CF)
+                _fetch(rkd, DKD + k0 + BK, HV * K, L, BT, BK, CF)
+                async_copy.commit_group()
             G = _cum_decay(d, mrA, CL, FLOOR)
             Gl = _row_at(G, iC, L - 1)
             Gr = _row_at(G, iC, BT // 2 - 1)
@@ -305,16 +369,12 @@ if gluon is not None:
             GlA = gl.convert_layout(Gl, CA)[None, :]
             Gm = GA - gl.convert_layout(Gr, CA)[None, :]
             # 4b. the factors, rounded once (fa, fb to bf16, fc to tf32), to shared memory with dW^T
-            qs = _tile(q + k0, oqA, mrA) * rq[:, None]
-            ks = _tile(k + k0, oqA, mrA) * rk[:, None]
             Xa = bA[:, None] * ks
             eP = _ex2(Gm * LOG2E)
             fa = (qs * eP).to(gl.bfloat16)
             fb = (ks * _ex2(-Gm * LOG2E)).to(gl.bfloat16)
             fc = _round_tf32(Xa * eP)
-            dw = _tile(DW + k0, ogA, mrA)
-            gl.thread_barrier()
-            fa_b.store(fa)
+            fa_b.store(fa)                          # (the barriers above follow the last slice's reads)
             fb_b.store(fb)
             fbt.permute((1, 0)).store(fb.to(gl.float32))
             fct.permute((1, 0)).store(fc)
@@ -323,14 +383,15 @@ if gluon is not None:
             gl.thread_barrier()
             # 4c. dKb = T^T dW; P1 = eP dAqk fb, P3 = eP dA fb, P24 = eN (dAqk^T fa + dA^T fc)
             zero = gl.zeros([BT, BK], gl.float32, MA)
-            dKb = warpgroup_mma(tt, dwt.permute((1, 0)), zero)
-            d3 = warpgroup_mma(da, fbt.permute((1, 0)), zero)
-            d24 = warpgroup_mma(dat, fct.permute((1, 0)), zero)
-            d1 = gl.convert_layout(warpgroup_mma(aq, fb_b, gl.zeros([BT, BK], gl.float32, MH)), MA,
-                                   assert_trivial=True)
-            d24 = gl.convert_layout(warpgroup_mma(aq.permute((1, 0)), fa_b,
-                                                  gl.convert_layout(d24, MH, assert_trivial=True)), MA,
-                                    assert_trivial=True)
+            zeroh = gl.zeros([BT, BK], gl.float32, MH)
+            dKb = warpgroup_mma(tt, dwt.permute((1, 0)), zero, is_async=True)
+            d3 = warpgroup_mma(da, fbt.permute((1, 0)), zero, is_async=True)
+            d4 = warpgroup_mma(dat, fct.permute((1, 0)), zero, is_async=True)
+            d1 = warpgroup_mma(aq, fb_b, zeroh, is_async=True)
+            d2 = warpgroup_mma(aq.permute((1, 0)), fa_b, zeroh, is_async=True)
+            dKb, d3, d4, d1, d2 = warpgroup_mma_wait(0, deps=[dKb, d3, d4, d1, d2])
+            d1 = gl.convert_layout(d1, MA, assert_trivial=True)
+            d24 = d4 + gl.convert_layout(d2, MA, assert_trivial=True)
             # the pair terms of dG from the rounded factors (read back: not held across the products)
             dGp = (fa_b.load(MA).to(gl.float32) * d1 - fb_b.load(MA).to(gl.float32) * d24
                    + fct.permute((1, 0)).load(MA) * d3)
@@ -368,9 +429,8 @@ if gluon is not None:
         if L2NORM:
             cq = nq * nq * dotq
             ck = rk * rk * dotk
-            for k0 in range(0, K, BK):
-                oqA = iA[:, None] * (_in_loop(H, k0) * K) + jA[None, :]
-                ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
+            oqA = iA[:, None] * sq_row + jA[None, :]
+            for k0 in gl.static_range(0, K, BK):         # unrolled: the loads of several slices in flight at once
                 gq = _tile(DQ + k0, ogA, mrA) - _tile(q + k0, oqA, mrA) * cq[:, None]
                 gk = _tile(DK + k0, ogA, mrA) - _tile(k + k0, oqA, mrA) * ck[:, None]
                 gl.store(DQ + k0 + ogA, gq, mask=mrA[:, None])
