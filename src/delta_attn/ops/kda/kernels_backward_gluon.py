@@ -294,6 +294,7 @@ if gluon is not None:
         _fetch(rqg_s.index(0), DQG, HV * K, L, BT, BK, CF)
         _fetch(rkd_s.index(0), DKD, HV * K, L, BT, BK, CF)
         async_copy.commit_group()
+        dAqk = _tile(DAQK, oa64, mr64)              # in flight during the two products
         dtt_s = gl.allocate_shared_memory(gl.float32, [1, BT, BT], F32)
         dtt_s.index(0).permute((1, 0)).store(dT)
         fence_async_shared()
@@ -312,7 +313,6 @@ if gluon is not None:
         dA = gl.where(i64[:, None] > j64[None, :], -Y, 0.0)
         da_s.index(0).store(dA)
         dat_s.index(0).permute((1, 0)).store(dA)
-        dAqk = _tile(DAQK, oa64, mr64)
         aq_s.index(0).store(gl.where(i64[:, None] >= j64[None, :], dAqk, 0.0).to(gl.bfloat16))
 
         # 4. per K slice: the decayed products factored at the middle token, dq, dk, db, dG
@@ -346,19 +346,15 @@ if gluon is not None:
             async_copy.wait_group(0)
             gl.thread_barrier()
             d = rg.load(MA)
-            dqg = rqg.load(MA)
-            dkd = rkd.load(MA)
             qs = rqb.load(MA).to(gl.float32) * rq[:, None]
             ks = rkb.load(MA).to(gl.float32) * rk[:, None]
             dw = rw.load(MA)
-            gl.thread_barrier()                     # every thread has read the slice: the next one may come
+            gl.thread_barrier()                     # every thread has read them: the next slice's may come
             if k0 + BK < K:
                 _fetch(rg, g + k0 + BK, HV * K, L, BT, BK, CF)
                 _fetch(rkb, k + k0 + BK, H * K, L, BT, BK, CH)
                 _fetch(rw, DW + k0 + BK, HV * K, L, BT, BK, CF)
                 _fetch(rqb, q + k0 + BK, H * K, L, BT, BK, CH)
-                _fetch(rqg, DQG + k0 + BK, HV * K, L, BT, BK, CF)
-                _fetch(rkd, DKD + k0 + BK, HV * K, L, BT, BK, CF)
                 async_copy.commit_group()
             G = _cum_decay(d, mrA, CL, FLOOR)
             Gl = _row_at(G, iC, L - 1)
@@ -395,9 +391,16 @@ if gluon is not None:
             # the pair terms of dG from the rounded factors (read back: not held across the products)
             dGp = (fa_b.load(MA).to(gl.float32) * d1 - fb_b.load(MA).to(gl.float32) * d24
                    + fct.permute((1, 0)).load(MA) * d3)
-            # 4d. the terms without the products (formed after them: not held across them): eG dqg and qs e^G dqg
-            #     (dq and dG), e^(G_last - G) dkd (dk) and kdd = ks e^(G_last - G) dkd, whose exclusive cumulative sum
-            #     (CL) plus e^G_last dgc enters dd
+            # 4d. the terms without the products (formed after them, dqg and dkd read after them: not held across
+            #     them): eG dqg and qs e^G dqg (dq and dG), e^(G_last - G) dkd (dk) and kdd = ks e^(G_last - G) dkd,
+            #     whose exclusive cumulative sum (CL) plus e^G_last dgc enters dd
+            dqg = rqg.load(MA)
+            dkd = rkd.load(MA)
+            gl.thread_barrier()
+            if k0 + BK < K:
+                _fetch(rqg, DQG + k0 + BK, HV * K, L, BT, BK, CF)
+                _fetch(rkd, DKD + k0 + BK, HV * K, L, BT, BK, CF)
+                async_copy.commit_group()
             eG = _ex2_here(GA * LOG2E)
             eL = _ex2(-(GA - GlA) * LOG2E)
             dq0 = eG * dqg
