@@ -183,9 +183,8 @@ if gluon is not None:
         jA = gl.arange(0, BK, layout=CA)
         mrA = iA < L
         bA = gl.load(beta + (row0 + iA) * HV + hv, mask=mrA, other=0.0).to(gl.float32)
-        oqA = iA[:, None] * sq_row + jA[None, :]
-        ogA = iA[:, None] * sg_row + jA[None, :]
         if L2NORM:
+            oqA = iA[:, None] * sq_row + jA[None, :]
             sq = gl.zeros([BT], gl.float32, RA)
             sk = gl.zeros([BT], gl.float32, RA)
             for k0 in gl.static_range(0, K, BK):         # unrolled: every slice's loads in flight at once
@@ -334,7 +333,7 @@ if gluon is not None:
             fct = fct_s.index(z)
             fa_b = fa_s.index(z)
             fb_b = fb_s.index(z)
-            ogA = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
+            og = iA[:, None] * (_in_loop(HV, k0) * K) + jA[None, :]
             # 4a. the slice's tiles from the cp.async stage, the next slice's copies issued; decays: G (CL), its rows
             #     L - 1 and BT / 2 - 1, the factored range test
             rg = rg_s.index(z)
@@ -419,12 +418,12 @@ if gluon is not None:
             if L2NORM:                          # sum(dq * q) of the l2 norm's backward, as sum(dqs * qs)
                 dotq += gl.sum(dqs * qs, 1)
                 dotk += gl.sum(dks * ks, 1)
-            gl.store(DQ + k0 + ogA, dqs * rq[:, None], mask=mrA[:, None])
-            gl.store(DK + k0 + ogA, dks * rk[:, None], mask=mrA[:, None])
+            gl.store(DQ + k0 + og, dqs * rq[:, None], mask=mrA[:, None])
+            gl.store(DK + k0 + og, dks * rk[:, None], mask=mrA[:, None])
             # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc (CL); the floor
             dd = gl.convert_layout(gl.associative_scan(gl.convert_layout(dG, CL), 0, _add, reverse=True) + dd0, MA)
             dd = gl.where(d < -FLOOR, 0.0, dd)     # a select that keeps a NaN gate NaN
-            gl.store(DG + k0 + ogA, dd, mask=mrA[:, None])
+            gl.store(DG + k0 + og, dd, mask=mrA[:, None])
         gl.store(DB + (row0 + iA) * HV + hv, db, mask=mrA)
 
         # 5. l2-norm backward: dx = r (dy - y (y . dy)), y = r x; DQ / DK hold r dy (each thread re-reads the
@@ -433,6 +432,7 @@ if gluon is not None:
             cq = nq * nq * dotq
             ck = rk * rk * dotk
             oqA = iA[:, None] * sq_row + jA[None, :]
+            ogA = iA[:, None] * sg_row + jA[None, :]
             for k0 in gl.static_range(0, K, BK):         # unrolled: the loads of several slices in flight at once
                 gq = _tile(DQ + k0, ogA, mrA) - _tile(q + k0, oqA, mrA) * cq[:, None]
                 gk = _tile(DK + k0, ogA, mrA) - _tile(k + k0, oqA, mrA) * ck[:, None]
