@@ -80,3 +80,30 @@ def test_meta_tensors_compiled_ahead_stand_for_their_device():
             assert _launch.compile_device(meta) == CUDA
             assert _launch.compile_device(torch.device("cpu")) == torch.device("cpu")
     assert _launch.compile_device(meta) == meta
+
+
+def test_reverse_scan_takes_gluon_for_bf16_at_128_whatever_the_gate(hopper):
+    """The Gluon reverse state scan (``kernels_scan_gluon.py``) reads the forward's bf16 intermediates only: bf16
+    q, k, v with K = V = 128 is its whole domain (a gate was applied before), on CUDA only."""
+    if launch._kda_bwd_scan_fused_kernel is None:
+        pytest.skip("the installed Triton has no Gluon")
+    q = torch.empty(1, 1, 2, 128, dtype=torch.bfloat16)
+    v = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
+    assert launch._scan_fused_unsupported(q, v, CUDA) is None
+    assert "bfloat16" in launch._scan_fused_unsupported(q.half(), v.half(), CUDA)
+    assert "K and V" in launch._scan_fused_unsupported(q, torch.empty(1, 1, 4, 64, dtype=torch.bfloat16), CUDA)
+
+
+def test_cpu_reverse_scans_take_the_triton_kernel():
+    q = torch.empty(1, 1, 2, 128, dtype=torch.bfloat16)
+    v = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
+    assert "CUDA" in launch._scan_fused_unsupported(q, v, torch.device("cpu"))
+
+
+def test_reverse_scan_ring_depth_by_grid(monkeypatch):
+    """Two operand stages when each program is alone on its SM (V blocks of 64: 2 per chain), one when two share."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    (one,) = launch.scan_fused_tiles(16, CUDA)          # 1 x 32768, 16 heads: 32 programs
+    assert one.get("BV") == 64 and one.get("STAGES") == 2
+    (many,) = launch.scan_fused_tiles(128, CUDA)        # 8 x 4096, 16 heads: 256 programs
+    assert many.get("STAGES") == 1

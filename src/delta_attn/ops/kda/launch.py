@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -34,6 +34,7 @@ from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WAR
                                      _kda_bwd_intra_fused_kernel)
 from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
+from .kernels_scan_gluon import WARPS as FUSED_SCAN_WARPS, _kda_bwd_scan_fused_kernel, _kda_fwd_scan_fused_kernel
 from .kernels_fused import BT as FUSED_CHUNK, WARPS as FUSED_WARPS, _kda_fused_fwd_kernel
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
@@ -297,7 +298,13 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
         final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
         HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device) if train else None
         VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device) if train else None
-        if N > 0:
+        if N > 0 and train and _scan_fused_unsupported(q, v, compile_device(q.device)) is None:
+            launch(_kda_fwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
+                   (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, VNEW, HS, optional(final, q), HV),
+                   dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
+                        STORE_H=True, NW=FUSED_SCAN_WARPS),
+                   scan_fused_tiles(N * HV, compile_device(q.device)))
+        elif N > 0:
             cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
             launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
                    (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, optional(VNEW, q), optional(HS, q),
@@ -329,12 +336,11 @@ def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
     return None
 
 
-def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
-                                 device: torch.device) -> Optional[str]:
-    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
-    ``EXACT=False`` launch of this training backward (None: it does). ``device``: the device the call runs on (or,
-    compiled ahead on meta tensors, compiles for: ``_launch.compile_device``)."""
-    if not gluon_available(device) or _kda_bwd_intra_fused_kernel is None:
+def _gluon_kernel_unsupported(kernel, q, v, device: torch.device) -> Optional[str]:
+    """Why a Gluon KDA kernel of this backend (written for Hopper, Triton 3.6's Gluon API, bf16 q, k, v and
+    K = V = 128) cannot run the call (None: it can). ``device``: the device the call runs on (or, compiled ahead on
+    meta tensors, compiles for: ``_launch.compile_device``)."""
+    if not gluon_available(device) or kernel is None:
         return "not a CUDA call with Gluon available"
     if gluon_version() != FUSED_TRITON:
         return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
@@ -345,6 +351,35 @@ def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, pre
         return "q, k, v are not bfloat16"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return "K and V are not both 128"
+    return None
+
+
+def _scan_fused_unsupported(q, v, device: torch.device) -> Optional[str]:
+    """Why the Gluon state scans of training (``kernels_scan_gluon.py``: the forward's and the backward's reverse
+    one) do not replace the Triton ones (None: they do): their operands are the 64-token chunks' bf16
+    intermediates, whatever the gate."""
+    why = _gluon_kernel_unsupported(_kda_bwd_scan_fused_kernel, q, v, device)
+    return why if why is not None else _gluon_kernel_unsupported(_kda_fwd_scan_fused_kernel, q, v, device)
+
+
+def scan_fused_tiles(chains: int, device) -> Tuple[Tiles, ...]:
+    """The Gluon scans' launch: V blocks of 64 (the wgmma's M), so two programs per (sequence, value head) chain;
+    a two-stage operand ring when the programs are no more than the SMs (each alone on its SM: the next chunk's
+    loads hidden behind this one's products), else one stage (82-90 KB of shared memory: two programs per SM hide
+    each other's loads)."""
+    stages = 2 if 2 * chains <= sm_count(device) else 1
+    return (tiles("V blocks of 64 (wgmma M); operand ring by grid size", num_warps=FUSED_SCAN_WARPS, BV=64,
+                  STAGES=stages),)
+
+
+def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                                 device: torch.device) -> Optional[str]:
+    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
+    ``EXACT=False`` launch of this training backward (None: it does). ``device``: as
+    :func:`_gluon_kernel_unsupported`'s."""
+    why = _gluon_kernel_unsupported(_kda_bwd_intra_fused_kernel, q, v, device)
+    if why is not None:
+        return why
     if A_log is not None or dt_bias is not None or lower_bound is not None:
         return "a gate (A_log, dt_bias, lower_bound) is given"
     if g.dtype != torch.float32 or beta.dtype != torch.float32:
@@ -445,8 +480,13 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     DGC = torch.empty(GC.shape, dtype=f32, device=dev)
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
     with compiled_together():        # the stages' kernels compile concurrently on first use
-        # 1. reverse state scan: du and the chunk-end state gradients
-        if N > 0:
+        # 1. reverse state scan: du and the chunk-end state gradients (Gluon where it runs)
+        if N > 0 and _scan_fused_unsupported(q, v, compile_device(dev)) is None:
+            launch(_kda_bwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
+                   (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV),
+                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, NW=FUSED_SCAN_WARPS),
+                   scan_fused_tiles(N * HV, compile_device(dev)))
+        elif N > 0:
             launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
                    dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
