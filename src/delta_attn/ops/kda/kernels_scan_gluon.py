@@ -32,12 +32,32 @@ if gluon is not None:
 
     from .kernels_backward_gluon import _in_loop
 
+    @gluon.constexpr_function
+    def _copy_layout(cols, warps):
+        """Rows of ``cols`` 16-bit values in 16-byte pieces over a warpgroup (the cp.async copies and row stores)."""
+        return gl.BlockedLayout([1, 8], [32 // (cols // 8), cols // 8], [warps, 1], [1, 0])
+
     @gluon.jit
-    def _issue_chunk(W, QG, KD, AQK, DO, w_s, qg_s, kd_s, aq_s, do_s, row, rows, HV, hv, v0, K: gl.constexpr,
-                     V: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr, CK: gl.constexpr, CA: gl.constexpr,
-                     CV: gl.constexpr):
-        """cp.async of one chunk's W, qg, kd [BT, K], Aqk [BT, BT] and dO's columns [v0, v0 + BV) into one stage of
-        the ring: the chunk's ``rows`` rows from packed row ``row``; the rest zero-filled (they add nothing)."""
+    def _chain(seq_info, BV: gl.constexpr, BT: gl.constexpr):
+        """A scan program's chain: its V block's first column, the sequence, the value head, the sequence's first
+        packed row, length, first chunk and chunk count."""
+        v0 = gl.program_id(0) * BV
+        n = gl.program_id(1).to(gl.int64)
+        hv = gl.program_id(2).to(gl.int64)
+        row0 = gl.load(seq_info + n * 3).to(gl.int64)
+        Tn = gl.load(seq_info + n * 3 + 1)
+        cbase = gl.load(seq_info + n * 3 + 2).to(gl.int64)
+        return v0, n, hv, row0, Tn, cbase, gl.cdiv(Tn, BT)
+
+    @gluon.jit
+    def _issue_chunk(W, QG, KD, AQK, X, w_s, qg_s, kd_s, aq_s, x_s, row, rows, HV, hv, v0, K: gl.constexpr,
+                     V: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr):
+        """cp.async of one chunk's W, qg, kd [BT, K], Aqk [BT, BT] and X's columns [v0, v0 + BV) (dO for the reverse
+        scan, U for the forward one) into one stage of the ring: the chunk's ``rows`` rows from packed row ``row``;
+        the rest zero-filled (they add nothing)."""
+        CK: gl.constexpr = _copy_layout(K, NW)
+        CA: gl.constexpr = _copy_layout(BT, NW)
+        CV: gl.constexpr = _copy_layout(BV, NW)
         i = gl.arange(0, BT, layout=gl.SliceLayout(1, CK))
         j = gl.arange(0, K, layout=gl.SliceLayout(0, CK))
         m = (i < rows)[:, None] & (j < K)[None, :]
@@ -51,7 +71,7 @@ if gluon is not None:
                                                mask=(ia < rows)[:, None] & (ja < BT)[None, :])
         iv = gl.arange(0, BT, layout=gl.SliceLayout(1, CV))
         jv = gl.arange(0, BV, layout=gl.SliceLayout(0, CV))
-        async_copy.async_copy_global_to_shared(do_s, DO + ((row + iv)[:, None] * HV + hv) * V + v0 + jv[None, :],
+        async_copy.async_copy_global_to_shared(x_s, X + ((row + iv)[:, None] * HV + hv) * V + v0 + jv[None, :],
                                                mask=(iv < rows)[:, None] & (jv < BV)[None, :])
         async_copy.commit_group()
 
@@ -60,24 +80,15 @@ if gluon is not None:
                                    K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr,
                                    USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, STAGES: gl.constexpr,
                                    NW: gl.constexpr):
-        v0 = gl.program_id(0) * BV
-        n = gl.program_id(1).to(gl.int64)
-        hv = gl.program_id(2).to(gl.int64)
-        row0 = gl.load(seq_info + n * 3).to(gl.int64)
-        Tn = gl.load(seq_info + n * 3 + 1)
-        cbase = gl.load(seq_info + n * 3 + 2).to(gl.int64)
-        nc = gl.cdiv(Tn, BT)
+        v0, n, hv, row0, Tn, cbase, nc = _chain(seq_info, BV, BT)
         KH: gl.constexpr = K // 2
         # layouts: SL the halves dS^T[:, :K/2], dS^T[:, K/2:] (wgmma accumulators [BV, K/2]); PL du^T [BV, BT];
-        # PA / SA their register A operands; CK / CA / CV the 16-byte cp.async copies of the [BT, K], [BT, BT],
-        # [BT, BV] tiles (CV also the [K, BV] rows of the state-gradient store)
+        # PA / SA their register A operands; CV the 16-byte rows of the [K, BV] state-gradient store
         SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, KH, 16])
         PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
         PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)
         SA: gl.constexpr = gl.DotOperandLayout(0, SL, 2)
-        CK: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [NW, 1], [1, 0])
-        CA: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BT // 8), BT // 8], [NW, 1], [1, 0])
-        CV: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [NW, 1], [1, 0])
+        CV: gl.constexpr = _copy_layout(BV, NW)
         # shared memory: the operand ring (STAGES deep: 2 prefetches chunk c - 1 during chunk c, for a program alone
         # on its SM; 1 leaves room for two programs per SM, which hide each other's loads); the staging tile of the
         # chunk-end state-gradient store (coalesced rows)
@@ -105,8 +116,7 @@ if gluon is not None:
         for p in gl.static_range(STAGES):
             cp = gl.maximum(nc - 1 - p, 0)
             _issue_chunk(W, QG, KD, AQK, DO, w_s.index(p), qg_s.index(p), kd_s.index(p), aq_s.index(p),
-                         do_s.index(p), row0 + cp * BT, gl.minimum(Tn - cp * BT, BT), HV, hv, v0, K, V, BT, BV, CK,
-                         CA, CV)
+                         do_s.index(p), row0 + cp * BT, gl.minimum(Tn - cp * BT, BT), HV, hv, v0, K, V, BT, BV, NW)
         ks = gl.arange(0, K, layout=gl.SliceLayout(1, CV))
         vs = gl.arange(0, BV, layout=gl.SliceLayout(0, CV))
         ju = gl.arange(0, BT, layout=gl.SliceLayout(0, PL))       # du^T's columns: the chunk's tokens
@@ -156,34 +166,11 @@ if gluon is not None:
             cn = gl.maximum(c - STAGES, 0)
             _issue_chunk(W, QG, KD, AQK, DO, w_s.index(st), qg_s.index(st), kd_s.index(st), aq_s.index(st),
                          do_s.index(st), row0 + cn * BT, gl.minimum(Tn - cn * BT, BT), HV, hv, v0, K, V, BT, BV,
-                         CK, CA, CV)
+                         NW)
         async_copy.wait_group(0)                    # the last prefetches (repeats of chunk 0) land
         if STORE_DH0:
             gl.store(DH0 + st_off + s_off, D0)
             gl.store(DH0 + st_off + s_off + KH * V, D1)
-    @gluon.jit
-    def _issue_fwd_chunk(W, U, QG, KD, AQK, w_s, u_s, qg_s, kd_s, aq_s, row, rows, HV, hv, v0, K: gl.constexpr,
-                         V: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr, CK: gl.constexpr, CA: gl.constexpr,
-                         CV: gl.constexpr):
-        """cp.async of one chunk's W, qg, kd [BT, K], Aqk [BT, BT] and U's columns [v0, v0 + BV) into one stage of the
-        ring (rows past the chunk's ``rows`` zero-filled)."""
-        i = gl.arange(0, BT, layout=gl.SliceLayout(1, CK))
-        j = gl.arange(0, K, layout=gl.SliceLayout(0, CK))
-        m = (i < rows)[:, None] & (j < K)[None, :]
-        k_off = ((row + i)[:, None] * HV + hv) * K + j[None, :]
-        async_copy.async_copy_global_to_shared(w_s, W + k_off, mask=m)
-        async_copy.async_copy_global_to_shared(qg_s, QG + k_off, mask=m)
-        async_copy.async_copy_global_to_shared(kd_s, KD + k_off, mask=m)
-        ia = gl.arange(0, BT, layout=gl.SliceLayout(1, CA))
-        ja = gl.arange(0, BT, layout=gl.SliceLayout(0, CA))
-        async_copy.async_copy_global_to_shared(aq_s, AQK + ((row + ia)[:, None] * HV + hv) * BT + ja[None, :],
-                                               mask=(ia < rows)[:, None] & (ja < BT)[None, :])
-        iv = gl.arange(0, BT, layout=gl.SliceLayout(1, CV))
-        jv = gl.arange(0, BV, layout=gl.SliceLayout(0, CV))
-        async_copy.async_copy_global_to_shared(u_s, U + ((row + iv)[:, None] * HV + hv) * V + v0 + jv[None, :],
-                                               mask=(iv < rows)[:, None] & (jv < BV)[None, :])
-        async_copy.commit_group()
-
     @gluon.jit
     def _kda_fwd_scan_fused_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, HV,
                                    K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr,
@@ -192,21 +179,13 @@ if gluon is not None:
         """The forward state scan (``kernels_scan._kda_fwd_scan_kernel`` without TRANSITION), S^T [BV, K] in wgmma
         accumulators: per chunk, the chunk-start state stored (STORE_H), u^T = U^T - S^T W^T and (qg S)^T = S^T qg^T
         (one async group), u stored (STORE_H), o^T = (qg S)^T + u^T Aqk^T, S^T <- S^T diag(gc) + u^T kd."""
-        v0 = gl.program_id(0) * BV
-        n = gl.program_id(1).to(gl.int64)
-        hv = gl.program_id(2).to(gl.int64)
-        row0 = gl.load(seq_info + n * 3).to(gl.int64)
-        Tn = gl.load(seq_info + n * 3 + 1)
-        cbase = gl.load(seq_info + n * 3 + 2).to(gl.int64)
-        nc = gl.cdiv(Tn, BT)
+        v0, n, hv, row0, Tn, cbase, nc = _chain(seq_info, BV, BT)
         KH: gl.constexpr = K // 2
         SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, KH, 16])
         PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
         PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)
         SA: gl.constexpr = gl.DotOperandLayout(0, SL, 2)
-        CK: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [NW, 1], [1, 0])
-        CA: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BT // 8), BT // 8], [NW, 1], [1, 0])
-        CV: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [NW, 1], [1, 0])
+        CV: gl.constexpr = _copy_layout(BV, NW)
         HSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         w_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], HSH)
         qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], HSH)
@@ -229,9 +208,9 @@ if gluon is not None:
             S1 = gl.zeros([BV, KH], gl.float32, SL)
         for p in gl.static_range(STAGES):
             cp = gl.minimum(p, gl.maximum(nc - 1, 0))
-            _issue_fwd_chunk(W, U, QG, KD, AQK, w_s.index(p), u_s.index(p), qg_s.index(p), kd_s.index(p),
-                             aq_s.index(p), row0 + cp * BT, gl.minimum(Tn - cp * BT, BT), HV, hv, v0, K, V, BT, BV,
-                             CK, CA, CV)
+            _issue_chunk(W, QG, KD, AQK, U, w_s.index(p), qg_s.index(p), kd_s.index(p), aq_s.index(p),
+                         u_s.index(p), row0 + cp * BT, gl.minimum(Tn - cp * BT, BT), HV, hv, v0, K, V, BT, BV,
+                             NW)
         ks = gl.arange(0, K, layout=gl.SliceLayout(1, CV))
         vs = gl.arange(0, BV, layout=gl.SliceLayout(0, CV))
         it = gl.arange(0, BT, layout=gl.SliceLayout(1, CV))
@@ -286,9 +265,9 @@ if gluon is not None:
             # chunk c's stage is free (its wgmmas done, o_s / hs_s read): chunk c + STAGES into it
             gl.thread_barrier()
             cn = gl.minimum(c + STAGES, gl.maximum(nc - 1, 0))
-            _issue_fwd_chunk(W, U, QG, KD, AQK, w_s.index(st), u_s.index(st), qg_s.index(st), kd_s.index(st),
-                             aq_s.index(st), row0 + cn * BT, gl.minimum(Tn - cn * BT, BT), HV, hv, v0, K, V, BT, BV,
-                             CK, CA, CV)
+            _issue_chunk(W, QG, KD, AQK, U, w_s.index(st), qg_s.index(st), kd_s.index(st), aq_s.index(st),
+                         u_s.index(st), row0 + cn * BT, gl.minimum(Tn - cn * BT, BT), HV, hv, v0, K, V, BT, BV,
+                             NW)
         async_copy.wait_group(0)                    # the last prefetches (repeats of the last chunk) land
         if STORE_FINAL:
             gl.store(HT + st_off + s_off, S0)
