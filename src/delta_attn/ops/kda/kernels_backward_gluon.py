@@ -51,8 +51,9 @@ accumulator layouts (two rows per thread: few addresses, 8-byte accesses); the c
 channel's 64 tokens in one warp: the scan never leaves it), reached by layout conversions.
 
 Shared memory (106 KB: two programs per SM): T and T^T share one allocation with dA and dA^T, which replace them
-after step 3's last product with T; dO and u share one; dKb's terms of dk and dG pass through DK (global memory,
-in the L2 cache) rather than holding du, T^T and dW^T in step 4 (36 KB more: one program per SM).
+after step 3's last product with T; dO and u share one; dKb's terms of dk and dG pass through DK (global memory:
+32 KB written and read back per pair) rather than holding du, T^T and dW^T in step 4 (36 KB more: one program per
+SM).
 
 Registers (no spill with 4 warps): the products' operands stay in shared memory and step 4's wgmmas are issued
 together; the terms that do not need the products are formed after them; in every loop the row stride and the
@@ -67,7 +68,7 @@ from .._gluon import gl, gluon
 
 BT = 64          # tokens per chunk (the training chunk)
 BK = 16          # channels per K slice (steps 2 and 4)
-BV = 64          # values per V slice (step 1)
+BV = 64          # values per V slice (step 1; the bf16 dO, u, du, S, dS tiles by V slices)
 WARPS = 4        # one warpgroup: M = 64 tokens per wgmma
 
 if gluon is not None:
