@@ -107,3 +107,47 @@ def test_reverse_scan_ring_depth_by_grid(monkeypatch):
     assert one.get("BV") == 64 and one.get("STAGES") == 2
     (many,) = launch.scan_fused_tiles(128, CUDA)        # 8 x 4096, 16 heads: 256 programs
     assert many.get("STAGES") == 1
+
+
+def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V=128):
+    """(kernel name, EXACT or None, {argument: value}) of every launch ``train_backward`` makes, recorded on meta
+    tensors (nothing runs), with the Gluon dispatch decided by ``gluon``."""
+    monkeypatch.setattr(launch, "_bwd_intra_fused_unsupported", lambda *a, **kw: None if gluon else "forced")
+    monkeypatch.setattr(launch, "_scan_fused_unsupported", lambda *a, **kw: None if gluon else "forced")
+    calls = []
+
+    def record(kernel, grid, args, fixed, candidates):
+        calls.append((getattr(kernel, "fn", kernel).__name__, fixed.get("EXACT"), dict(zip(kernel.arg_names, args))))
+
+    monkeypatch.setattr(launch, "launch", record)
+    meta, bf, f32 = torch.device("meta"), torch.bfloat16, torch.float32
+    R, nc, bt = B * T, launch.max_chunks(B, T, B, False), launch.TRAIN_CHUNK
+    q, k = (torch.empty(B, T, H, K, dtype=bf, device=meta) for _ in range(2))
+    v = torch.empty(B, T, HV, V, dtype=bf, device=meta)
+    g = torch.empty(B, T, HV, K, dtype=f32, device=meta)
+    beta = torch.empty(B, T, HV, dtype=f32, device=meta)
+    do = torch.empty(B, T, HV, V, dtype=bf, device=meta)
+    saved = launch.Saved(*(torch.empty(*s, dtype=d, device=meta) for s, d in (
+        ((R, HV, K), bf), ((R, HV, K), bf), ((R, HV, K), bf), ((R, HV, bt), bf), ((R, HV, bt), f32),
+        ((nc, HV, K), f32), ((nc, HV, K, V), bf), ((R, HV, V), bf))))
+    assert launch.train_backward(q, k, v, g, beta, None, None, None, None, saved, do, None, K ** -0.5, None, True,
+                                 False) is None
+    return calls
+
+
+def test_gluon_domain_launches_no_stage_two(hopper, monkeypatch):
+    """In the Gluon domain the backward launches the Gluon reverse scan, the Gluon kernel (which forms the per-chunk
+    operand gradients from the saved states, dO and du itself) and the EXACT launch, which reads the stage-2 tensors
+    the Gluon kernel wrote for its flagged pairs; elsewhere the Triton scan, then ``_kda_bwd_chunk_grads_kernel``
+    before both Triton intra launches."""
+    calls = _backward_launches(monkeypatch, gluon=True)
+    assert [(n, e) for n, e, _ in calls] == [("_kda_bwd_scan_fused_kernel", None),
+                                             ("_kda_bwd_intra_fused_kernel", None), ("_kda_bwd_intra_kernel", True)]
+    fused, exact = calls[1][2], calls[2][2]
+    for n in ("HS", "DH", "VNEW", "DO"):
+        assert fused[n].dtype == torch.bfloat16, n
+    for n in ("DQG", "DKD", "DW", "DAQK", "DGC", "FLAGS", "DU", "TM"):
+        assert fused[n] is exact[n], n
+    calls = _backward_launches(monkeypatch, gluon=False)
+    assert [(n, e) for n, e, _ in calls] == [("_kda_bwd_scan_kernel", None), ("_kda_bwd_chunk_grads_kernel", None),
+                                             ("_kda_bwd_intra_kernel", False), ("_kda_bwd_intra_kernel", True)]

@@ -491,8 +491,11 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
                    dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
                    scan_tiles(K, V, N * HV, bt, 64, 8, 2))
-        # 2. per-chunk gradients of the scan's operands
-        if NC > 0:
+        # 2. per-chunk gradients of the scan's operands (in the Gluon domain, formed inside the factored launch of
+        #    stage 3, which writes them for the flagged chunks only: the EXACT launch's inputs)
+        gluon_first = NC > 0 and _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                                              compile_device(dev)) is None
+        if NC > 0 and not gluon_first:
             launch(_kda_bwd_chunk_grads_kernel, lambda t: (NC, HV, triton.cdiv(K, t.get("BKB"))),
                    (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
                    dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
@@ -507,13 +510,11 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
         if NC > 0:
             gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
             flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
-            gluon_first = _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
-                                                       compile_device(dev)) is None
             for exact in (False, True):
                 if gluon_first and not exact:   # the factored launch in Gluon; the flagged chunks as below
                     launch(_kda_bwd_intra_fused_kernel, lambda t: (NC, HV),
-                           (q, k, v, g, beta, ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv, db, dg,
-                            flags, float(scale), H, HV),
+                           (q, k, v, g, beta, ch.chunk_t, TM, DU, HS, DH, VNEW, do.to(prec.work), DQG, DKD, DW, DAQK,
+                            DGC, dq_h, dk_h, dv, db, dg, flags, float(scale), H, HV),
                            dict(K=K, V=V, BT=bt, BK=FUSED_BWD_BK, BV=FUSED_BWD_BV, L2NORM=bool(use_qk_l2norm),
                                 FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, W=FUSED_BWD_WARPS),
                            bwd_intra_fused_tiles())
