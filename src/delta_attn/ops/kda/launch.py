@@ -37,6 +37,8 @@ from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layou
 from .kernels_fused import BT as FUSED_CHUNK, WARPS as FUSED_WARPS, _kda_fused_fwd_kernel
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
+from .kernels_intra_gluon import (BC as FUSED_INTRA_BC, BK as FUSED_INTRA_BK, WARPS as FUSED_INTRA_WARPS,
+                                  _kda_train_intra_fused_kernel)
 from .kernels_scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
@@ -201,6 +203,12 @@ def train_intra_tiles(K: int, V: int):
 
 
 @functools.lru_cache(maxsize=None)
+def train_intra_fused_tiles():
+    """The Gluon intra-chunk forward's one configuration (its slices are fixed by ``kernels_intra_gluon``)."""
+    return (tiles("one warpgroup per (chunk, value head); K slices of 32", num_warps=FUSED_INTRA_WARPS),)
+
+
+@functools.lru_cache(maxsize=None)
 def chunk_grads_tiles(K: int, V: int):
     first = tiles("full K block per program (one pass over V)", num_warps=8, BKB=min(128, _pow2(K)),
                   BV=min(32, _pow2(V)))
@@ -281,11 +289,23 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                  DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
     with compiled_together():        # the stages' kernels compile concurrently on first use
-        # 1. intra-chunk stage
+        # 1. intra-chunk stage (training: the Gluon kernel's factored products where it runs, then the Triton
+        #    kernel on the pairs it flagged; else the Triton kernel on every pair)
         if NC > 0 and train:
+            out = (W, U, QG, KD, AQK, GC, TM)
+            gluon_first = _train_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                                         compile_device(q.device)) is None
+            flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
+            if gluon_first:
+                launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
+                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, float(scale), H, HV),
+                       dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
+                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS),
+                       train_intra_fused_tiles())
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
-                   common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
-                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op), train_intra_tiles(K, V))
+                   common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
+                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
+                   train_intra_tiles(K, V))
         elif NC > 0:
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
             for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
@@ -308,33 +328,10 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     return o, final, saved
 
 
-def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
-    """Why the fused Gluon forward (``kernels_fused.py``) does not run this inference call (None: it does)."""
-    if not gluon_available(q.device) or _kda_fused_fwd_kernel is None:
-        return "not a CUDA call with Gluon available"
-    if gluon_version() != FUSED_TRITON:
-        return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
-                f"{'.'.join(map(str, FUSED_TRITON))}")
-    if device_capability(q.device) != (9, 0):
-        return "not an sm_90 GPU (the kernel's wgmma is Hopper's)"
-    if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        return "q, k, v are not bfloat16"
-    if q.shape[-1] != 128 or v.shape[-1] != 128:
-        return "K and V are not both 128"
-    if A_log is not None:
-        return "a gate (A_log, dt_bias, lower_bound) is given"
-    if num_seqs * v.shape[2] < FUSED_MIN_PROGRAMS:
-        return (f"{num_seqs * v.shape[2]} (sequence, value head) pairs: one program each would leave the GPU idle "
-                f"(fewer than {FUSED_MIN_PROGRAMS})")
-    return None
-
-
-def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
-                                 device: torch.device) -> Optional[str]:
-    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
-    ``EXACT=False`` launch of this training backward (None: it does). ``device``: the device the call runs on (or,
-    compiled ahead on meta tensors, compiles for: ``_launch.compile_device``)."""
-    if not gluon_available(device) or _kda_bwd_intra_fused_kernel is None:
+def _gluon_unsupported(kernel, q, v, device: torch.device) -> Optional[str]:
+    """Why a Gluon KDA kernel (``kernel``: None where Gluon is missing) does not run a call on ``device``, for the
+    conditions every one of them shares: CUDA with Gluon, the Triton release of its API, sm_90, bf16, K = V = 128."""
+    if not gluon_available(device) or kernel is None:
         return "not a CUDA call with Gluon available"
     if gluon_version() != FUSED_TRITON:
         return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
@@ -345,6 +342,30 @@ def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, pre
         return "q, k, v are not bfloat16"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return "K and V are not both 128"
+    return None
+
+
+def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
+    """Why the fused Gluon forward (``kernels_fused.py``) does not run this inference call (None: it does)."""
+    why = _gluon_unsupported(_kda_fused_fwd_kernel, q, v, q.device)
+    if why is not None:
+        return why
+    if A_log is not None:
+        return "a gate (A_log, dt_bias, lower_bound) is given"
+    if num_seqs * v.shape[2] < FUSED_MIN_PROGRAMS:
+        return (f"{num_seqs * v.shape[2]} (sequence, value head) pairs: one program each would leave the GPU idle "
+                f"(fewer than {FUSED_MIN_PROGRAMS})")
+    return None
+
+
+def _train_gluon_unsupported(kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                             device: torch.device) -> Optional[str]:
+    """Why a Gluon kernel of the training pipeline does not run this call: :func:`_gluon_unsupported`, then the
+    training kernels' own conditions (no gate parameters, fp32 g and beta, one-float decays). ``device``: the device
+    the call runs on (or, compiled ahead on meta tensors, compiles for: ``_launch.compile_device``)."""
+    why = _gluon_unsupported(kernel, q, v, device)
+    if why is not None:
+        return why
     if A_log is not None or dt_bias is not None or lower_bound is not None:
         return "a gate (A_log, dt_bias, lower_bound) is given"
     if g.dtype != torch.float32 or beta.dtype != torch.float32:
@@ -352,6 +373,23 @@ def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, pre
     if prec.two_float:
         return "cumulative log decays in two floats (exact dots)"
     return None
+
+
+def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                                 device: torch.device) -> Optional[str]:
+    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
+    ``EXACT=False`` launch of this training backward (None: it does): :func:`_train_gluon_unsupported`."""
+    return _train_gluon_unsupported(_kda_bwd_intra_fused_kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                    device)
+
+
+def _train_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                                   device: torch.device) -> Optional[str]:
+    """Why the Gluon intra-chunk forward (``kernels_intra_gluon.py``) does not take this training forward's
+    intra-chunk stage, the Triton kernel then redoing only the pairs it flags (None: it does):
+    :func:`_train_gluon_unsupported`."""
+    return _train_gluon_unsupported(_kda_train_intra_fused_kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                    device)
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
