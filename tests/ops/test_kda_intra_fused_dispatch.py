@@ -1,9 +1,9 @@
 """Which training forwards take the Gluon intra-chunk kernel (``launch._train_intra_fused_unsupported``), checked on
-CPU with the GPU facts patched in: every condition of its domain gives its own reason, and an in-domain call none; on
-CPU the Triton kernel runs alone. The Triton kernel's ``ONLY_FLAGGED`` launch, which follows the Gluon one on the GPU,
-is checked here in the interpreter: the flagged (chunk, value head) pairs come out bit for bit as its full launch
-writes them, the others are left as they were. The Gluon kernel itself is tested on an sm_90 GPU
-(tests/gpu/test_kda_intra_fused_gpu.py)."""
+CPU with the GPU facts patched in: the same reason as the Gluon backward's for every call (whose every condition
+tests/ops/test_kda_bwd_fused_dispatch.py checks); on CPU the Triton kernel runs alone. The Triton kernel's
+``ONLY_FLAGGED`` launch, which follows the Gluon one on the GPU, is checked here in the interpreter: the flagged
+(chunk, value head) pairs come out bit for bit as its full launch writes them, the others are left as they were.
+The Gluon kernel itself is tested on an sm_90 GPU (tests/gpu/test_kda_intra_fused_gpu.py)."""
 import pytest
 import torch
 
@@ -35,44 +35,6 @@ def _args(dtype=torch.bfloat16, K=128, V=128, g_dtype=torch.float32, beta_dtype=
 
 def _call(**case):
     return launch._train_intra_fused_unsupported(*_args(**case))
-
-
-def test_in_domain_call_runs_gluon(hopper):
-    assert _call() is None
-    assert _call(allow_tf32=True) is None
-
-
-@pytest.mark.parametrize("case,expect", [
-    (dict(dtype=torch.float16), "bfloat16"),
-    (dict(dtype=torch.float32), "bfloat16"),
-    (dict(K=64), "K and V"),
-    (dict(V=256), "K and V"),
-    (dict(g_dtype=torch.bfloat16), "g or beta is not float32"),
-    (dict(beta_dtype=torch.bfloat16), "g or beta is not float32"),
-    (dict(A_log=torch.zeros(4)), "gate"),
-    (dict(dt_bias=torch.zeros(4 * 128)), "gate"),
-    (dict(lower_bound=-5.0), "gate"),
-])
-def test_each_condition_names_itself(hopper, case, expect):
-    assert expect in _call(**case)
-
-
-def test_two_float_decays_are_outside(hopper, monkeypatch):
-    two = launch.Precision(torch.bfloat16, "tf32", "tf32", "tf32", True, launch.tl.bfloat16)
-    monkeypatch.setattr(launch, "precision", lambda *a, **k: two)
-    assert "two floats" in _call()
-
-
-def test_architecture_and_triton_release(hopper, monkeypatch):
-    monkeypatch.setattr(launch, "device_capability", lambda device: (10, 0))
-    assert "sm_90" in _call()
-    monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(launch, "gluon_version", lambda: (3, 9))
-    assert "Gluon API of Triton 3.6" in _call()
-
-
-def test_cpu_calls_take_the_triton_kernel():
-    assert "CUDA" in _call(device=torch.device("cpu"))
 
 
 def test_same_domain_as_the_gluon_backward(hopper):
@@ -129,12 +91,3 @@ def test_only_flagged_launch_redoes_the_flagged_pairs_alone(monkeypatch):
                     assert torch.equal(got, want), (n, c, hv)
                 else:
                     assert bool((got == -7.0).all()), (n, c, hv)
-
-
-def test_meta_tensors_compiled_ahead_stand_for_their_device():
-    """Compiled ahead on meta tensors inside ``compile_only``, the dispatch asks about the device the launches
-    compile for (``_launch.compile_device``), so the kernel the real call runs is the one compiled."""
-    meta = torch.device("meta")
-    with _launch.compiled_together():
-        with _launch.compile_only(CUDA):
-            assert _launch.compile_device(meta) == CUDA
