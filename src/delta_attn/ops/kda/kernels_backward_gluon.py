@@ -137,6 +137,15 @@ if gluon is not None:
         return flag
 
     @gluon.jit
+    def _chunk_program(chunk_info, H, HV):
+        """A (chunk, value head) program's chunk c, value head hv, its q / k head h, the chunk's first packed row and
+        its length (chunk_info: (sequence, first row, length) per chunk)."""
+        c = gl.program_id(0).to(gl.int64)
+        hv = gl.program_id(1).to(gl.int64)
+        row0 = gl.load(chunk_info + c * 3 + 1).to(gl.int64)
+        return c, hv, hv // (HV // H), row0, gl.load(chunk_info + c * 3 + 2)
+
+    @gluon.jit
     def _kda_bwd_intra_fused_kernel(q, k, v, g, beta, chunk_info, TM, DU, HS, DH, VNEW, DO, DQG, DKD, DW, DAQK, DGC,
                                     DQ, DK, DV, DB, DG, FLAGS, scale, H, HV,
                                     K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
@@ -144,11 +153,7 @@ if gluon is not None:
                                     FACTOR_MAX: gl.constexpr, W: gl.constexpr):
         gl.static_assert(BK % W == 0 and BK // W <= 32 and K % BK == 0 and V % BV == 0, "K, V: whole slices")
         NV: gl.constexpr = V // BV      # V slices of the state tiles and of dO, u, du
-        c = gl.program_id(0).to(gl.int64)
-        hv = gl.program_id(1).to(gl.int64)
-        h = hv // (HV // H)
-        row0 = gl.load(chunk_info + c * 3 + 1).to(gl.int64)
-        L = gl.load(chunk_info + c * 3 + 2)
+        c, hv, h, row0, L = _chunk_program(chunk_info, H, HV)
         # the chunk's first row of every tensor (64-bit, once); offsets inside the chunk are int32
         q = q + (row0 * H + h) * K
         k = k + (row0 * H + h) * K

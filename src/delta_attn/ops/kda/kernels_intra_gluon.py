@@ -41,7 +41,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .kernels_backward_gluon import _cum_decay, _fetch, _row_at
+    from .kernels_backward_gluon import _chunk_program, _cum_decay, _fetch, _row_at
     from .kernels_fused import _ex2
 
     LOG2E = gl.constexpr(1.4426950408889634)
@@ -60,11 +60,7 @@ if gluon is not None:
         gl.static_assert(K % BK == 0 and V % 64 == 0, "K, V: whole slices")
         NS: gl.constexpr = K // BK                  # K slices
         NB: gl.constexpr = BT // BC                 # diagonal blocks (one per warp)
-        c = gl.program_id(0).to(gl.int64)
-        hv = gl.program_id(1).to(gl.int64)
-        h = hv // (HV // H)
-        row0 = gl.load(chunk_info + c * 3 + 1).to(gl.int64)
-        L = gl.load(chunk_info + c * 3 + 2)
+        c, hv, h, row0, L = _chunk_program(chunk_info, H, HV)
         # the chunk's first row of every tensor (64-bit, once); offsets inside the chunk are int32
         q = q + (row0 * H + h) * K
         k = k + (row0 * H + h) * K
