@@ -81,7 +81,6 @@ def test_cpu_calls_take_the_triton_kernels():
 def test_meta_tensors_compiled_ahead_stand_for_their_device():
     """Compiled ahead (``_compile_backward``: meta tensors inside ``compile_only``), the dispatch asks about the
     device the launches compile for, so the kernel the real call runs is the one compiled."""
-    from delta_attn.ops import _launch
     meta = torch.device("meta")
     assert _launch.compile_device(meta) == meta
     with _launch.compiled_together():
