@@ -126,6 +126,10 @@ def test_gluon_reverse_scan_against_triton(B, T, H, HV, cu, mean, stages, monkey
         torch.cuda.synchronize()
         assert [n for n, _ in scan_runs] == [SCANS[0] if mode == "gluon" else SCANS[1]]
         out[mode] = scan_runs[0][1]
+    NC = launch.chunk_tables(B, T, cu_t, q.device, launch.TRAIN_CHUNK).chunk_t.shape[0]
     for n in ("DU", "DH", "DH0"):
-        err = _rel(out["gluon"][n], out["triton"][n])
+        a, b = out["gluon"][n], out["triton"][n]
+        if n == "DH":                          # rows past the chunks (packed batches) are not written
+            a, b = a[:NC], b[:NC]
+        err = _rel(a, b)
         assert err <= SCAN_TOL, f"{n}: {err:.3e} of the largest entry > {SCAN_TOL:.3e}"
