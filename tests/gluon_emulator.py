@@ -1,0 +1,686 @@
+"""A CPU emulator for the Gluon kernels: each program runs the kernel's Python body sequentially on torch tensors,
+with every ``gl`` / Hopper / Ampere builtin the kernels use replaced by an eager equivalent.
+
+What it checks beyond the results (each a :class:`GluonHazard`, raised where it happens):
+
+- global memory: a load or store outside its tensor (masked-off lanes excepted);
+- cp.async: a read of shared memory whose copy has not landed (``wait_group``), a copy into memory still being
+  read by an outstanding asynchronous wgmma or read by other threads since the last ``thread_barrier``;
+- shared memory across threads: a read of what was written since the last ``thread_barrier`` (the stores of other
+  threads need it: a kernel's shared-memory round trips change layout), a store over what was read since it;
+- wgmma: a shared operand written since the last ``fence_async_shared`` or barrier, a store over an operand of
+  an outstanding asynchronous wgmma, an asynchronous result used before ``warpgroup_mma_wait`` retires it;
+- uninitialised shared memory reads as NaN.
+
+Numerics follow the hardware where it matters to the error rule: bf16 operands multiply exactly into fp32
+accumulators; fp32 operands of wgmma / mma_v2 are truncated to tf32; ``ex2.approx.ftz`` flushes subnormal
+results; Triton's type promotion (a scalar tensor promotes a block like any tensor) and its NaN-ignoring max.
+Layouts are not modelled: a sequential program cannot show a race inside one barrier interval, so the hazards
+above are the ordering rules the kernels follow, checked conservatively.
+
+Usage: ``with emulated_gluon(): ...`` runs every Gluon launch made inside on the emulator (CPU tensors).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import List, Optional
+
+import torch
+
+__all__ = ["GluonHazard", "emulated_gluon", "run_kernel"]
+
+
+class GluonHazard(AssertionError):
+    """An ordering or bounds rule of the GPU that the emulated program broke."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tensors with Triton's promotion
+
+
+def _triton_promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return torch.promote_types(a, b)
+
+
+def _wrap(x):
+    if isinstance(x, torch.Tensor) and not isinstance(x, GT):
+        return x.as_subclass(GT)
+    return x
+
+
+class GT(torch.Tensor):
+    """A register tensor: torch semantics except that tensors of any rank promote each other (Triton's rule; torch
+    lets a 0-d tensor take the dtype of a block), integer // and % truncate (C), and max / min ignore NaN."""
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _BINARY and len(args) >= 2:
+            a, b = args[0], args[1]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+                dt = _triton_promote(a.dtype, b.dtype)
+                args = (a.to(dt), b.to(dt)) + tuple(args[2:])
+            if func in _INT_DIV:
+                x, y = args[0], args[1]
+                xd = x.dtype if isinstance(x, torch.Tensor) else None
+                if xd is not None and not xd.is_floating_point and not isinstance(y, float):
+                    fn = torch.div if func is _INT_DIV[0] else torch.fmod
+                    kw = {"rounding_mode": "trunc"} if fn is torch.div else {}
+                    with torch._C.DisableTorchFunctionSubclass():
+                        return _wrap(fn(x, y, **kw))
+            if func in _RINT_DIV:
+                y, x = args[0], args[1]     # reflected: x // y with x a Python scalar
+                if isinstance(y, torch.Tensor) and not y.dtype.is_floating_point and isinstance(x, int):
+                    fn = torch.div if func is _RINT_DIV[0] else torch.fmod
+                    kw = {"rounding_mode": "trunc"} if fn is torch.div else {}
+                    with torch._C.DisableTorchFunctionSubclass():
+                        return _wrap(fn(torch.full_like(y, x), y, **kw))
+        return super().__torch_function__(func, types_, args, kwargs)
+
+
+_T = torch.Tensor
+_INT_DIV = (_T.__floordiv__, _T.__mod__)
+_RINT_DIV = (_T.__rfloordiv__, _T.__rmod__)
+_BINARY = {
+    _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__, _T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__,
+    _T.__floordiv__, _T.__rfloordiv__, _T.__mod__, _T.__rmod__, _T.__and__, _T.__rand__, _T.__or__, _T.__ror__,
+    _T.__xor__, _T.__rxor__, _T.__lt__, _T.__le__, _T.__gt__, _T.__ge__, _T.__eq__, _T.__ne__, _T.__lshift__,
+    _T.__rshift__, torch.fmax, torch.fmin, torch.add, torch.mul, torch.sub,
+}
+
+
+def _t(x, dtype=None) -> GT:
+    """A Python scalar or tensor as a register tensor (Python ints int32, floats fp32, bools int1)."""
+    if isinstance(x, torch.Tensor):
+        return _wrap(x if dtype is None else x.to(dtype))
+    if dtype is None:
+        dtype = torch.bool if isinstance(x, bool) else torch.int32 if isinstance(x, int) else torch.float32
+    return torch.tensor(x, dtype=dtype).as_subclass(GT)
+
+
+def _plain(x):
+    return x.as_subclass(torch.Tensor) if isinstance(x, GT) else x
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# global memory
+
+
+class _PtrType:
+    def __init__(self, element_ty):
+        self.element_ty = element_ty
+
+
+class Ptr:
+    """A pointer (or block of pointers) into one tensor's storage: the storage as a flat view and element
+    offsets from the tensor's first element."""
+
+    def __init__(self, flat: torch.Tensor, off, name: str):
+        self.flat, self.off, self.name = flat, off, name
+
+    @property
+    def dtype(self):
+        return _PtrType(self.flat.dtype)
+
+    def __add__(self, o):
+        if isinstance(o, Ptr):
+            raise TypeError("pointer + pointer")
+        return Ptr(self.flat, self.off + o, self.name)
+
+    __radd__ = __add__
+
+    def __sub__(self, o):
+        return Ptr(self.flat, self.off - o, self.name)
+
+    def offsets(self) -> torch.Tensor:
+        return _plain(torch.as_tensor(self.off)).to(torch.int64)
+
+
+def _ptr_of(t: torch.Tensor, name: str) -> Ptr:
+    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    flat = torch.as_strided(t, (n,), (1,), t.storage_offset())
+    return Ptr(flat, 0, name)
+
+
+def _checked(ptr: Ptr, mask, what: str):
+    off = ptr.offsets()
+    if mask is not None:
+        mask = _plain(torch.as_tensor(mask)).to(torch.bool)
+        off, mask = torch.broadcast_tensors(off, mask)
+    live = off if mask is None else off[mask]
+    if live.numel() and (int(live.min()) < 0 or int(live.max()) >= ptr.flat.numel()):
+        raise GluonHazard(f"{what} out of bounds of '{ptr.name}': offsets {int(live.min())}..{int(live.max())}, "
+                          f"{ptr.flat.numel()} elements")
+    safe = off if mask is None else torch.where(mask, off, 0)
+    return safe, mask
+
+
+def load(ptr, mask=None, other=None, **_):
+    safe, mask = _checked(ptr, mask, "load")
+    val = ptr.flat[safe]
+    if mask is not None:
+        val = torch.where(mask, val, torch.tensor(0 if other is None else _plain(other), dtype=val.dtype))
+    return _wrap(val.clone())
+
+
+def store(ptr, value, mask=None, **_):
+    safe, mask = _checked(ptr, mask, "store")
+    value = _plain(torch.as_tensor(_plain(value))).to(ptr.flat.dtype)
+    value = torch.broadcast_to(value, safe.shape)
+    if mask is None:
+        ptr.flat[safe.reshape(-1)] = value.reshape(-1)
+    else:
+        ptr.flat[safe[mask]] = value[mask]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared memory and its ordering state
+
+
+class _Machine:
+    """The program's asynchronous state: cp.async groups and outstanding asynchronous wgmmas."""
+
+    def __init__(self):
+        self.open_group: List[tuple] = []
+        self.groups: List[List[tuple]] = []
+        self.wgmmas: List["AsyncAcc"] = []
+        self.allocs: List["Smem"] = []
+
+
+_M: Optional[_Machine] = None
+
+
+class Smem:
+    """A shared-memory descriptor: a view of the allocation's data and, alike, of its per-element state:
+    pending (a cp.async in flight), written / read since the last barrier, unfenced (generic writes the async
+    proxy does not see yet)."""
+
+    def __init__(self, data, pending, written, read, unfenced):
+        self.data, self.pending, self.written, self.read, self.unfenced = data, pending, written, read, unfenced
+
+    def _map(self, f) -> "Smem":
+        return Smem(*(f(x) for x in (self.data, self.pending, self.written, self.read, self.unfenced)))
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def shape(self):
+        return list(self.data.shape)
+
+    def index(self, i):
+        i = int(i)
+        if not 0 <= i < self.data.shape[0]:
+            raise GluonHazard(f"shared memory index {i} outside [0, {self.data.shape[0]})")
+        return self._map(lambda x: x[i])
+
+    def slice(self, start, length, dim=0):
+        start, length = int(start), int(length)
+        if start < 0 or start + length > self.data.shape[dim]:
+            raise GluonHazard(f"shared memory slice {start}+{length} outside dim {dim} of {self.shape}")
+        return self._map(lambda x: x.narrow(dim, start, length))
+
+    def permute(self, order):
+        return self._map(lambda x: x.permute(*[int(o) for o in order]))
+
+    def reshape(self, shape):
+        return self._map(lambda x: x.reshape(*[int(s) for s in shape]))
+
+    def _check_read(self, what: str):
+        if self.pending.any():
+            raise GluonHazard(f"{what}: shared memory read while a cp.async into it is in flight (no wait_group)")
+        if self.written.any():
+            raise GluonHazard(f"{what}: shared memory read of other threads' writes with no thread_barrier between")
+
+    def _check_write(self, what: str):
+        if self.pending.any():
+            raise GluonHazard(f"{what}: shared memory written while a cp.async into it is in flight")
+        if self.read.any():
+            raise GluonHazard(f"{what}: shared memory overwritten after other threads read it, no thread_barrier "
+                              f"between")
+        for w in _M.wgmmas:
+            for r in w.reads:
+                if _overlaps(r, self):
+                    raise GluonHazard(f"{what}: shared memory overwritten while an asynchronous wgmma reads it")
+
+    def load(self, layout=None):
+        self._check_read("smem.load")
+        self.read.fill_(True)
+        return _wrap(self.data.clone())
+
+    def store(self, value):
+        self._check_write("smem.store")
+        value = _plain(value)
+        if value.dtype != self.data.dtype:
+            raise GluonHazard(f"smem.store of {value.dtype} into {self.data.dtype} shared memory")
+        if list(value.shape) != self.shape:
+            raise GluonHazard(f"smem.store of shape {list(value.shape)} into {self.shape}")
+        self.data.copy_(value)
+        self.written.fill_(True)
+        self.unfenced.fill_(True)
+
+
+def _overlaps(a: Smem, b: Smem) -> bool:
+    """Whether two views share an element (same allocation and overlapping addresses)."""
+    if a.data.untyped_storage().data_ptr() != b.data.untyped_storage().data_ptr():
+        return False
+    probe = torch.zeros(a.data.untyped_storage().nbytes() // a.data.element_size(), dtype=torch.int8)
+    pa = torch.as_strided(probe, a.data.shape, a.data.stride(), a.data.storage_offset())
+    pa.fill_(1)
+    pb = torch.as_strided(probe, b.data.shape, b.data.stride(), b.data.storage_offset())
+    return bool((pb == 1).any())
+
+
+def allocate_shared_memory(element_ty, shape, layout=None, value=None):
+    shape = [int(s) for s in shape]
+    data = torch.full(shape, float("nan"), dtype=element_ty) if element_ty.is_floating_point else \
+        torch.full(shape, -12345, dtype=element_ty)
+    s = Smem(data, *(torch.zeros(shape, dtype=torch.bool) for _ in range(4)))
+    if value is not None:
+        s.store(value)
+    _M.allocs.append(s)
+    return s
+
+
+def thread_barrier():
+    for s in _M.allocs:
+        s.written.fill_(False)
+        s.read.fill_(False)
+
+
+def fence_async_shared(cluster=False):
+    for s in _M.allocs:
+        s.unfenced.fill_(False)
+
+
+class _AsyncCopy(types.SimpleNamespace):
+    pass
+
+
+def async_copy_global_to_shared(smem: Smem, pointer: Ptr, mask=None, **_):
+    smem._check_write("cp.async")
+    if list(pointer.offsets().shape) != smem.shape and mask is None:
+        raise GluonHazard(f"cp.async of {list(pointer.offsets().shape)} pointers into {smem.shape}")
+    val = load(pointer, mask=mask, other=0)
+    val = torch.broadcast_to(_plain(val), smem.shape)
+    smem.pending.fill_(True)
+    _M.open_group.append((smem, val.to(smem.dtype).clone()))
+
+
+def commit_group():
+    _M.groups.append(_M.open_group)
+    _M.open_group = []
+
+
+def wait_group(num_outstanding=0):
+    n = int(num_outstanding)
+    while len(_M.groups) > n:
+        for smem, val in _M.groups.pop(0):
+            smem.data.copy_(val)
+            smem.pending.fill_(False)
+            smem.written.fill_(True)       # other threads' copies: a barrier before any thread reads them
+            smem.unfenced.fill_(True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tensor-core products
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 truncated to tf32 (the 13 low mantissa bits dropped), as the tensor cores read fp32 operands."""
+    return (x.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+def _operand(x, what: str) -> torch.Tensor:
+    if isinstance(x, Smem):
+        x._check_read(what)
+        if x.unfenced.any():
+            raise GluonHazard(f"{what}: shared operand written by the generic proxy with no fence_async_shared")
+        x = x.data
+    if isinstance(x, AsyncAcc):
+        raise GluonHazard(f"{what}: an asynchronous wgmma result used as an operand before warpgroup_mma_wait")
+    x = _plain(x)
+    return _tf32(x).double() if x.dtype == torch.float32 else x.double()
+
+
+def _product(a, b, acc, use_acc, what):
+    A, B = _operand(a, what), _operand(b, what)
+    if isinstance(acc, AsyncAcc):
+        acc = acc.value
+    acc = _plain(acc)
+    if A.shape[-1] != B.shape[0] or (A.shape[0], B.shape[1]) != tuple(acc.shape):
+        raise GluonHazard(f"{what}: shapes {list(A.shape)} x {list(B.shape)} -> {list(acc.shape)}")
+    out = A @ B
+    if bool(use_acc):
+        out = out + acc.double()
+    return out.to(acc.dtype)
+
+
+class AsyncAcc:
+    """An asynchronous wgmma's result: readable only through :func:`warpgroup_mma_wait`."""
+
+    def __init__(self, value, reads):
+        self.value, self.reads, self.retired = value, reads, False
+
+
+def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
+    if isinstance(acc, AsyncAcc) and not acc.retired and acc not in _M.wgmmas:
+        raise GluonHazard("warpgroup_mma: accumulator token of an unknown wgmma")
+    value = _wrap(_product(a, b, acc, use_acc, "warpgroup_mma"))
+    if not is_async:
+        return value
+    reads = [x for x in (a, b) if isinstance(x, Smem)]
+    token = AsyncAcc(value, reads)
+    _M.wgmmas.append(token)
+    return token
+
+
+def warpgroup_mma_wait(num_outstanding=0, deps=None):
+    if deps is None:
+        raise ValueError("warpgroup_mma_wait deps must be given")
+    n = int(num_outstanding)
+    while len(_M.wgmmas) > n:
+        _M.wgmmas.pop(0).retired = True
+    out = []
+    for d in deps:
+        if isinstance(d, AsyncAcc):
+            if not d.retired:
+                raise GluonHazard("warpgroup_mma_wait: a dependency's wgmma is still outstanding after the wait")
+            out.append(d.value)
+        else:
+            out.append(d)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def mma_v2(a, b, acc, input_precision=None):
+    return _wrap(_product(a, b, acc, True, "mma_v2"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the gl namespace
+
+
+class _Layout:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    @classmethod
+    def get_default_for(cls, *args, **kwargs):
+        return cls(*args, **kwargs)
+
+
+def _constexpr(x=None):
+    return x
+
+
+def _ex2_ftz(x):
+    r = torch.exp2(_plain(x).float())
+    return _wrap(torch.where(r.abs() < 2.0 ** -126, torch.zeros_like(r), r))
+
+
+_ASM = {
+    "ex2.approx.ftz.f32 $0, $1;": lambda args: _ex2_ftz(args[0]),
+    "mov.b64 $0, $1;": lambda args: _t(args[0]),
+    "mov.b32 $0, $1;": lambda args: _t(args[0]),
+}
+
+
+def inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
+    if asm not in _ASM:
+        raise NotImplementedError(f"emulator: inline asm {asm!r}")
+    return _t(_ASM[asm](args), dtype)
+
+
+def _range(*args):
+    """A run-time loop: its variable is an integer tensor of the bounds' type (Triton's scf.for)."""
+    dt = torch.int32
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dt = torch.promote_types(dt, a.dtype)
+    for i in range(*[int(a) for a in args]):
+        yield _t(i, dt)
+
+
+def _static_range(*args):
+    return range(*[int(a) for a in args])
+
+
+def _static_assert(cond, msg=""):
+    assert cond, msg
+
+
+def arange(start, end, layout=None):
+    return _t(torch.arange(int(start), int(end), dtype=torch.int32))
+
+
+def full(shape, value, dtype, layout=None):
+    return _t(torch.full([int(s) for s in shape], _plain(value) if not isinstance(value, torch.Tensor) else
+                         float(value), dtype=dtype))
+
+
+def zeros(shape, dtype, layout=None):
+    return full(shape, 0, dtype)
+
+
+def zeros_like(x, **_):
+    return _t(torch.zeros_like(_plain(x)))
+
+
+def where(cond, a, b):
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        a = _t(a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+        dt = _triton_promote(a.dtype, b.dtype)
+        a, b = a.to(dt), b.to(dt)
+    return _wrap(torch.where(_plain(_t(cond)).to(torch.bool), _plain(a), _plain(b)))
+
+
+def _nan_ignoring(x, axis, fn, fill):
+    x = _plain(x)
+    if x.dtype.is_floating_point:
+        nan = torch.isnan(x)
+        all_nan = nan.all(dim=axis) if axis is not None else nan.all()
+        r = fn(torch.where(nan, fill, x), axis)
+        return _wrap(torch.where(all_nan, float("nan"), r))
+    return _wrap(fn(x, axis))
+
+
+def _reduce_dtype(x, floor_fp32=True):
+    x = _plain(_t(x))
+    if x.dtype == torch.bool or (not x.dtype.is_floating_point and x.element_size() < 4):
+        return x.to(torch.int32)
+    if floor_fp32 and x.dtype in (torch.bfloat16, torch.float16):
+        return x.float()
+    return x
+
+
+def gmax(x, axis=None, keep_dims=False):
+    x = _reduce_dtype(x)
+    f = (lambda t, a: t.amax() if a is None else t.amax(dim=a, keepdim=keep_dims))
+    return _nan_ignoring(x, axis, f, float("-inf"))
+
+
+def gmin(x, axis=None, keep_dims=False):
+    x = _reduce_dtype(x)
+    f = (lambda t, a: t.amin() if a is None else t.amin(dim=a, keepdim=keep_dims))
+    return _nan_ignoring(x, axis, f, float("inf"))
+
+
+def gsum(x, axis=None, keep_dims=False, dtype=None):
+    x = _reduce_dtype(x, floor_fp32=False)
+    r = x.sum() if axis is None else x.sum(dim=int(axis), keepdim=keep_dims)
+    return _t(r, dtype)
+
+
+def associative_scan(x, axis, combine_fn, reverse=False):
+    x = _t(x)
+    axis = int(axis)
+    n = x.shape[axis]
+    idx = list(range(n))[::-1] if reverse else list(range(n))
+    outs = [None] * n
+    acc = None
+    for i in idx:
+        cur = x.select(axis, i)
+        acc = cur if acc is None else combine_fn(acc, cur)
+        outs[i] = _plain(acc)
+    return _wrap(torch.stack(outs, dim=axis))
+
+
+def _maximum(a, b, **_):
+    a, b = _t(a) if not isinstance(a, torch.Tensor) else a, _t(b) if not isinstance(b, torch.Tensor) else b
+    return _wrap(torch.fmax(a, b) if a.dtype.is_floating_point or b.dtype.is_floating_point else
+                 torch.maximum(*[x.to(torch.promote_types(a.dtype, b.dtype)) for x in (_plain(a), _plain(b))]))
+
+
+def _minimum(a, b, **_):
+    a, b = _t(a) if not isinstance(a, torch.Tensor) else a, _t(b) if not isinstance(b, torch.Tensor) else b
+    return _wrap(torch.fmin(a, b) if a.dtype.is_floating_point or b.dtype.is_floating_point else
+                 torch.minimum(*[x.to(torch.promote_types(a.dtype, b.dtype)) for x in (_plain(a), _plain(b))]))
+
+
+def _unary(fn):
+    return lambda x: _wrap(fn(_plain(_t(x))))
+
+
+def _program_id(axis):
+    return _t(_PROGRAM[int(axis)])
+
+
+_PROGRAM = [0, 0, 0]
+_GRID = [1, 1, 1]
+_WARPS = [4]
+
+gl_emu = types.SimpleNamespace(
+    constexpr=_constexpr, constexpr_function=lambda f: f,
+    int1=torch.bool, int8=torch.int8, int16=torch.int16, int32=torch.int32, int64=torch.int64,
+    uint8=torch.uint8, float16=torch.float16, bfloat16=torch.bfloat16, float32=torch.float32,
+    float64=torch.float64,
+    BlockedLayout=_Layout, SliceLayout=_Layout, NVMMADistributedLayout=_Layout, NVMMASharedLayout=_Layout,
+    DotOperandLayout=_Layout, SwizzledSharedLayout=_Layout, DistributedLinearLayout=_Layout,
+    PaddedSharedLayout=_Layout, AutoLayout=_Layout,
+    program_id=_program_id, num_programs=lambda axis: _t(_GRID[int(axis)]), num_warps=lambda: _WARPS[0],
+    arange=arange, full=full, zeros=zeros, zeros_like=zeros_like, where=where,
+    load=load, store=store, allocate_shared_memory=allocate_shared_memory, thread_barrier=thread_barrier,
+    convert_layout=lambda x, layout=None, assert_trivial=False: x,
+    sum=gsum, max=gmax, min=gmin, associative_scan=associative_scan,
+    maximum=_maximum, minimum=_minimum,
+    exp=_unary(torch.exp), exp2=_unary(torch.exp2), log=_unary(torch.log), log2=_unary(torch.log2),
+    sqrt=_unary(torch.sqrt), rsqrt=_unary(torch.rsqrt), abs=_unary(torch.abs),
+    sigmoid=_unary(torch.sigmoid),
+    expand_dims=lambda x, axis: _wrap(_plain(x).unsqueeze(int(axis))),
+    reshape=lambda x, shape, **_: _wrap(_plain(x).reshape([int(s) for s in shape])),
+    permute=lambda x, dims: _wrap(_plain(x).permute(*[int(d) for d in dims])),
+    cdiv=lambda a, b: (a + b - 1) // b,
+    to_tensor=_t, static_range=_static_range, static_assert=_static_assert,
+    inline_asm_elementwise=inline_asm_elementwise,
+)
+
+async_copy_emu = types.SimpleNamespace(async_copy_global_to_shared=async_copy_global_to_shared,
+                                       commit_group=commit_group, wait_group=wait_group)
+
+_HOPPER = {"warpgroup_mma": warpgroup_mma, "warpgroup_mma_wait": warpgroup_mma_wait,
+           "fence_async_shared": fence_async_shared, "mma_v2": mma_v2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernels: their Python bodies rebound to the emulated namespace
+
+
+_EMULATED = {}
+
+
+def _emulated(fn_obj):
+    """The Python function of a Gluon JIT function (or a plain helper), its globals rebound to the emulator."""
+    key = id(fn_obj)
+    if key in _EMULATED:
+        return _EMULATED[key]
+    fn = getattr(fn_obj, "fn", fn_obj)
+    g = dict(fn.__globals__)
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    _EMULATED[key] = new
+    for name, val in list(g.items()):
+        g[name] = _translate(name, val)
+    g["range"] = _range
+    return new
+
+
+def _translate(name, val):
+    mod = getattr(val, "__name__", "") if isinstance(val, types.ModuleType) else ""
+    if mod.startswith("triton.experimental.gluon.language"):
+        if mod.endswith("async_copy"):
+            return async_copy_emu
+        if mod == "triton.experimental.gluon.language":
+            return gl_emu
+        return val
+    cls = type(val).__name__
+    if cls in ("GluonJITFunction", "JITFunction", "InterpretedFunction"):
+        return _emulated(val)
+    if cls == "ConstexprFunction":
+        return val.fn
+    vmod = getattr(val, "__module__", "") or ""
+    if callable(val) and vmod.startswith("triton.experimental.gluon") and name in _HOPPER:
+        return _HOPPER[name]
+    return val
+
+
+def run_kernel(kernel, grid, *args, **kwargs):
+    """Run a Gluon kernel's every program on the emulator (launch options dropped)."""
+    global _M
+    import inspect
+    fn = kernel.fn
+    sig = inspect.signature(fn)
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k not in sig.parameters}
+    _WARPS[0] = int(opts.get("num_warps", 4))
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = {}
+    for name, val in bound.arguments.items():
+        ann = fn.__annotations__.get(name)
+        constexpr = ann is not None and "constexpr" in str(ann)
+        if isinstance(val, torch.Tensor):
+            call[name] = _ptr_of(val, name)
+        elif constexpr or val is None:
+            call[name] = val
+        elif isinstance(val, bool):
+            call[name] = _t(val)
+        elif isinstance(val, int):
+            call[name] = _t(val, torch.int32 if -2 ** 31 <= val < 2 ** 31 else torch.int64)
+        elif isinstance(val, float):
+            call[name] = _t(val, torch.float32)
+        else:
+            call[name] = val
+    body = _emulated(kernel)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    _GRID[:] = [int(x) for x in grid]
+    for z in range(grid[2]):
+        for y in range(grid[1]):
+            for x in range(grid[0]):
+                _PROGRAM[:] = [x, y, z]
+                _M = _Machine()
+                body(**call)
+                if _M.groups or _M.open_group:
+                    raise GluonHazard("program ended with cp.async groups not waited for")
+                if _M.wgmmas:
+                    raise GluonHazard("program ended with asynchronous wgmmas not waited for")
+    _M = None
+
+
+@contextlib.contextmanager
+def emulated_gluon():
+    """Every Gluon kernel launched inside runs on the emulator."""
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    orig = GluonJITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            raise RuntimeError("emulated Gluon kernels are not compiled")
+        return run_kernel(self, grid, *args, **kwargs)
+
+    GluonJITFunction.run = run
+    try:
+        yield
+    finally:
+        GluonJITFunction.run = orig

@@ -1,0 +1,129 @@
+"""The Gluon kernels on the CPU emulator (``tests/gluon_emulator.py``): the fused KDA inference forward
+(``ops/kda/kernels_fused.py``) over property configurations of its domain against the float64 reference with the
+error rule, and the emulator's own hazard checks on kernels that break each rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import properties as P
+from delta_attn.ops import _gluon
+
+pytestmark = pytest.mark.skipif(_gluon.gluon is None, reason="Triton without Gluon")
+
+if _gluon.gluon is not None:
+    import gluon_emulator as E
+
+DEV = "cpu"
+SEED0 = 100_000
+
+
+def _in_domain(case) -> bool:
+    kc = case.p["kda"]
+    return kc.dtype == "bf16" and kc.K == kc.V == 128 and kc.gate is None and not case.grad
+
+
+@pytest.fixture
+def fused_runs(monkeypatch):
+    """The fused Gluon forward's dispatch opened to CPU tensors on the emulator; the list of its calls."""
+    from delta_attn import backends
+    from delta_attn.ops.kda import launch
+    rule = backends.BACKENDS["triton"]._device_rule
+    monkeypatch.setattr(backends.BACKENDS["triton"], "_device_rule",
+                        lambda call: [] if call.device.type == "cpu" else rule(call))
+    monkeypatch.setattr(launch, "gluon_available", lambda device: True)
+    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
+    monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
+    runs = []
+    real = launch.fused_forward
+
+    def spy(*args, **kw):
+        runs.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "fused_forward", spy)
+    with E.emulated_gluon():
+        yield runs
+
+
+# property seeds in the fused domain (tests/gpu/test_kda_fused_gpu.py draws the same; the emulator takes a subset)
+SEEDS = [s for s in range(400) if _in_domain(P.draw("kda", SEED0 + s, "gpu"))][:12]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fused_forward_property_configuration(seed, fused_runs):
+    case = P.draw("kda", SEED0 + seed, "gpu")
+    assert P.Checker(case, DEV).check("triton") == "ran"
+    assert fused_runs, "the fused kernel did not run"
+
+
+@pytest.mark.parametrize("T,cu", [(300, None), (0, (0, 100, 100, 117, 260))])
+def test_fused_forward_exact_chunks_between_factored_ones(T, cu, fused_runs):
+    """Strong decays (-80, -inf, -1e4) planted in a few chunks of otherwise mild ones: those chunks go token by
+    token, the others factored, and the state carries across both."""
+    B = 2 if cu is None else 1
+    c = P.KDACase(seed=5, B=B, T=T if cu is None else cu[-1], cu=cu, H=2, HV=4, K=128, V=128, dtype="bf16",
+                  gate=None, l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=True, grad=False)
+    xs, kw = P.kda_inputs(c, DEV)
+    g = xs[3]
+    for row, val in ((20, -80.0), (21, -80.0), (133, float("-inf")), (200, -1e4), (201, -1e4)):
+        g[:, row, 1, :64] = val
+    bad, _ = P.kda_compare(xs, kw, False, c.seed, use_qk_l2norm=True, output_final_state=True)
+    assert not bad, "; ".join(bad)
+    assert fused_runs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the emulator's hazard checks: one small kernel per rule, run correct and broken
+
+if _gluon.gluon is not None:
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    gl, gluon = _gluon.gl, _gluon.gluon
+
+    @gluon.jit
+    def _rules_kernel(x, y, N: gl.constexpr, BREAK: gl.constexpr):
+        """y = x @ x^T for an [N, N] bf16 x: cp.async into shared memory, a register round trip through a second
+        buffer, an asynchronous wgmma; BREAK names the rule the program breaks (0: none)."""
+        L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+        A: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+        i = gl.arange(0, N, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, N, layout=gl.SliceLayout(0, L))
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [N, N], SH)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [N, N], SH)
+        off = i[:, None] * N + j[None, :]
+        if BREAK == 5:
+            off = off + 1                                   # reads one element past x
+        async_copy.async_copy_global_to_shared(a_s, x + off)
+        async_copy.commit_group()
+        if BREAK != 1:
+            async_copy.wait_group(0)                        # 1: the copy is read before it lands
+        if BREAK != 2:
+            gl.thread_barrier()                             # 2: other threads' copies read with no barrier
+        b_s.store(a_s.load(L))
+        if BREAK != 3:
+            fence_async_shared()                            # 3: the wgmma reads generic writes with no fence
+        gl.thread_barrier()
+        acc = warpgroup_mma(a_s, b_s.permute((1, 0)), gl.zeros([N, N], gl.float32, A), is_async=True)
+        if BREAK == 4:
+            b_s.store(gl.zeros([N, N], gl.bfloat16, L))    # 4: an operand overwritten while the wgmma reads it
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.store(y + off, gl.convert_layout(acc, L))
+
+
+@pytest.mark.parametrize("broken", [0, 1, 2, 3, 4, 5])
+def test_emulator_hazards(broken):
+    N = 16
+    x = torch.randn(N, N).to(torch.bfloat16)
+    y = torch.zeros(N, N)
+    if broken == 0:
+        E.run_kernel(_rules_kernel, (1,), x, y, N=N, BREAK=0, num_warps=4)
+        torch.testing.assert_close(y, (x.float() @ x.float().T), rtol=1e-5, atol=1e-5)
+        return
+    expect = {1: "in flight", 2: "no thread_barrier", 3: "no fence_async_shared", 4: "asynchronous wgmma reads",
+              5: "out of bounds"}[broken]
+    with pytest.raises(E.GluonHazard, match=expect):
+        E.run_kernel(_rules_kernel, (1,), x, y, N=N, BREAK=broken, num_warps=4)
