@@ -53,9 +53,23 @@ class GT(torch.Tensor):
     """A register tensor: torch semantics except that tensors of any rank promote each other (Triton's rule; torch
     lets a 0-d tensor take the dtype of a block), integer // and % truncate (C), and max / min ignore NaN."""
 
+    _lay = None         # the layout the kernel gave it (tracked where Gluon fixes it; None: unknown)
+
+    def to(self, *args, bitcast=False, fp_downcast_rounding=None, **kwargs):
+        """Triton's cast: ``bitcast`` reinterprets the bits."""
+        if bitcast:
+            return _tagged(_plain(self).view(args[0]), self._lay)
+        return super().to(*args, **kwargs)
+
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        res = cls._dispatch(func, types_, args, kwargs or {})
+        if isinstance(res, GT):
+            res._lay = _result_layout(func, args, res)
+        return res
+
+    @classmethod
+    def _dispatch(cls, func, types_, args, kwargs):
         if func in _BINARY and len(args) >= 2:
             a, b = args[0], args[1]
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
@@ -77,6 +91,32 @@ class GT(torch.Tensor):
                     with torch._C.DisableTorchFunctionSubclass():
                         return _wrap(fn(torch.full_like(y, x), y, **kw))
         return super().__torch_function__(func, types_, args, kwargs)
+
+
+def _result_layout(func, args, res):
+    """Gluon's layout of an op's result: a SliceLayout's parent where x[:, None] / x[None, :] re-adds the sliced
+    dimension, else the one layout among the operands of the result's rank (Gluon broadcasts within a layout)."""
+    if func is torch.Tensor.__getitem__:
+        x, idx = args[0], args[1]
+        lay = getattr(x, "_lay", None)
+        if lay is not None and lay.kind == "SliceLayout" and x.dim() == 1 and isinstance(idx, tuple) and None in idx:
+            dim, parent = lay.slice_args()
+            return parent if idx.index(None) == dim else None
+        return None
+    flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else (x,))]
+    tags = {a._lay for a in flat if isinstance(a, GT) and a._lay is not None and a.dim() == res.dim()}
+    return tags.pop() if len(tags) == 1 else None
+
+
+def _tagged(x, layout):
+    """x (a new view) with layout ``layout``."""
+    y = _plain(_t(x)).view_as(_plain(_t(x))).as_subclass(GT)
+    y._lay = layout
+    return y
+
+
+def _lay(x):
+    return getattr(x, "_lay", None)
 
 
 _T = torch.Tensor
@@ -161,7 +201,7 @@ def load(ptr, mask=None, other=None, **_):
     val = ptr.flat[safe]
     if mask is not None:
         val = torch.where(mask, val, torch.tensor(0 if other is None else _plain(other), dtype=val.dtype))
-    return _wrap(val.clone())
+    return _tagged(val.clone(), _lay(ptr.off))
 
 
 def store(ptr, value, mask=None, **_):
@@ -189,6 +229,7 @@ class _Machine:
 
 
 _M: Optional[_Machine] = None
+_ACCESS: dict = {}
 
 
 class Smem:
@@ -196,11 +237,22 @@ class Smem:
     pending (a cp.async in flight), written / read since the last barrier, unfenced (generic writes the async
     proxy does not see yet)."""
 
-    def __init__(self, data, pending, written, read, unfenced):
+    def __init__(self, data, pending, written, read, unfenced, written_by, read_by):
         self.data, self.pending, self.written, self.read, self.unfenced = data, pending, written, read, unfenced
+        self.written_by, self.read_by = written_by, read_by
 
     def _map(self, f) -> "Smem":
-        return Smem(*(f(x) for x in (self.data, self.pending, self.written, self.read, self.unfenced)))
+        return Smem(*(f(x) for x in (self.data, self.pending, self.written, self.read, self.unfenced,
+                                     self.written_by, self.read_by)))
+
+    def access(self, layout) -> int:
+        """The id of an access of this view in ``layout`` (the same id: the same threads hold the same elements);
+        0 when the layout is unknown."""
+        if layout is None:
+            return 0
+        key = (layout.key() if isinstance(layout, _Layout) else layout, tuple(self.data.shape), self.data.stride(),
+               self.data.storage_offset())
+        return _ACCESS.setdefault(key, len(_ACCESS) + 1)
 
     @property
     def dtype(self):
@@ -228,16 +280,16 @@ class Smem:
     def reshape(self, shape):
         return self._map(lambda x: x.reshape(*[int(s) for s in shape]))
 
-    def _check_read(self, what: str):
+    def _check_read(self, what: str, access: int = 0):
         if self.pending.any():
             raise GluonHazard(f"{what}: shared memory read while a cp.async into it is in flight (no wait_group)")
-        if self.written.any():
+        if (self.written & ((self.written_by != access) | (access == 0))).any():
             raise GluonHazard(f"{what}: shared memory read of other threads' writes with no thread_barrier between")
 
-    def _check_write(self, what: str):
+    def _check_write(self, what: str, access: int = 0):
         if self.pending.any():
             raise GluonHazard(f"{what}: shared memory written while a cp.async into it is in flight")
-        if self.read.any():
+        if (self.read & ((self.read_by != access) | (access == 0))).any():
             raise GluonHazard(f"{what}: shared memory overwritten after other threads read it, no thread_barrier "
                               f"between")
         for w in _M.wgmmas:
@@ -246,12 +298,15 @@ class Smem:
                     raise GluonHazard(f"{what}: shared memory overwritten while an asynchronous wgmma reads it")
 
     def load(self, layout=None):
-        self._check_read("smem.load")
+        acc = self.access(layout)
+        self._check_read("smem.load", acc)
+        self.read_by.copy_(torch.where(self.read & (self.read_by != acc), 0, acc))
         self.read.fill_(True)
-        return _wrap(self.data.clone())
+        return _tagged(self.data.clone(), layout)
 
     def store(self, value):
-        self._check_write("smem.store")
+        acc = self.access(_lay(value))
+        self._check_write("smem.store", acc)
         value = _plain(value)
         if value.dtype != self.data.dtype:
             raise GluonHazard(f"smem.store of {value.dtype} into {self.data.dtype} shared memory")
@@ -259,6 +314,7 @@ class Smem:
             raise GluonHazard(f"smem.store of shape {list(value.shape)} into {self.shape}")
         self.data.copy_(value)
         self.written.fill_(True)
+        self.written_by.fill_(acc)
         self.unfenced.fill_(True)
 
 
@@ -277,7 +333,8 @@ def allocate_shared_memory(element_ty, shape, layout=None, value=None):
     shape = [int(s) for s in shape]
     data = torch.full(shape, float("nan"), dtype=element_ty) if element_ty.is_floating_point else \
         torch.full(shape, -12345, dtype=element_ty)
-    s = Smem(data, *(torch.zeros(shape, dtype=torch.bool) for _ in range(4)))
+    s = Smem(data, *(torch.zeros(shape, dtype=torch.bool) for _ in range(4)),
+             *(torch.zeros(shape, dtype=torch.int32) for _ in range(2)))
     if value is not None:
         s.store(value)
     _M.allocs.append(s)
@@ -300,13 +357,14 @@ class _AsyncCopy(types.SimpleNamespace):
 
 
 def async_copy_global_to_shared(smem: Smem, pointer: Ptr, mask=None, **_):
-    smem._check_write("cp.async")
+    acc = smem.access(_lay(pointer.off))
+    smem._check_write("cp.async", acc)
     if list(pointer.offsets().shape) != smem.shape and mask is None:
         raise GluonHazard(f"cp.async of {list(pointer.offsets().shape)} pointers into {smem.shape}")
     val = load(pointer, mask=mask, other=0)
     val = torch.broadcast_to(_plain(val), smem.shape)
     smem.pending.fill_(True)
-    _M.open_group.append((smem, val.to(smem.dtype).clone()))
+    _M.open_group.append((smem, val.to(smem.dtype).clone(), acc))
 
 
 def commit_group():
@@ -317,10 +375,11 @@ def commit_group():
 def wait_group(num_outstanding=0):
     n = int(num_outstanding)
     while len(_M.groups) > n:
-        for smem, val in _M.groups.pop(0):
+        for smem, val, acc in _M.groups.pop(0):
             smem.data.copy_(val)
             smem.pending.fill_(False)
-            smem.written.fill_(True)       # other threads' copies: a barrier before any thread reads them
+            smem.written.fill_(True)       # other threads' copies: a barrier before another layout reads them
+            smem.written_by.fill_(acc)
             smem.unfenced.fill_(True)
 
 
@@ -368,7 +427,8 @@ class AsyncAcc:
 def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
     if isinstance(acc, AsyncAcc) and not acc.retired and acc not in _M.wgmmas:
         raise GluonHazard("warpgroup_mma: accumulator token of an unknown wgmma")
-    value = _wrap(_product(a, b, acc, use_acc, "warpgroup_mma"))
+    value = _tagged(_product(a, b, acc, use_acc, "warpgroup_mma"),
+                    _lay(acc.value if isinstance(acc, AsyncAcc) else acc))
     if not is_async:
         return value
     reads = [x for x in (a, b) if isinstance(x, Smem)]
@@ -395,20 +455,49 @@ def warpgroup_mma_wait(num_outstanding=0, deps=None):
 
 
 def mma_v2(a, b, acc, input_precision=None):
-    return _wrap(_product(a, b, acc, True, "mma_v2"))
+    return _tagged(_product(a, b, acc, True, "mma_v2"), _lay(acc))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the gl namespace
 
 
+def _freeze(x):
+    if isinstance(x, _Layout):
+        return x.key()
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(y) for y in x)
+    return x
+
+
 class _Layout:
+    """A layout: compared by kind and arguments (two layouts built alike are the same threads' mapping)."""
+    kind = "layout"
+
     def __init__(self, *args, **kwargs):
         self.args, self.kwargs = args, kwargs
+
+    def key(self):
+        return (self.kind, _freeze(self.args), _freeze(sorted(self.kwargs.items())))
+
+    def __eq__(self, other):
+        return isinstance(other, _Layout) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def slice_args(self):
+        dim = self.kwargs.get("dim", self.args[0] if self.args else None)
+        parent = self.kwargs.get("parent", self.args[1] if len(self.args) > 1 else None)
+        return int(dim), parent
 
     @classmethod
     def get_default_for(cls, *args, **kwargs):
         return cls(*args, **kwargs)
+
+
+def _layout_kind(name):
+    return type(name, (_Layout,), {"kind": name})
 
 
 def _constexpr(x=None):
@@ -430,7 +519,7 @@ _ASM = {
 def inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     if asm not in _ASM:
         raise NotImplementedError(f"emulator: inline asm {asm!r}")
-    return _t(_ASM[asm](args), dtype)
+    return _tagged(_t(_ASM[asm](args), dtype), _lay(args[0]))
 
 
 def _range(*args):
@@ -452,12 +541,20 @@ def _static_assert(cond, msg=""):
 
 
 def arange(start, end, layout=None):
-    return _t(torch.arange(int(start), int(end), dtype=torch.int32))
+    return _tagged(torch.arange(int(start), int(end), dtype=torch.int32), layout)
 
 
 def full(shape, value, dtype, layout=None):
-    return _t(torch.full([int(s) for s in shape], _plain(value) if not isinstance(value, torch.Tensor) else
-                         float(value), dtype=dtype))
+    return _tagged(torch.full([int(s) for s in shape], _plain(value) if not isinstance(value, torch.Tensor) else
+                              float(value), dtype=dtype), layout)
+
+
+def _expand_dims(x, axis):
+    lay = _lay(x)
+    y = _wrap(_plain(x).unsqueeze(int(axis)))
+    if lay is not None and lay.kind == "SliceLayout" and lay.slice_args()[0] == int(axis):
+        y._lay = lay.slice_args()[1]
+    return y
 
 
 def zeros(shape, dtype, layout=None):
@@ -465,7 +562,7 @@ def zeros(shape, dtype, layout=None):
 
 
 def zeros_like(x, **_):
-    return _t(torch.zeros_like(_plain(x)))
+    return _tagged(torch.zeros_like(_plain(x)), _lay(x))
 
 
 def where(cond, a, b):
@@ -474,7 +571,10 @@ def where(cond, a, b):
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
         dt = _triton_promote(a.dtype, b.dtype)
         a, b = a.to(dt), b.to(dt)
-    return _wrap(torch.where(_plain(_t(cond)).to(torch.bool), _plain(a), _plain(b)))
+    cond = _t(cond)
+    r = _wrap(torch.where(_plain(cond).to(torch.bool), _plain(a), _plain(b)))
+    r._lay = _result_layout(None, (cond, a, b), r)
+    return r
 
 
 def _nan_ignoring(x, axis, fn, fill):
@@ -496,6 +596,16 @@ def _reduce_dtype(x, floor_fp32=True):
     return x
 
 
+def _reduced(fn):
+    def reduce(x, axis=None, *args, **kwargs):
+        r = fn(x, axis, *args, **kwargs)
+        lay = _lay(x)
+        if lay is not None and axis is not None and not kwargs.get("keep_dims"):
+            r = _tagged(r, _SliceLayout(int(axis), lay))
+        return r
+    return reduce
+
+
 def gmax(x, axis=None, keep_dims=False):
     x = _reduce_dtype(x)
     f = (lambda t, a: t.amax() if a is None else t.amax(dim=a, keepdim=keep_dims))
@@ -515,6 +625,10 @@ def gsum(x, axis=None, keep_dims=False, dtype=None):
 
 
 def associative_scan(x, axis, combine_fn, reverse=False):
+    return _tagged(_associative_scan(x, axis, combine_fn, reverse), _lay(x))
+
+
+def _associative_scan(x, axis, combine_fn, reverse=False):
     x = _t(x)
     axis = int(axis)
     n = x.shape[axis]
@@ -528,12 +642,22 @@ def associative_scan(x, axis, combine_fn, reverse=False):
     return _wrap(torch.stack(outs, dim=axis))
 
 
+def _keeps_layout(fn):
+    def op(a, b, **kw):
+        r = fn(a, b, **kw)
+        r._lay = _result_layout(None, (a, b), r)
+        return r
+    return op
+
+
+@_keeps_layout
 def _maximum(a, b, **_):
     a, b = _t(a) if not isinstance(a, torch.Tensor) else a, _t(b) if not isinstance(b, torch.Tensor) else b
     return _wrap(torch.fmax(a, b) if a.dtype.is_floating_point or b.dtype.is_floating_point else
                  torch.maximum(*[x.to(torch.promote_types(a.dtype, b.dtype)) for x in (_plain(a), _plain(b))]))
 
 
+@_keeps_layout
 def _minimum(a, b, **_):
     a, b = _t(a) if not isinstance(a, torch.Tensor) else a, _t(b) if not isinstance(b, torch.Tensor) else b
     return _wrap(torch.fmin(a, b) if a.dtype.is_floating_point or b.dtype.is_floating_point else
@@ -541,13 +665,14 @@ def _minimum(a, b, **_):
 
 
 def _unary(fn):
-    return lambda x: _wrap(fn(_plain(_t(x))))
+    return lambda x: _tagged(fn(_plain(_t(x))), _lay(x))
 
 
 def _program_id(axis):
     return _t(_PROGRAM[int(axis)])
 
 
+_SliceLayout = _layout_kind("SliceLayout")
 _PROGRAM = [0, 0, 0]
 _GRID = [1, 1, 1]
 _WARPS = [4]
@@ -557,19 +682,19 @@ gl_emu = types.SimpleNamespace(
     int1=torch.bool, int8=torch.int8, int16=torch.int16, int32=torch.int32, int64=torch.int64,
     uint8=torch.uint8, float16=torch.float16, bfloat16=torch.bfloat16, float32=torch.float32,
     float64=torch.float64,
-    BlockedLayout=_Layout, SliceLayout=_Layout, NVMMADistributedLayout=_Layout, NVMMASharedLayout=_Layout,
-    DotOperandLayout=_Layout, SwizzledSharedLayout=_Layout, DistributedLinearLayout=_Layout,
-    PaddedSharedLayout=_Layout, AutoLayout=_Layout,
+    **{n: _layout_kind(n) for n in ("BlockedLayout", "SliceLayout", "NVMMADistributedLayout", "NVMMASharedLayout",
+                                    "DotOperandLayout", "SwizzledSharedLayout", "DistributedLinearLayout",
+                                    "PaddedSharedLayout", "AutoLayout")},
     program_id=_program_id, num_programs=lambda axis: _t(_GRID[int(axis)]), num_warps=lambda: _WARPS[0],
     arange=arange, full=full, zeros=zeros, zeros_like=zeros_like, where=where,
     load=load, store=store, allocate_shared_memory=allocate_shared_memory, thread_barrier=thread_barrier,
-    convert_layout=lambda x, layout=None, assert_trivial=False: x,
-    sum=gsum, max=gmax, min=gmin, associative_scan=associative_scan,
+    convert_layout=lambda x, layout=None, assert_trivial=False: _tagged(x, layout),
+    sum=_reduced(gsum), max=_reduced(gmax), min=_reduced(gmin), associative_scan=associative_scan,
     maximum=_maximum, minimum=_minimum,
     exp=_unary(torch.exp), exp2=_unary(torch.exp2), log=_unary(torch.log), log2=_unary(torch.log2),
     sqrt=_unary(torch.sqrt), rsqrt=_unary(torch.rsqrt), abs=_unary(torch.abs),
     sigmoid=_unary(torch.sigmoid),
-    expand_dims=lambda x, axis: _wrap(_plain(x).unsqueeze(int(axis))),
+    expand_dims=_expand_dims,
     reshape=lambda x, shape, **_: _wrap(_plain(x).reshape([int(s) for s in shape])),
     permute=lambda x, dims: _wrap(_plain(x).permute(*[int(d) for d in dims])),
     cdiv=lambda a, b: (a + b - 1) // b,
@@ -619,6 +744,8 @@ def _translate(name, val):
         return _emulated(val)
     if cls == "ConstexprFunction":
         return val.fn
+    if cls == "constexpr":
+        return val.value
     vmod = getattr(val, "__module__", "") or ""
     if callable(val) and vmod.startswith("triton.experimental.gluon") and name in _HOPPER:
         return _HOPPER[name]
@@ -684,3 +811,41 @@ def emulated_gluon():
         yield
     finally:
         GluonJITFunction.run = orig
+
+
+@contextlib.contextmanager
+def interpreter_bf16():
+    """Inside: Triton's CPU interpreter computes bfloat16 as the GPU does (its ``tl.dot`` multiplies bf16 operands
+    as their uint16 storage, and its float32 -> bfloat16 casts truncate): bf16 operands are widened exactly before
+    the product, and the casts round to nearest even. For the Triton kernels that run next to emulated Gluon ones."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    B = interp.InterpreterBuilder
+    cast_impl, create_dot = B.cast_impl, B.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32)
+        return h.data
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = np.matmul(widen(a), widen(b), dtype=np.float32) + d.data
+        return interp.TensorHandle(out.astype(d.data.dtype), d.dtype.scalar)
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            out[np.isnan(src.data)] = 0x7FC0
+            return interp.TensorHandle(out, dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    B.cast_impl, B.create_dot = cast, dot
+    try:
+        yield
+    finally:
+        B.cast_impl, B.create_dot = cast_impl, create_dot

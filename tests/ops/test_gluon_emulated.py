@@ -85,9 +85,10 @@ if _gluon.gluon is not None:
 
     @gluon.jit
     def _rules_kernel(x, y, N: gl.constexpr, BREAK: gl.constexpr):
-        """y = x @ x^T for an [N, N] bf16 x: cp.async into shared memory, a register round trip through a second
-        buffer, an asynchronous wgmma; BREAK names the rule the program breaks (0: none)."""
+        """y = x @ x^T for an [N, N] bf16 x: cp.async into shared memory, a register round trip (another thread
+        mapping) through a second buffer, an asynchronous wgmma; BREAK names the rule the program breaks (0: none)."""
         L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+        LT: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 4], [0, 1])     # other threads' elements
         A: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
         i = gl.arange(0, N, layout=gl.SliceLayout(1, L))
@@ -103,7 +104,7 @@ if _gluon.gluon is not None:
             async_copy.wait_group(0)                        # 1: the copy is read before it lands
         if BREAK != 2:
             gl.thread_barrier()                             # 2: other threads' copies read with no barrier
-        b_s.store(a_s.load(L))
+        b_s.store(a_s.load(LT))
         if BREAK != 3:
             fence_async_shared()                            # 3: the wgmma reads generic writes with no fence
         gl.thread_barrier()
