@@ -12,10 +12,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# one intra-op thread per pytest-xdist worker: the workers already fill the cores, and a torch op on small tensors
+# run by several threads per worker spends its time with the threads waiting for each other
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="run the tests marked slow (long CPU tests, e.g. every Gluon kernel check on the emulator)")
     parser.addoption("--prop-seeds", default=None, metavar="START:STOP",
                      help="property suites (test_properties*.py): run only the seeds in [START, STOP)")
 
@@ -38,7 +45,10 @@ def _prop_seed_filter(config, items):
 def pytest_collection_modifyitems(config, items):
     _prop_seed_filter(config, items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: none is visible (run `pytest -m gpu` on a GPU machine)")
+    skip_slow = pytest.mark.skip(reason="long CPU test: run with --slow")
     for item in items:
+        if "slow" in item.keywords and not config.getoption("--slow"):
+            item.add_marker(skip_slow)
         if "tests/gpu/" in str(item.path).replace(os.sep, "/"):
             item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not HAS_CUDA:

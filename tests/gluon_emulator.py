@@ -849,3 +849,20 @@ def interpreter_bf16():
         yield
     finally:
         B.cast_impl, B.create_dot = cast_impl, create_dot
+
+
+@contextlib.contextmanager
+def on_cpu(monkeypatch):
+    """delta-attn's Gluon kernels on CPU tensors: the dispatch opened to the CPU (Gluon available, the Triton release
+    and the sm_90 GPU the kernels are written for; bfloat16 allowed for the Triton backend), every Gluon launch on the
+    emulator and the Triton kernels beside them on the interpreter with the GPU's bfloat16 arithmetic."""
+    from delta_attn import backends
+    from delta_attn.ops.kda import launch
+    triton_backend = backends.BACKENDS["triton"]
+    rule = triton_backend._device_rule
+    monkeypatch.setattr(triton_backend, "_device_rule", lambda call: [] if call.device.type == "cpu" else rule(call))
+    monkeypatch.setattr(launch, "gluon_available", lambda device: True)
+    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
+    monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
+    with emulated_gluon(), interpreter_bf16():
+        yield

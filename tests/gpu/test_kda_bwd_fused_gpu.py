@@ -34,6 +34,12 @@ import properties as P
 
 DEV = "cuda"
 K = V = 128
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
 BF16_TOL = 2.0 ** -5
 STAGE2_TOL = 2.0 ** -12     # fp32 sums of the same bf16 products in another order
 REDONE_TOL = 2.0 ** -10
@@ -61,6 +67,10 @@ def _kernel_name(kernel) -> str:
 
 @pytest.fixture
 def factored_runs(monkeypatch):
+    return spy_factored(monkeypatch)
+
+
+def spy_factored(monkeypatch):
     """Every run of an intra-chunk backward launch, as (kernel name, EXACT, {tensor: a copy taken right after it
     ran}: the outputs, the flags and the stage-2 tensors), and the name of every launch (``factored_runs.launched``);
     the launches run at the end of ``compiled_together`` through ``_launch._run``."""
@@ -165,7 +175,7 @@ def _backward_twice(monkeypatch, factored_runs, B, T, H, HV, decay, cu, l2):
             monkeypatch.setattr(launch, "_bwd_intra_fused_unsupported", lambda *a, **kw: "forced")
         factored_runs.clear()
         launch.train_backward(q, k, v, g, beta, None, cu_t, None, None, saved, do, dht, scale, None, l2, False)
-        torch.cuda.synchronize()
+        _sync()
         names = [(n, e) for n, e, _ in factored_runs]
         first = "_kda_bwd_intra_fused_kernel" if mode == "gluon" else "_kda_bwd_intra_kernel"
         assert names == [(first, False), ("_kda_bwd_intra_kernel", True)], names

@@ -33,6 +33,12 @@ import properties as P
 
 DEV = "cuda"
 K = V = 128
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
 BF16_TOL = 2.0 ** -5
 FP32_TOL = 2.0 ** -9
 OUTPUTS = ("W", "U", "QG", "KD", "AQK", "GC", "TM")
@@ -58,6 +64,10 @@ def _kernel_name(kernel) -> str:
 
 @pytest.fixture
 def intra_runs(monkeypatch):
+    return spy_intra(monkeypatch)
+
+
+def spy_intra(monkeypatch):
     """Every run of an intra-chunk forward launch, as (kernel name, ONLY_FLAGGED, {output: a copy taken right after it
     ran}, chunk table); the launches run at the end of ``compiled_together`` through ``_launch._run``."""
     from delta_attn.ops import _launch
@@ -179,7 +189,7 @@ def _forward_twice(monkeypatch, intra_runs, B, T, H, HV, decay, cu, l2):
             monkeypatch.setattr(launch, "_train_intra_fused_unsupported", lambda *a, **kw: "forced")
         intra_runs.clear()
         launch.train_forward(q, k, v, g, beta, None, cu_t, None, None, K ** -0.5, None, l2, True, False)
-        torch.cuda.synchronize()
+        _sync()
         names = [(n, f) for n, f, _, _ in intra_runs]
         want = ([("_kda_train_intra_fused_kernel", False), ("_kda_train_intra_kernel", True)] if mode == "gluon"
                 else [("_kda_train_intra_kernel", False)])

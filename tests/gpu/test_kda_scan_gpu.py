@@ -15,6 +15,12 @@ import torch
 
 DEV = "cuda"
 K = V = 128
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
 SCAN_TOL = 2.0 ** -6
 SCANS = ("_kda_bwd_scan_fused_kernel", "_kda_bwd_scan_kernel")
 
@@ -32,6 +38,10 @@ pytestmark = pytest.mark.skipif(not _gluon_runs(), reason="the Gluon KDA reverse
 
 @pytest.fixture
 def scan_runs(monkeypatch):
+    return spy_scans(monkeypatch)
+
+
+def spy_scans(monkeypatch):
     """Every run of a reverse-scan launch: (kernel name, {DU, DH, DH0: copies taken right after it ran})."""
     from delta_attn.ops import _launch
     runs = []
@@ -82,12 +92,16 @@ def _inputs(B, T, H, HV, cu, mean):
 
 @pytest.fixture(params=[1, 2])
 def stages(request, monkeypatch):
+    return force_stages(monkeypatch, request.param)
+
+
+def force_stages(monkeypatch, stages: int) -> int:
     """The operand ring's depth, forced either way."""
     from delta_attn.ops.kda import launch
     real_tiles = launch.scan_fused_tiles
     monkeypatch.setattr(launch, "scan_fused_tiles",
-                        lambda n, device: tuple(t.with_(STAGES=request.param) for t in real_tiles(n, device)))
-    return request.param
+                        lambda n, device: tuple(t.with_(STAGES=stages) for t in real_tiles(n, device)))
+    return stages
 
 
 @pytest.mark.parametrize("B,T,H,HV,cu,mean", CASES)
@@ -100,7 +114,7 @@ def test_gluon_forward_scan_against_triton(B, T, H, HV, cu, mean, stages, monkey
         if mode == "triton":
             monkeypatch.setattr(launch, "_scan_fused_unsupported", lambda *a, **kw: "forced")
         o, final, saved = launch.train_forward(q, k, v, g, beta, h0, cu_t, None, None, scale, None, True, True, False)
-        torch.cuda.synchronize()
+        _sync()
         out[mode] = {"o": o, "final": final, "HS": saved.HS, "VNEW": saved.VNEW}
     NC = launch.chunk_tables(B, T, cu_t, q.device, launch.TRAIN_CHUNK).chunk_t.shape[0]
     for n in ("o", "final", "HS", "VNEW"):
@@ -123,7 +137,7 @@ def test_gluon_reverse_scan_against_triton(B, T, H, HV, cu, mean, stages, monkey
             monkeypatch.setattr(launch, "_scan_fused_unsupported", lambda *a, **kw: "forced")
         scan_runs.clear()
         launch.train_backward(q, k, v, g, beta, h0, cu_t, None, None, saved, do, dht, scale, None, True, False)
-        torch.cuda.synchronize()
+        _sync()
         assert [n for n, _ in scan_runs] == [SCANS[0] if mode == "gluon" else SCANS[1]]
         out[mode] = scan_runs[0][1]
     NC = launch.chunk_tables(B, T, cu_t, q.device, launch.TRAIN_CHUNK).chunk_t.shape[0]

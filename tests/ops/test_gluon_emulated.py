@@ -26,14 +26,7 @@ def _in_domain(case) -> bool:
 @pytest.fixture
 def fused_runs(monkeypatch):
     """The fused Gluon forward's dispatch opened to CPU tensors on the emulator; the list of its calls."""
-    from delta_attn import backends
     from delta_attn.ops.kda import launch
-    rule = backends.BACKENDS["triton"]._device_rule
-    monkeypatch.setattr(backends.BACKENDS["triton"], "_device_rule",
-                        lambda call: [] if call.device.type == "cpu" else rule(call))
-    monkeypatch.setattr(launch, "gluon_available", lambda device: True)
-    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
-    monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
     runs = []
     real = launch.fused_forward
@@ -43,7 +36,7 @@ def fused_runs(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(launch, "fused_forward", spy)
-    with E.emulated_gluon():
+    with E.on_cpu(monkeypatch):
         yield runs
 
 
