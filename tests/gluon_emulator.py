@@ -509,8 +509,14 @@ def _ex2_ftz(x):
     return _wrap(torch.where(r.abs() < 2.0 ** -126, torch.zeros_like(r), r))
 
 
+def _lg2_ftz(x):
+    x = _plain(x).float()
+    return _wrap(torch.log2(torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)))
+
+
 _ASM = {
     "ex2.approx.ftz.f32 $0, $1;": lambda args: _ex2_ftz(args[0]),
+    "lg2.approx.ftz.f32 $0, $1;": lambda args: _lg2_ftz(args[0]),
     "mov.b64 $0, $1;": lambda args: _t(args[0]),
     "mov.b32 $0, $1;": lambda args: _t(args[0]),
 }
@@ -851,10 +857,13 @@ def interpreter_bf16():
         B.cast_impl, B.create_dot = cast_impl, create_dot
 
 
+GPU_SMS = 132       # an H100 / H200: the launch decisions that count SMs (pieces, grids) take the GPU's
+
+
 @contextlib.contextmanager
 def on_cpu(monkeypatch):
     """delta-attn's Gluon kernels on CPU tensors: the dispatch opened to the CPU (Gluon available, the Triton release
-    and the sm_90 GPU the kernels are written for; bfloat16 allowed for the Triton backend), every Gluon launch on the
+    and the sm_90 GPU the kernels are written for, with its SM count; bfloat16 allowed for the Triton backend), every Gluon launch on the
     emulator and the Triton kernels beside them on the interpreter with the GPU's bfloat16 arithmetic."""
     from delta_attn import backends
     from delta_attn.ops.kda import launch
@@ -864,5 +873,19 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(launch, "gluon_available", lambda device: True)
     monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(launch, "sm_count", lambda device: GPU_SMS)
     with emulated_gluon(), interpreter_bf16():
         yield
+
+
+def gpu_module_on_cpu(name: str):
+    """tests/gpu/<name>.py loaded again as its own module with its device (``DEV``) the CPU: its check functions
+    then run on the emulator inside :func:`on_cpu`."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent / "gpu" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"emulated_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.DEV = "cpu"
+    return mod

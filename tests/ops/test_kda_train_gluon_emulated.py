@@ -11,9 +11,6 @@ The kernel-against-kernel checks run the Triton path on the interpreter (minutes
 with ``--slow``); the whole gradients against float64 run in every CPU suite."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
 from delta_attn.ops import _gluon
@@ -22,21 +19,9 @@ pytestmark = pytest.mark.skipif(_gluon.gluon is None, reason="Triton without Glu
 
 if _gluon.gluon is not None:
     import gluon_emulator as E
-
-
-def _on_cpu(name: str):
-    """tests/gpu/<name>.py loaded as its own module, its device the CPU."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "gpu" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"emulated_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.DEV = "cpu"
-    return mod
-
-
-INTRA = _on_cpu("test_kda_intra_fused_gpu")
-SCAN = _on_cpu("test_kda_scan_gpu")
-BWD = _on_cpu("test_kda_bwd_fused_gpu")
+    INTRA = E.gpu_module_on_cpu("test_kda_intra_fused_gpu")
+    SCAN = E.gpu_module_on_cpu("test_kda_scan_gpu")
+    BWD = E.gpu_module_on_cpu("test_kda_bwd_fused_gpu")
 
 
 @pytest.fixture
