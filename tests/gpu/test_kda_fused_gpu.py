@@ -25,12 +25,17 @@ SEEDS = [s for s in range(2000) if _in_domain(P.draw("kda", SEED0 + s, "gpu"))][
 
 @pytest.fixture
 def fused_runs(monkeypatch):
-    """Every (sequence, value head) count takes the fused kernel; the list of its calls."""
     from delta_attn.ops.kda import launch
     if launch.fused_forward_unsupported(torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16),
                                         torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16), None,
                                         launch.FUSED_MIN_PROGRAMS) is not None:
         pytest.skip("the fused KDA forward does not run on this GPU / Triton")
+    return spy_fused(monkeypatch)
+
+
+def spy_fused(monkeypatch):
+    """Every (sequence, value head) count takes the fused kernel; the list of its calls."""
+    from delta_attn.ops.kda import launch
     monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
     runs = []
     real = launch.fused_forward

@@ -1,12 +1,13 @@
 """The Gluon kernels on the CPU emulator (``tests/gluon_emulator.py``): the fused KDA inference forward
-(``ops/kda/kernels_fused.py``) over property configurations of its domain against the float64 reference with the
-error rule, and the emulator's own hazard checks on kernels that break each rule."""
+(``ops/kda/kernels_fused.py``) by the GPU suite's checks (tests/gpu/test_kda_fused_gpu.py loaded again with the CPU as
+device: property configurations of its domain, planted exact chunks) against the float64 reference with the error
+rule, and the emulator's own hazard checks on kernels that break each rule. The longer checks are marked slow
+(``--slow``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import properties as P
 from delta_attn.ops import _gluon
 
 pytestmark = pytest.mark.skipif(_gluon.gluon is None, reason="Triton without Gluon")
@@ -14,57 +15,30 @@ pytestmark = pytest.mark.skipif(_gluon.gluon is None, reason="Triton without Glu
 if _gluon.gluon is not None:
     import gluon_emulator as E
 
-DEV = "cpu"
-SEED0 = 100_000
-
-
-def _in_domain(case) -> bool:
-    kc = case.p["kda"]
-    return kc.dtype == "bf16" and kc.K == kc.V == 128 and kc.gate is None and not case.grad
+FUSED = E.gpu_module_on_cpu("test_kda_fused_gpu") if _gluon.gluon is not None else None
 
 
 @pytest.fixture
-def fused_runs(monkeypatch):
-    """The fused Gluon forward's dispatch opened to CPU tensors on the emulator; the list of its calls."""
-    from delta_attn.ops.kda import launch
-    monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
-    runs = []
-    real = launch.fused_forward
-
-    def spy(*args, **kw):
-        runs.append(args[0].shape)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(launch, "fused_forward", spy)
+def cpu(monkeypatch):
     with E.on_cpu(monkeypatch):
-        yield runs
+        yield monkeypatch
 
 
-# property seeds in the fused domain (tests/gpu/test_kda_fused_gpu.py draws the same; the emulator takes a subset)
-SEEDS = [s for s in range(400) if _in_domain(P.draw("kda", SEED0 + s, "gpu"))][:12]
+@pytest.mark.parametrize("seed", FUSED.SEEDS[:12] if FUSED else [])
+def test_fused_forward_property_configuration(seed, cpu):
+    FUSED.test_property_configuration(seed, FUSED.spy_fused(cpu))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_fused_forward_property_configuration(seed, fused_runs):
-    case = P.draw("kda", SEED0 + seed, "gpu")
-    assert P.Checker(case, DEV).check("triton") == "ran"
-    assert fused_runs, "the fused kernel did not run"
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", FUSED.SEEDS[12:] if FUSED else [])
+def test_fused_forward_more_property_configurations(seed, cpu):
+    FUSED.test_property_configuration(seed, FUSED.spy_fused(cpu))
 
 
-@pytest.mark.parametrize("T,cu", [(300, None), (0, (0, 100, 100, 117, 260))])
-def test_fused_forward_exact_chunks_between_factored_ones(T, cu, fused_runs):
-    """Strong decays (-80, -inf, -1e4) planted in a few chunks of otherwise mild ones: those chunks go token by
-    token, the others factored, and the state carries across both."""
-    B = 2 if cu is None else 1
-    c = P.KDACase(seed=5, B=B, T=T if cu is None else cu[-1], cu=cu, H=2, HV=4, K=128, V=128, dtype="bf16",
-                  gate=None, l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=True, grad=False)
-    xs, kw = P.kda_inputs(c, DEV)
-    g = xs[3]
-    for row, val in ((20, -80.0), (21, -80.0), (133, float("-inf")), (200, -1e4), (201, -1e4)):
-        g[:, row, 1, :64] = val
-    bad, _ = P.kda_compare(xs, kw, False, c.seed, use_qk_l2norm=True, output_final_state=True)
-    assert not bad, "; ".join(bad)
-    assert fused_runs
+@pytest.mark.slow
+@pytest.mark.parametrize("T,cu", [(1100, None), (0, (0, 300, 300, 317, 1024))])
+def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
+    FUSED.test_exact_chunks_between_factored_ones(T, cu, FUSED.spy_fused(cpu))
 
 
 # ---------------------------------------------------------------------------------------------------------------
