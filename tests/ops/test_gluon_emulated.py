@@ -1,8 +1,7 @@
 """The Gluon kernels on the CPU emulator (``tests/gluon_emulator.py``): the fused KDA inference forward
 (``ops/kda/kernels_fused.py``) by the GPU suite's checks (tests/gpu/test_kda_fused_gpu.py loaded again with the CPU as
-device: property configurations of its domain, planted exact chunks) against the float64 reference with the error
-rule, and the emulator's own hazard checks on kernels that break each rule. The longer checks are marked slow
-(``--slow``)."""
+device: its 60 property configurations, planted exact chunks) against the float64 reference with the error rule,
+and the emulator's own hazard checks on kernels that break each rule."""
 from __future__ import annotations
 
 import pytest
@@ -24,18 +23,11 @@ def cpu(monkeypatch):
         yield monkeypatch
 
 
-@pytest.mark.parametrize("seed", FUSED.SEEDS[:12] if FUSED else [])
+@pytest.mark.parametrize("seed", FUSED.SEEDS if FUSED else [])
 def test_fused_forward_property_configuration(seed, cpu):
     FUSED.test_property_configuration(seed, FUSED.spy_fused(cpu))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", FUSED.SEEDS[12:] if FUSED else [])
-def test_fused_forward_more_property_configurations(seed, cpu):
-    FUSED.test_property_configuration(seed, FUSED.spy_fused(cpu))
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("T,cu", [(1100, None), (0, (0, 300, 300, 317, 1024))])
 def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
     FUSED.test_exact_chunks_between_factored_ones(T, cu, FUSED.spy_fused(cpu))
