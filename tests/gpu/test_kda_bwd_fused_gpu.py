@@ -30,16 +30,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kda_gluon_cases as C
 import properties as P
 
 DEV = "cuda"
 K = V = 128
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
 BF16_TOL = 2.0 ** -5
 STAGE2_TOL = 2.0 ** -12     # fp32 sums of the same bf16 products in another order
 REDONE_TOL = 2.0 ** -10
@@ -61,10 +56,6 @@ def _gluon_runs() -> bool:
 pytestmark = pytest.mark.skipif(not _gluon_runs(), reason="the Gluon KDA backward does not run on this GPU / Triton")
 
 
-def _kernel_name(kernel) -> str:
-    return getattr(kernel, "fn", kernel).__name__
-
-
 @pytest.fixture
 def factored_runs(monkeypatch):
     return spy_factored(monkeypatch)
@@ -80,7 +71,7 @@ def spy_factored(monkeypatch):
 
     def spy(p):
         chosen = real(p)
-        name = _kernel_name(p.kernel)
+        name = C.kernel_name(p.kernel)
         runs.launched.append(name)
         if name in ("_kda_bwd_intra_fused_kernel", "_kda_bwd_intra_kernel"):
             args = dict(zip(p.kernel.arg_names, p.args))
@@ -102,24 +93,6 @@ class _Runs(list):
         self.launched.clear()
 
 
-def _decays(shape, kind: str, gen, cu=None) -> torch.Tensor:
-    """fp32 log decays: "long" logsigmoid(N(4, 1)), "strong" logsigmoid(N(0, 1)); "one" / "pair": long ones with
-    -1e4 planted in every value head's first 16 channels at row 45 / rows 40 and 41 of every chunk long enough
-    (chunks of 64 rows from each sequence's start: ``cu``, or each batch row's)."""
-    B, T, HV, _ = shape
-    mean = 0.0 if kind == "strong" else 4.0
-    g = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen) + mean)
-    if kind in ("one", "pair"):
-        bounds = list(zip(cu[:-1], cu[1:])) if cu is not None else [(0, T)]
-        rows = (45,) if kind == "one" else (40, 41)
-        for bos, eos in bounds:
-            for c0 in range(bos, eos, 64):
-                if c0 + max(rows) < eos:
-                    for r in rows:
-                        g[:, c0 + r, :, :16] = -1e4
-    return g
-
-
 def _inputs(B, T, H, HV, decay: str, cu, l2: bool, seed=0):
     """Without the l2 norm, k scaled by K^-1/2 (as tests/properties.kda_inputs): |k| ~ 1 keeps T = (I + A)^-1
     well conditioned."""
@@ -127,39 +100,13 @@ def _inputs(B, T, H, HV, decay: str, cu, l2: bool, seed=0):
     q = torch.randn(B, T, H, K, generator=gen).to(DEV, torch.bfloat16)
     k = (torch.randn(B, T, H, K, generator=gen) * (1.0 if l2 else K ** -0.5)).to(DEV, torch.bfloat16)
     v = torch.randn(B, T, HV, V, generator=gen).to(DEV, torch.bfloat16)
-    g = _decays((B, T, HV, K), decay, gen, cu).to(DEV)
+    g = C.decays((B, T, HV, K), decay, gen, cu).to(DEV)
     beta = torch.rand(B, T, HV, generator=gen).to(DEV)
     do = torch.randn(B, T, HV, V, generator=gen).to(DEV, torch.bfloat16)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
     N = B if cu is None else len(cu) - 1
     dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
     return q, k, v, g, beta, do, dht, cu_t
-
-
-def _pair_rows(chunk_t: torch.Tensor, flags: torch.Tensor, R: int) -> torch.Tensor:
-    """(R, HV) bool: the rows of each (chunk, value head) pair whose flag is 0."""
-    HV = flags.shape[1]
-    keep = torch.zeros(R, HV, dtype=torch.bool)
-    for (_, row0, L), f in zip(chunk_t.tolist(), flags.cpu()):
-        keep[row0:row0 + L] = (f == 0)[None, :]
-    return keep
-
-
-def _per_head_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor) -> float:
-    """max over value heads of max|a - b| / max|b| on the kept rows (a, b: (R, HV, ...))."""
-    a = a.double().cpu()
-    b = b.double().cpu()
-    worst = 0.0
-    for h in range(b.shape[1]):
-        rows = keep[:, h]
-        if not rows.any():
-            continue
-        x, y = a[rows, h], b[rows, h]
-        assert torch.isfinite(x).all() and torch.isfinite(y).all(), f"head {h}: non-finite entries"
-        scale = float(y.abs().max())
-        err = float((x - y).abs().max())
-        worst = max(worst, err / scale if scale > 0 else err)
-    return worst
 
 
 def _backward_twice(monkeypatch, factored_runs, B, T, H, HV, decay, cu, l2):
@@ -175,7 +122,7 @@ def _backward_twice(monkeypatch, factored_runs, B, T, H, HV, decay, cu, l2):
             monkeypatch.setattr(launch, "_bwd_intra_fused_unsupported", lambda *a, **kw: "forced")
         factored_runs.clear()
         launch.train_backward(q, k, v, g, beta, None, cu_t, None, None, saved, do, dht, scale, None, l2, False)
-        _sync()
+        C.sync(DEV)
         names = [(n, e) for n, e, _ in factored_runs]
         first = "_kda_bwd_intra_fused_kernel" if mode == "gluon" else "_kda_bwd_intra_kernel"
         assert names == [(first, False), ("_kda_bwd_intra_kernel", True)], names
@@ -207,28 +154,28 @@ def test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, monkey
     if decay in ("long", "one"):
         assert int(flags.sum()) == 0
     R = B * T
-    keep = _pair_rows(chunk_t, flags, R)
+    keep = C.pair_rows(chunk_t, flags, R)
     for n in OUTPUTS:
         a, b = g1[n].reshape(R, HV, -1), t1[n].reshape(R, HV, -1)
-        err = _per_head_error(a, b, keep)
+        err = C.per_head_error(a, b, keep)
         assert err <= BF16_TOL, f"{n}: {err:.3e} of the largest entry > {BF16_TOL:.3e}"
     # the EXACT launch's inputs on the flagged pairs: the Gluon kernel's against stage 2's
     flagged = ~keep
     if flagged.any():
         for n in STAGE2[:-1]:
             a, b = g1[n].reshape(R, HV, -1), t1[n].reshape(R, HV, -1)
-            err = _per_head_error(a, b, flagged)
+            err = C.per_head_error(a, b, flagged)
             assert err <= STAGE2_TOL, f"{n} on the flagged pairs: {err:.3e} of the largest entry > {STAGE2_TOL:.3e}"
         nc = flags.shape[0]
         a, b = g1["DGC"][:nc], t1["DGC"][:nc]
-        err = _per_head_error(a, b, flags.cpu().bool())
+        err = C.per_head_error(a, b, flags.cpu().bool())
         assert err <= STAGE2_TOL, f"DGC on the flagged pairs: {err:.3e} > {STAGE2_TOL:.3e}"
     # after the EXACT launch: the flagged pairs were redone from those inputs
     for n in OUTPUTS:
         a, b = g2[n].reshape(R, HV, -1), t2[n].reshape(R, HV, -1)
-        err = _per_head_error(a, b, flagged)
+        err = C.per_head_error(a, b, flagged)
         assert err <= REDONE_TOL, f"{n}: the redone pairs differ by {err:.3e} of the largest entry"
-        assert _per_head_error(a, b, keep) <= BF16_TOL
+        assert C.per_head_error(a, b, keep) <= BF16_TOL
 
 
 WHOLE = [
@@ -246,7 +193,7 @@ def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, factored_ru
     c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=K, V=V, dtype="bf16", gate=None, l2=l2, h0=True, final=True,
                   decay=None, scale=None, fp32_gb=True, grad=True)
     xs, kw = P.kda_inputs(c, DEV)
-    xs[3] = _decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu).to(DEV)
+    xs[3] = C.decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu).to(DEV)
     assert xs[3].dtype == xs[4].dtype == torch.float32
     bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
     assert not bad, "; ".join(bad)

@@ -29,18 +29,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kda_gluon_cases as C
 import properties as P
 
 DEV = "cuda"
 K = V = 128
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
 BF16_TOL = 2.0 ** -5
 FP32_TOL = 2.0 ** -9
+PLANTED = slice(32, 48)     # the channels of the planted -1e4 decays (the second K slice of 32)
 OUTPUTS = ("W", "U", "QG", "KD", "AQK", "GC", "TM")
 TOL = dict(W=BF16_TOL, U=BF16_TOL, QG=BF16_TOL, KD=BF16_TOL, AQK=BF16_TOL, GC=FP32_TOL, TM=FP32_TOL)
 
@@ -58,10 +54,6 @@ def _gluon_runs() -> bool:
 pytestmark = pytest.mark.skipif(not _gluon_runs(), reason="the Gluon KDA intra-chunk forward does not run here")
 
 
-def _kernel_name(kernel) -> str:
-    return getattr(kernel, "fn", kernel).__name__
-
-
 @pytest.fixture
 def intra_runs(monkeypatch):
     return spy_intra(monkeypatch)
@@ -76,7 +68,7 @@ def spy_intra(monkeypatch):
 
     def spy(p):
         chosen = real(p)
-        name = _kernel_name(p.kernel)
+        name = C.kernel_name(p.kernel)
         if name in ("_kda_train_intra_fused_kernel", "_kda_train_intra_kernel"):
             args = dict(zip(p.kernel.arg_names, p.args))
             outs = {n: args[n].clone() for n in OUTPUTS + ("FLAGS",)}
@@ -87,34 +79,13 @@ def spy_intra(monkeypatch):
     return runs
 
 
-def _decays(shape, kind: str, gen, cu=None) -> torch.Tensor:
-    """fp32 log decays: "long" logsigmoid(N(4, 1)), "strong" logsigmoid(N(0, 1)); "one" / "pair": long ones with
-    -1e4 planted in every value head's channels 32-47 at row 45 / rows 40 and 41 of every chunk long enough; "nan":
-    NaN in channels 32-63 (a whole K slice) at row 5 (chunks of 64 rows from each sequence's start: ``cu``, or each
-    batch row's)."""
-    B, T, HV, _ = shape
-    mean = 0.0 if kind == "strong" else 4.0
-    g = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen) + mean)
-    rows = {"one": (45,), "pair": (40, 41), "nan": (5,)}.get(kind, ())
-    bounds = list(zip(cu[:-1], cu[1:])) if cu is not None else [(b * T, (b + 1) * T) for b in range(B)]
-    flat = g.view(B * T, HV, -1)
-    for bos, eos in bounds:
-        for c0 in range(bos, eos, 64):
-            for r in (rows if rows and c0 + max(rows) < eos else ()):
-                if kind == "nan":
-                    flat[c0 + r, :, 32:64] = float("nan")
-                else:
-                    flat[c0 + r, :, 32:48] = -1e4
-    return g
-
-
 def _inputs(B, T, H, HV, decay: str, cu, l2: bool, seed=0):
     """Without the l2 norm, k scaled by K^-1/2 (as tests/properties.kda_inputs)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen).to(DEV, torch.bfloat16)
     k = (torch.randn(B, T, H, K, generator=gen) * (1.0 if l2 else K ** -0.5)).to(DEV, torch.bfloat16)
     v = torch.randn(B, T, HV, V, generator=gen).to(DEV, torch.bfloat16)
-    g = _decays((B, T, HV, K), decay, gen, cu).to(DEV)
+    g = C.decays((B, T, HV, K), decay, gen, cu, planted=PLANTED).to(DEV)
     beta = torch.rand(B, T, HV, generator=gen).to(DEV)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
     return q, k, v, g, beta, cu_t
@@ -140,15 +111,6 @@ def _expected_flags(g: torch.Tensor, chunk_t: torch.Tensor, HV: int) -> torch.Te
     return out
 
 
-def _pair_rows(chunk_t: torch.Tensor, flags: torch.Tensor, R: int) -> torch.Tensor:
-    """(R, HV) bool: the rows of each (chunk, value head) pair whose flag is 0."""
-    HV = flags.shape[1]
-    keep = torch.zeros(R, HV, dtype=torch.bool)
-    for (_, row0, L), f in zip(chunk_t.tolist(), flags.cpu()):
-        keep[row0:row0 + L] = (f == 0)[None, :]
-    return keep
-
-
 def _rows(x: torch.Tensor, HV: int, name: str, chunk_t: torch.Tensor, R: int) -> torch.Tensor:
     """(R, HV, n) of a row-wise output; GC (per chunk) spread over each chunk's rows."""
     if name != "GC":
@@ -164,22 +126,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
-def _per_head_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor) -> float:
-    """max over value heads of max|a - b| / max|b| on the kept rows (a, b: (R, HV, ...))."""
-    a, b = a.double(), b.double()
-    worst = 0.0
-    for h in range(b.shape[1]):
-        rows = keep[:, h]
-        if not rows.any():
-            continue
-        x, y = a[rows, h], b[rows, h]
-        assert torch.isfinite(x).all() and torch.isfinite(y).all(), f"head {h}: non-finite entries"
-        scale = float(y.abs().max())
-        err = float((x - y).abs().max())
-        worst = max(worst, err / scale if scale > 0 else err)
-    return worst
-
-
 def _forward_twice(monkeypatch, intra_runs, B, T, H, HV, decay, cu, l2):
     from delta_attn.ops.kda import launch
     q, k, v, g, beta, cu_t = _inputs(B, T, H, HV, decay, cu, l2)
@@ -189,7 +135,7 @@ def _forward_twice(monkeypatch, intra_runs, B, T, H, HV, decay, cu, l2):
             monkeypatch.setattr(launch, "_train_intra_fused_unsupported", lambda *a, **kw: "forced")
         intra_runs.clear()
         launch.train_forward(q, k, v, g, beta, None, cu_t, None, None, K ** -0.5, None, l2, True, False)
-        _sync()
+        C.sync(DEV)
         names = [(n, f) for n, f, _, _ in intra_runs]
         want = ([("_kda_train_intra_fused_kernel", False), ("_kda_train_intra_kernel", True)] if mode == "gluon"
                 else [("_kda_train_intra_kernel", False)])
@@ -221,10 +167,10 @@ def test_gluon_against_triton(B, T, H, HV, decay, cu, l2, monkeypatch, intra_run
     if decay in ("long", "strong", "one"):
         assert int(flags.sum()) == 0
     R = B * T
-    keep = _pair_rows(chunk_t, flags, R)
+    keep = C.pair_rows(chunk_t, flags, R)
     for n in OUTPUTS:
         a, b = _rows(g1[n], HV, n, chunk_t, R), _rows(t1[n], HV, n, chunk_t, R)
-        err = _per_head_error(a, b, keep)
+        err = C.per_head_error(a, b, keep)
         assert err <= TOL[n], f"{n}: {err:.3e} of the largest entry > {TOL[n]:.3e}"
     # after the ONLY_FLAGGED launch: the flagged pairs as the Triton kernel wrote them, the others untouched
     for n in OUTPUTS:
@@ -248,7 +194,7 @@ def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, intra_runs)
     c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=K, V=V, dtype="bf16", gate=None, l2=l2, h0=True, final=True,
                   decay=None, scale=None, fp32_gb=True, grad=True)
     xs, kw = P.kda_inputs(c, DEV)
-    xs[3] = _decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu).to(DEV)
+    xs[3] = C.decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu, planted=PLANTED).to(DEV)
     assert xs[3].dtype == xs[4].dtype == torch.float32
     bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
     assert not bad, "; ".join(bad)

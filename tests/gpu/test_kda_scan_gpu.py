@@ -13,14 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kda_gluon_cases as C
+
 DEV = "cuda"
 K = V = 128
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
 SCAN_TOL = 2.0 ** -6
 SCANS = ("_kda_bwd_scan_fused_kernel", "_kda_bwd_scan_kernel")
 
@@ -114,7 +110,7 @@ def test_gluon_forward_scan_against_triton(B, T, H, HV, cu, mean, stages, monkey
         if mode == "triton":
             monkeypatch.setattr(launch, "_scan_fused_unsupported", lambda *a, **kw: "forced")
         o, final, saved = launch.train_forward(q, k, v, g, beta, h0, cu_t, None, None, scale, None, True, True, False)
-        _sync()
+        C.sync(DEV)
         out[mode] = {"o": o, "final": final, "HS": saved.HS, "VNEW": saved.VNEW}
     NC = launch.chunk_tables(B, T, cu_t, q.device, launch.TRAIN_CHUNK).chunk_t.shape[0]
     for n in ("o", "final", "HS", "VNEW"):
@@ -137,7 +133,7 @@ def test_gluon_reverse_scan_against_triton(B, T, H, HV, cu, mean, stages, monkey
             monkeypatch.setattr(launch, "_scan_fused_unsupported", lambda *a, **kw: "forced")
         scan_runs.clear()
         launch.train_backward(q, k, v, g, beta, h0, cu_t, None, None, saved, do, dht, scale, None, True, False)
-        _sync()
+        C.sync(DEV)
         assert [n for n, _ in scan_runs] == [SCANS[0] if mode == "gluon" else SCANS[1]]
         out[mode] = scan_runs[0][1]
     NC = launch.chunk_tables(B, T, cu_t, q.device, launch.TRAIN_CHUNK).chunk_t.shape[0]
