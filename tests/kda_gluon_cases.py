@@ -59,3 +59,38 @@ def per_head_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor) -> floa
         err = float((x - y).abs().max())
         worst = max(worst, err / scale if scale > 0 else err)
     return worst
+
+
+def gluon_runs(unsupported: str) -> bool:
+    """Whether the training dispatch test ``launch.<unsupported>`` lets its Gluon kernel run on this machine's CUDA
+    device (bf16, K = V = 128, no gate)."""
+    from delta_attn.ops.kda import launch
+    if not torch.cuda.is_available():
+        return False
+    x = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
+    f = torch.empty(1, 1, 1, 128, device="cuda")
+    prec = launch.precision(torch.bfloat16, False, 128, train=True)
+    return getattr(launch, unsupported)(x, x, f, f[..., 0], None, None, None, prec, x.device) is None
+
+
+WHOLE = [
+    # the whole-gradient cases, KDACase fields that vary: B, T, cu, H, HV, l2, decay kind
+    (2, 300, None, 2, 2, True, "long"),
+    (2, 300, None, 2, 2, False, "strong"),
+    (1, 333, (0, 100, 237, 333), 1, 2, True, "long"),
+    (1, 400, (0, 150, 400), 2, 4, True, "pair"),
+    (2, 200, None, 2, 4, False, "one"),
+]
+
+
+def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, planted=slice(0, 16)) -> None:
+    """``da.kda(..., backend="triton")`` forward and backward in the Gluon domain (bf16, K = V = 128, fp32 g and
+    beta, initial and final states) against the float64 reference with the error rule."""
+    import properties as P
+    c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=128, V=128, dtype="bf16", gate=None, l2=l2, h0=True,
+                  final=True, decay=None, scale=None, fp32_gb=True, grad=True)
+    xs, kw = P.kda_inputs(c, dev)
+    xs[3] = decays((B, T, HV, 128), decay, torch.Generator().manual_seed(11), cu, planted=planted).to(dev)
+    assert xs[3].dtype == xs[4].dtype == torch.float32
+    bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
+    assert not bad, "; ".join(bad)

@@ -31,7 +31,6 @@ import pytest
 import torch
 
 import kda_gluon_cases as C
-import properties as P
 
 DEV = "cuda"
 K = V = 128
@@ -43,17 +42,8 @@ STAGE2 = ("DQG", "DKD", "DW", "DAQK", "DGC")
 STAGE2_KERNEL = "_kda_bwd_chunk_grads_kernel"
 
 
-def _gluon_runs() -> bool:
-    from delta_attn.ops.kda import launch
-    if not torch.cuda.is_available():
-        return False
-    x = torch.empty(1, 1, 1, K, device=DEV, dtype=torch.bfloat16)
-    f = torch.empty(1, 1, 1, K, device=DEV)
-    prec = launch.precision(torch.bfloat16, False, K, train=True)
-    return launch._bwd_intra_fused_unsupported(x, x, f, f[..., 0], None, None, None, prec, x.device) is None
-
-
-pytestmark = pytest.mark.skipif(not _gluon_runs(), reason="the Gluon KDA backward does not run on this GPU / Triton")
+pytestmark = pytest.mark.skipif(not C.gluon_runs("_bwd_intra_fused_unsupported"),
+                                reason="the Gluon KDA backward does not run on this GPU / Triton")
 
 
 @pytest.fixture
@@ -178,25 +168,9 @@ def test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, monkey
         assert C.per_head_error(a, b, keep) <= BF16_TOL
 
 
-WHOLE = [
-    # KDACase fields that vary: B, T, cu, H, HV, l2, decay kind
-    (2, 300, None, 2, 2, True, "long"),
-    (2, 300, None, 2, 2, False, "strong"),
-    (1, 333, (0, 100, 237, 333), 1, 2, True, "long"),
-    (1, 400, (0, 150, 400), 2, 4, True, "pair"),
-    (2, 200, None, 2, 4, False, "one"),
-]
-
-
-@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", WHOLE)
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", C.WHOLE)
 def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, factored_runs):
-    c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=K, V=V, dtype="bf16", gate=None, l2=l2, h0=True, final=True,
-                  decay=None, scale=None, fp32_gb=True, grad=True)
-    xs, kw = P.kda_inputs(c, DEV)
-    xs[3] = C.decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu).to(DEV)
-    assert xs[3].dtype == xs[4].dtype == torch.float32
-    bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
-    assert not bad, "; ".join(bad)
+    C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay)
     ran = [(n, e) for n, e, _ in factored_runs]
     assert ("_kda_bwd_intra_fused_kernel", False) in ran, ran
     assert STAGE2_KERNEL not in factored_runs.launched, "stage 2 runs in the Gluon domain"

@@ -30,7 +30,6 @@ import pytest
 import torch
 
 import kda_gluon_cases as C
-import properties as P
 
 DEV = "cuda"
 K = V = 128
@@ -41,17 +40,8 @@ OUTPUTS = ("W", "U", "QG", "KD", "AQK", "GC", "TM")
 TOL = dict(W=BF16_TOL, U=BF16_TOL, QG=BF16_TOL, KD=BF16_TOL, AQK=BF16_TOL, GC=FP32_TOL, TM=FP32_TOL)
 
 
-def _gluon_runs() -> bool:
-    from delta_attn.ops.kda import launch
-    if not torch.cuda.is_available():
-        return False
-    x = torch.empty(1, 1, 1, K, device=DEV, dtype=torch.bfloat16)
-    f = torch.empty(1, 1, 1, K, device=DEV)
-    prec = launch.precision(torch.bfloat16, False, K, train=True)
-    return launch._train_intra_fused_unsupported(x, x, f, f[..., 0], None, None, None, prec, x.device) is None
-
-
-pytestmark = pytest.mark.skipif(not _gluon_runs(), reason="the Gluon KDA intra-chunk forward does not run here")
+pytestmark = pytest.mark.skipif(not C.gluon_runs("_train_intra_fused_unsupported"),
+                                reason="the Gluon KDA intra-chunk forward does not run here")
 
 
 @pytest.fixture
@@ -179,25 +169,9 @@ def test_gluon_against_triton(B, T, H, HV, decay, cu, l2, monkeypatch, intra_run
         assert _same(a[keep], c[keep]), f"{n}: the ONLY_FLAGGED launch wrote an unflagged pair"
 
 
-WHOLE = [
-    # KDACase fields that vary: B, T, cu, H, HV, l2, decay kind
-    (2, 300, None, 2, 2, True, "long"),
-    (2, 300, None, 2, 2, False, "strong"),
-    (1, 333, (0, 100, 237, 333), 1, 2, True, "long"),
-    (1, 400, (0, 150, 400), 2, 4, True, "pair"),
-    (2, 200, None, 2, 4, False, "one"),
-]
-
-
-@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", WHOLE)
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", C.WHOLE)
 def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, intra_runs):
-    c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=K, V=V, dtype="bf16", gate=None, l2=l2, h0=True, final=True,
-                  decay=None, scale=None, fp32_gb=True, grad=True)
-    xs, kw = P.kda_inputs(c, DEV)
-    xs[3] = C.decays((B, T, HV, K), decay, torch.Generator().manual_seed(11), cu, planted=PLANTED).to(DEV)
-    assert xs[3].dtype == xs[4].dtype == torch.float32
-    bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
-    assert not bad, "; ".join(bad)
+    C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay, planted=PLANTED)
     ran = [(n, f) for n, f, _, _ in intra_runs]
     assert ("_kda_train_intra_fused_kernel", False) in ran, ran
     if decay == "pair":

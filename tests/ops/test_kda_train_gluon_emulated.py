@@ -11,6 +11,7 @@ The kernel-against-kernel checks run the Triton path on the interpreter (minutes
 with ``--slow``); the whole gradients against float64 run in every CPU suite."""
 from __future__ import annotations
 
+import kda_gluon_cases as C
 import pytest
 
 from delta_attn.ops import _gluon
@@ -59,6 +60,6 @@ def test_backward_against_triton(B, T, H, HV, decay, cu, l2, cpu):
     BWD.test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, cpu, BWD.spy_factored(cpu))
 
 
-@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", BWD.WHOLE)
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", C.WHOLE)
 def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, cpu):
     BWD.test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, BWD.spy_factored(cpu))
