@@ -39,7 +39,7 @@ _triton_interpreter.patch()
 
 __all__ = ["Tiles", "tiles", "halving", "fit", "launch", "index", "param", "unit_last", "optional", "sm_count",
            "shared_memory", "eager_or_op", "cdiv", "next_pow2", "compiled_together",
-           "compile_only", "compile_configs"]
+           "compile_only", "compile_device", "compile_configs"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -197,6 +197,14 @@ def compile_only(device: torch.device):
         yield
     finally:
         _BATCH.compile_for = outer
+
+
+def compile_device(device: torch.device) -> torch.device:
+    """The device a launch made on tensors of ``device`` is for: inside :func:`compile_only`, meta tensors stand for
+    the device the block compiles for (a dispatch that depends on the device then picks what the real call runs)."""
+    if device.type == "meta" and _BATCH.compile_for is not None:
+        return _BATCH.compile_for
+    return device
 
 
 def _fit_one(p: _Launch) -> None:

@@ -5,7 +5,8 @@
    and every chunk-end dS.
 2. ``_kda_bwd_chunk_grads_kernel`` (parallel over chunks x value heads x K blocks, full V): the gradients of
    the scan's operands from the chunk-start states S and dS: ``dqg = dO S^T``, ``dkd = u dS^T``,
-   ``dW = -du S^T``, ``dAqk = dO u^T``, ``d exp(G_last) = sum_v S dS``.
+   ``dW = -du S^T``, ``dAqk = dO u^T``, ``d exp(G_last) = sum_v S dS`` (where the factored launch of 3. is the Gluon
+   kernel, ``kernels_backward_gluon``, it forms them itself and this launch is skipped).
 3. ``_kda_bwd_intra_kernel`` (parallel over chunks x value heads): back through the UT transform, the decayed
    intra-chunk products (factored, or exact for strong decays: a second launch redoes the flagged chunks),
    the cumulative decays, the floor, the gate and the l2 norm.

@@ -20,7 +20,8 @@ Two kernels, one per use:
 * ``_kda_train_intra_kernel`` (training, 64-token chunks of 4 sub-chunks of 16): factored at the chunk's
   middle token when every |G - G_mid| <= FACTOR_MAX, else off-diagonal 16x16 blocks factored at the
   sub-chunk boundary (both exponents <= 0) and diagonal blocks pairwise; T by block forward substitution,
-  stored for the backward.
+  stored for the backward. Every chunk, or with ``ONLY_FLAGGED`` only the (chunk, value head) pairs that the
+  Gluon kernel of its common domain (``kernels_intra_gluon.py``, factored products only) flagged in FLAGS.
 """
 from __future__ import annotations
 
@@ -189,16 +190,19 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
 
 @triton.jit
 def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
-                           W, U, QG, KD, AQK, GC, TM,
+                           W, U, QG, KD, AQK, GC, TM, FLAGS,
                            scale, lower_bound, H, HV,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                            GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr,
                            FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-                           TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
+                           TWO_FLOAT: tl.constexpr, OP: tl.constexpr, ONLY_FLAGGED: tl.constexpr):
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
+    if ONLY_FLAGGED:        # after the Gluon kernel: only the pairs it flagged (FLAGS read only here)
+        if tl.load(FLAGS + c * HV + hv) == 0:
+            return
     ch = _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K, V, BT)
     gate = _kda_head_gate(g, dt_bias, A_log, lower_bound, hv, GATE)
     blk = ch.i // BC                                # sub-chunk of each row

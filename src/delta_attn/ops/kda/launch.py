@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -27,21 +27,28 @@ import triton.language as tl
 from ..._outputs import empty
 from ...backends import device_capability
 from .._gluon import available as gluon_available, version as gluon_version
-from .._launch import (Tiles, cdiv, compile_only, compiled_together, halving, index, launch, next_pow2, optional,
-                       param, sm_count, tiles, unit_last)
+from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, index, launch, next_pow2,
+                       optional, param, sm_count, tiles, unit_last)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
+from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WARPS as FUSED_BWD_WARPS,
+                                     _kda_bwd_intra_fused_kernel)
 from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
+from .kernels_scan_gluon import WARPS as FUSED_SCAN_WARPS, _kda_bwd_scan_fused_kernel, _kda_fwd_scan_fused_kernel
 from .kernels_fused import BT as FUSED_CHUNK, WARPS as FUSED_WARPS, _kda_fused_fwd_kernel
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
+from .kernels_intra_gluon import (BC as FUSED_INTRA_BC, BK as FUSED_INTRA_BK, WARPS as FUSED_INTRA_WARPS,
+                                  _kda_train_intra_fused_kernel)
 from .kernels_scan import _kda_fwd_scan_kernel
 
 TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks of 16, tensor-core sized)
 CHUNK_LENGTHS = (16, 32, TRAIN_CHUNK)   # every chunk length a pipeline runs (inference: infer_chunk's 16 or 32)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
 FUSED_MIN_PROGRAMS = 64   # (sequence, value head) pairs from which the fused inference forward runs
-FUSED_TRITON = (3, 6)     # the Triton release whose Gluon API the fused kernel is written for
+FUSED_TRITON = (3, 6)     # the Triton release whose Gluon API the fused kernels are written for
+INTRA_FUSED_TILES = tiles("one warpgroup per (chunk, value head); K slices of 32", num_warps=FUSED_INTRA_WARPS)
+BWD_INTRA_FUSED_TILES = tiles("one warpgroup per (chunk, head); K slices of 16, V of 64", num_warps=FUSED_BWD_WARPS)
 TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
                       # the gate parameters' gradients are formed from the factored products, whose rounding it
                       # weights (CPU fuzz, K 16, V 48, gate input + 1: dA_log at 0.91 of the rule without this
@@ -146,14 +153,10 @@ def max_chunks(B: int, T: int, n_seq: int, varlen: bool, bt: int = TRAIN_CHUNK) 
     return T // bt + n_seq if varlen else B * triton.cdiv(T, bt)
 
 
-def _pow2(x: int) -> int:
-    return next_pow2(x)
-
-
 def _state_block(K: int, V: int, chains: int, min_programs: int) -> int:
     """BV of the K x BV fp32 state block a scan program holds: the widest <= 64 (K * BV <= 8192 registers'
     worth) that still gives ``min_programs`` programs over (sequence, value head) chains x V blocks."""
-    bv = min(_pow2(V), 64, max(16, 8192 // _pow2(K)))
+    bv = min(next_pow2(V), 64, max(16, 8192 // next_pow2(K)))
     while bv > 16 and chains * triton.cdiv(V, bv) < min_programs:
         bv //= 2
     return bv
@@ -168,9 +171,9 @@ def infer_chunk(chains: int, K: int, V: int, device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def infer_intra_tiles(K: int, V: int, bt: int):
-    KP = _pow2(K)
+    KP = next_pow2(K)
     first = tiles("K slices of 32 for the factored dots; exact pairwise tiles of bt x bt x BK", num_warps=4,
-                  KS=max(16, min(32, KP)), BK=min(16 * 256 // (bt * bt), KP), BV=min(64, _pow2(V)))
+                  KS=max(16, min(32, KP)), BK=min(16 * 256 // (bt * bt), KP), BV=min(64, next_pow2(V)))
     return halving(first, ("KS", "BV"))
 
 
@@ -180,7 +183,7 @@ def scan_tiles(K: int, V: int, chains: int, bt: int, min_programs: int, warps: i
     K-wide tiles do not fit the shared memory (fp32 work dtype, K > 128, 64-token chunks), each chunk is walked
     as two row halves (SPLIT 2) before BV is narrowed."""
     first = tiles("state block K x BV in registers; BV narrowed until the grid has enough programs",
-                  num_warps=warps, num_stages=stages, KP=_pow2(K), BV=_state_block(K, V, chains, min_programs),
+                  num_warps=warps, num_stages=stages, KP=next_pow2(K), BV=_state_block(K, V, chains, min_programs),
                   SPLIT=1)
     out = []
     for t in halving(first, ("BV",)):
@@ -192,22 +195,22 @@ def scan_tiles(K: int, V: int, chains: int, bt: int, min_programs: int, warps: i
 
 @functools.lru_cache(maxsize=None)
 def train_intra_tiles(K: int, V: int):
-    BK = max(16, min(32, _pow2(K)))
+    BK = max(16, min(32, next_pow2(K)))
     first = tiles("64-token chunk in K slices of 32; exact diagonal blocks 4 channels at a time", num_warps=4,
-                  BK=BK, BKD=min(4, BK), BV=min(64, _pow2(V)))
+                  BK=BK, BKD=min(4, BK), BV=min(64, next_pow2(V)))
     return halving(first, ("BK", "BV"))
 
 
 @functools.lru_cache(maxsize=None)
 def chunk_grads_tiles(K: int, V: int):
-    first = tiles("full K block per program (one pass over V)", num_warps=8, BKB=min(128, _pow2(K)),
-                  BV=min(32, _pow2(V)))
+    first = tiles("full K block per program (one pass over V)", num_warps=8, BKB=min(128, next_pow2(K)),
+                  BV=min(32, next_pow2(V)))
     return halving(first, ("BKB", "BV"))
 
 
 @functools.lru_cache(maxsize=None)
 def bwd_intra_tiles(K: int, V: int):
-    first = tiles("K slices of 16 (the exact path's 16x16xBK tiles)", num_warps=4, BK=16, BV=min(64, _pow2(V)))
+    first = tiles("K slices of 16 (the exact path's 16x16xBK tiles)", num_warps=4, BK=16, BV=min(64, next_pow2(V)))
     return halving(first, ("BV",))
 
 
@@ -216,7 +219,7 @@ def step_tiles(K: int, V: int) -> Tiles:
     """The decode step's launch config: BV (value columns per program, so V / BV x B x HV programs) and warps.
     ``KP`` (K to a power of two) is fixed by the shape."""
     return tiles("measured fastest of BV {16..64} x warps {1..8} for 64 sequences (H200)", num_warps=4,
-                 BV=min(_pow2(V), 64 if _pow2(K) <= 128 else 32))
+                 BV=min(next_pow2(V), 64 if next_pow2(K) <= 128 else 32))
 
 
 def _gate_args(A_log, dt_bias, lower_bound, like):
@@ -273,11 +276,23 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                  DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
     with compiled_together():        # the stages' kernels compile concurrently on first use
-        # 1. intra-chunk stage
+        # 1. intra-chunk stage (training: the Gluon kernel's factored products where it runs, then the Triton
+        #    kernel on the pairs it flagged; else the Triton kernel on every pair)
         if NC > 0 and train:
+            out = (W, U, QG, KD, AQK, GC, TM)
+            gluon_first = _train_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                                         compile_device(q.device)) is None
+            flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
+            if gluon_first:
+                launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
+                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, float(scale), H, HV),
+                       dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
+                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS),
+                       (INTRA_FUSED_TILES,))
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
-                   common + (W, U, QG, KD, AQK, GC, TM, float(scale), float(lower_bound or 0.0), H, HV),
-                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op), train_intra_tiles(K, V))
+                   common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
+                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
+                   train_intra_tiles(K, V))
         elif NC > 0:
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
             for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
@@ -289,7 +304,13 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
         final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
         HS = torch.empty(nc_alloc, HV, K, V, dtype=prec.work, device=q.device) if train else None
         VNEW = torch.empty(B * T, HV, V, dtype=prec.work, device=q.device) if train else None
-        if N > 0:
+        if N > 0 and train and _scan_fused_unsupported(q, v, compile_device(q.device)) is None:
+            launch(_kda_fwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
+                   (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, VNEW, HS, optional(final, q), HV),
+                   dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
+                        STORE_H=True, NW=FUSED_SCAN_WARPS),
+                   scan_fused_tiles(N * HV, compile_device(q.device)))
+        elif N > 0:
             cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
             launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
                    (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, optional(VNEW, q), optional(HS, q),
@@ -300,25 +321,84 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     return o, final, saved
 
 
-def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
-    """Why the fused Gluon forward (``kernels_fused.py``) does not run this inference call (None: it does)."""
-    if not gluon_available(q.device) or _kda_fused_fwd_kernel is None:
+def _gluon_unsupported(kernel, q, v, device: torch.device) -> Optional[str]:
+    """Why a Gluon KDA kernel (``kernel``: None where Gluon is missing) does not run a call on ``device``, for the
+    conditions every one of them shares: CUDA with Gluon, the Triton release of its API, sm_90, bf16, K = V = 128."""
+    if not gluon_available(device) or kernel is None:
         return "not a CUDA call with Gluon available"
     if gluon_version() != FUSED_TRITON:
         return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
                 f"{'.'.join(map(str, FUSED_TRITON))}")
-    if device_capability(q.device) != (9, 0):
+    if device_capability(device) != (9, 0):
         return "not an sm_90 GPU (the kernel's wgmma is Hopper's)"
     if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "q, k, v are not bfloat16"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return "K and V are not both 128"
+    return None
+
+
+def _scan_fused_unsupported(q, v, device: torch.device) -> Optional[str]:
+    """Why the Gluon training scans (``kernels_scan_gluon.py``) do not replace the Triton ones (None: they do); they
+    read the 64-token chunks' bf16 intermediates only, whatever the gate."""
+    why = _gluon_unsupported(_kda_bwd_scan_fused_kernel, q, v, device)
+    return why if why is not None else _gluon_unsupported(_kda_fwd_scan_fused_kernel, q, v, device)
+
+
+def scan_fused_tiles(chains: int, device) -> Tuple[Tiles, ...]:
+    """The Gluon scans' launch: V blocks of 64 (the wgmma's M: two programs per chain); a two-stage operand ring
+    when the programs are no more than the SMs (each alone on its SM hides its next chunk's loads), else one stage
+    (82-90 KB of shared memory: two programs per SM hide each other's loads)."""
+    stages = 2 if 2 * chains <= sm_count(device) else 1
+    return (tiles("V blocks of 64 (wgmma M); operand ring by grid size", num_warps=FUSED_SCAN_WARPS, BV=64,
+                  STAGES=stages),)
+
+
+def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
+    """Why the fused Gluon forward (``kernels_fused.py``) does not run this inference call (None: it does)."""
+    why = _gluon_unsupported(_kda_fused_fwd_kernel, q, v, q.device)
+    if why is not None:
+        return why
     if A_log is not None:
         return "a gate (A_log, dt_bias, lower_bound) is given"
     if num_seqs * v.shape[2] < FUSED_MIN_PROGRAMS:
         return (f"{num_seqs * v.shape[2]} (sequence, value head) pairs: one program each would leave the GPU idle "
                 f"(fewer than {FUSED_MIN_PROGRAMS})")
     return None
+
+
+def _train_gluon_unsupported(kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                             device: torch.device) -> Optional[str]:
+    """Why a Gluon kernel of the training pipeline does not run this call: :func:`_gluon_unsupported`, then the
+    training kernels' own conditions (no gate parameters, fp32 g and beta, one-float decays). ``device``: the device
+    the call runs on (or, compiled ahead on meta tensors, compiles for: ``_launch.compile_device``)."""
+    why = _gluon_unsupported(kernel, q, v, device)
+    if why is not None:
+        return why
+    if A_log is not None or dt_bias is not None or lower_bound is not None:
+        return "a gate (A_log, dt_bias, lower_bound) is given"
+    if g.dtype != torch.float32 or beta.dtype != torch.float32:
+        return "g or beta is not float32"
+    if prec.two_float:
+        return "cumulative log decays in two floats (exact dots)"
+    return None
+
+
+def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                                 device: torch.device) -> Optional[str]:
+    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
+    ``EXACT=False`` launch of this training backward (None: it does): :func:`_train_gluon_unsupported`."""
+    return _train_gluon_unsupported(_kda_bwd_intra_fused_kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                    device)
+
+
+def _train_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+                                   device: torch.device) -> Optional[str]:
+    """Why the Gluon intra-chunk forward (``kernels_intra_gluon.py``) does not take this training forward's
+    intra-chunk stage, the Triton kernel then redoing only the pairs it flags (None: it does):
+    :func:`_train_gluon_unsupported`."""
+    return _train_gluon_unsupported(_kda_train_intra_fused_kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                    device)
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
@@ -412,14 +492,22 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     DGC = torch.empty(GC.shape, dtype=f32, device=dev)
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
     with compiled_together():        # the stages' kernels compile concurrently on first use
-        # 1. reverse state scan: du and the chunk-end state gradients
-        if N > 0:
+        # 1. reverse state scan: du and the chunk-end state gradients (Gluon where it runs)
+        if N > 0 and _scan_fused_unsupported(q, v, compile_device(dev)) is None:
+            launch(_kda_bwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
+                   (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV),
+                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, NW=FUSED_SCAN_WARPS),
+                   scan_fused_tiles(N * HV, compile_device(dev)))
+        elif N > 0:
             launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
                    dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, PREC=prec.scan),
                    scan_tiles(K, V, N * HV, bt, 64, 8, 2))
-        # 2. per-chunk gradients of the scan's operands
-        if NC > 0:
+        # 2. per-chunk gradients of the scan's operands (in the Gluon domain, formed inside the factored launch of
+        #    stage 3, which writes them for the flagged chunks only: the EXACT launch's inputs)
+        gluon_first = NC > 0 and _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
+                                                              compile_device(dev)) is None
+        if NC > 0 and not gluon_first:
             launch(_kda_bwd_chunk_grads_kernel, lambda t: (NC, HV, triton.cdiv(K, t.get("BKB"))),
                    (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
                    dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
@@ -435,6 +523,14 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
             gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
             flags = torch.zeros(NC, HV, dtype=torch.int32, device=dev)
             for exact in (False, True):
+                if gluon_first and not exact:   # the factored launch in Gluon; the flagged chunks as below
+                    launch(_kda_bwd_intra_fused_kernel, lambda t: (NC, HV),
+                           (q, k, v, g, beta, ch.chunk_t, TM, DU, HS, DH, VNEW, do.to(prec.work), DQG, DKD, DW, DAQK,
+                            DGC, dq_h, dk_h, dv, db, dg, flags, float(scale), H, HV),
+                           dict(K=K, V=V, BT=bt, BK=FUSED_BWD_BK, BV=FUSED_BWD_BV, L2NORM=bool(use_qk_l2norm),
+                                FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, W=FUSED_BWD_WARPS),
+                           (BWD_INTRA_FUSED_TILES,))
+                    continue
                 launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
                        (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
                                                         db, dg, dal, optional(ddt, q), flags, float(scale),
@@ -507,8 +603,8 @@ def _transition_scan(q, v, saved: Saved, chunks, carried: int, carried_len: int,
 
 @functools.lru_cache(maxsize=None)
 def carry_tiles(K: int, V: int):
-    first = tiles("rows x K in fp32 against a K x BV state block", num_warps=4 if _pow2(K) <= 128 else 8, BR=64,
-                  BV=min(64, _pow2(V)))
+    first = tiles("rows x K in fp32 against a K x BV state block", num_warps=4 if next_pow2(K) <= 128 else 8, BR=64,
+                  BV=min(64, next_pow2(V)))
     return halving(first, ("BV", "BR"))
 
 
@@ -518,7 +614,7 @@ def _carry_add(x, x_strides, y, y_strides, carry, rows: int, blocks: int, per_ca
     n, HV, K, V = carry.shape
     launch(_kda_carry_add_kernel, lambda t: (cdiv(rows, t.get("BR")), blocks * HV, cdiv(V, t.get("BV"))),
            (x, y, carry, rows, per_carry, HV) + tuple(x_strides) + tuple(y_strides),
-           dict(K=K, V=V, KP=_pow2(K), PREC=prec), carry_tiles(K, V))
+           dict(K=K, V=V, KP=next_pow2(K), PREC=prec), carry_tiles(K, V))
 
 
 def cp_fold_carry(o, final, saved: Saved, tr: Transition, carry, allow_tf32: bool):
@@ -553,7 +649,7 @@ def cp_carry_grad(u, do, carried: int, dtype: torch.dtype, allow_tf32: bool):
     partial = torch.empty(splits, n, HV, K, V, dtype=torch.float32, device=do.device)
     launch(_kda_carry_grad_kernel, lambda t: (splits, n * HV, cdiv(V, t.get("BV"))),
            (u, do, partial, t1, rps, n, HV, t1 * HV * K, K, HV * K, do.stride(0), do.stride(2), do.stride(1)),
-           dict(K=K, V=V, KP=_pow2(K), PREC=precision(dtype, allow_tf32, K, True).scan), carry_tiles(K, V))
+           dict(K=K, V=V, KP=next_pow2(K), PREC=precision(dtype, allow_tf32, K, True).scan), carry_tiles(K, V))
     return partial.sum(0)
 
 
@@ -580,7 +676,7 @@ def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, l
     o = empty((B, T, HV, V), v.dtype, q.device)
     if B > 0:
         config = config or step_tiles(K, V)
-        KP = _pow2(K)
+        KP = next_pow2(K)
         gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
         idx_mode = 0 if state_indices is None else state_indices.dim()
         candidates = halving(config, ("BV",))

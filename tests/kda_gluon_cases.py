@@ -1,0 +1,96 @@
+"""What the GPU checks of KDA's Gluon training kernels share (tests/gpu/test_kda_intra_fused_gpu.py,
+test_kda_bwd_fused_gpu.py, test_kda_scan_gpu.py; on CPU through tests/ops/test_kda_train_gluon_emulated.py): the
+planted decays, the rows of unflagged (chunk, value head) pairs, the per-head relative error, a device sync."""
+from __future__ import annotations
+
+import torch
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernel_name(kernel) -> str:
+    return getattr(kernel, "fn", kernel).__name__
+
+
+def decays(shape, kind: str, gen, cu=None, planted=slice(0, 16)) -> torch.Tensor:
+    """fp32 log decays (B, T, HV, K): "long" logsigmoid(N(4, 1)), "strong" logsigmoid(N(0, 1)); "one" / "pair": long
+    ones with -1e4 planted in every value head's channels ``planted`` at row 45 / rows 40 and 41 of every chunk long
+    enough; "nan": NaN in channels 32-63 (a whole K slice) at row 5 (chunks of 64 rows from each sequence's start:
+    ``cu``, or each batch row's)."""
+    B, T, HV, _ = shape
+    mean = 0.0 if kind == "strong" else 4.0
+    g = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen) + mean)
+    rows = {"one": (45,), "pair": (40, 41), "nan": (5,)}.get(kind, ())
+    bounds = list(zip(cu[:-1], cu[1:])) if cu is not None else [(b * T, (b + 1) * T) for b in range(B)]
+    flat = g.view(B * T, HV, -1)
+    for bos, eos in bounds:
+        for c0 in range(bos, eos, 64):
+            for r in (rows if rows and c0 + max(rows) < eos else ()):
+                if kind == "nan":
+                    flat[c0 + r, :, 32:64] = float("nan")
+                else:
+                    flat[c0 + r, :, planted] = -1e4
+    return g
+
+
+def pair_rows(chunk_t: torch.Tensor, flags: torch.Tensor, R: int) -> torch.Tensor:
+    """(R, HV) bool: the rows of each (chunk, value head) pair whose flag is 0."""
+    HV = flags.shape[1]
+    keep = torch.zeros(R, HV, dtype=torch.bool)
+    for (_, row0, L), f in zip(chunk_t.tolist(), flags.cpu()):
+        keep[row0:row0 + L] = (f == 0)[None, :]
+    return keep
+
+
+def per_head_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor) -> float:
+    """max over value heads of max|a - b| / max|b| on the kept rows (a, b: (R, HV, ...))."""
+    a, b = a.double().cpu(), b.double().cpu()
+    worst = 0.0
+    for h in range(b.shape[1]):
+        rows = keep[:, h]
+        if not rows.any():
+            continue
+        x, y = a[rows, h], b[rows, h]
+        assert torch.isfinite(x).all() and torch.isfinite(y).all(), f"head {h}: non-finite entries"
+        scale = float(y.abs().max())
+        err = float((x - y).abs().max())
+        worst = max(worst, err / scale if scale > 0 else err)
+    return worst
+
+
+def gluon_runs(unsupported: str) -> bool:
+    """Whether the training dispatch test ``launch.<unsupported>`` lets its Gluon kernel run on this machine's CUDA
+    device (bf16, K = V = 128, no gate)."""
+    from delta_attn.ops.kda import launch
+    if not torch.cuda.is_available():
+        return False
+    x = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
+    f = torch.empty(1, 1, 1, 128, device="cuda")
+    prec = launch.precision(torch.bfloat16, False, 128, train=True)
+    return getattr(launch, unsupported)(x, x, f, f[..., 0], None, None, None, prec, x.device) is None
+
+
+WHOLE = [
+    # the whole-gradient cases, KDACase fields that vary: B, T, cu, H, HV, l2, decay kind
+    (2, 300, None, 2, 2, True, "long"),
+    (2, 300, None, 2, 2, False, "strong"),
+    (1, 333, (0, 100, 237, 333), 1, 2, True, "long"),
+    (1, 400, (0, 150, 400), 2, 4, True, "pair"),
+    (2, 200, None, 2, 4, False, "one"),
+]
+
+
+def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, planted=slice(0, 16)) -> None:
+    """``da.kda(..., backend="triton")`` forward and backward in the Gluon domain (bf16, K = V = 128, fp32 g and
+    beta, initial and final states) against the float64 reference with the error rule."""
+    import properties as P
+    c = P.KDACase(seed=7, B=B, T=T, cu=cu, H=H, HV=HV, K=128, V=128, dtype="bf16", gate=None, l2=l2, h0=True,
+                  final=True, decay=None, scale=None, fp32_gb=True, grad=True)
+    xs, kw = P.kda_inputs(c, dev)
+    xs[3] = decays((B, T, HV, 128), decay, torch.Generator().manual_seed(11), cu, planted=planted).to(dev)
+    assert xs[3].dtype == xs[4].dtype == torch.float32
+    bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
+    assert not bad, "; ".join(bad)
