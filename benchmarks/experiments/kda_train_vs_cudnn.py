@@ -11,32 +11,42 @@ import triton  # noqa: E402
 import delta_attn as da  # noqa: E402
 from cudnn.linear_attention import kimi_delta_attention  # noqa: E402
 H, D = 16, 128
-rows = []
+
+
+def times(B: int, T: int, mean: float):
+    """(ours ms, cuDNN-FE ms) of one forward+backward."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k = (torch.nn.functional.normalize(r(B, T, H, D), dim=-1).bfloat16().requires_grad_() for _ in range(2))
+    v = r(B, T, H, D).bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(r(B, T, H, D) + mean).float().requires_grad_()
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).float().requires_grad_()
+    do = r(B, T, H, D).bfloat16()
+
+    def ours():
+        o = da.kda(q, k, v, g, beta, backend="triton")[0]
+        torch.autograd.grad(o, (q, k, v, g, beta), do)
+
+    cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * T
+    qt, kt, vt = (x.detach().reshape(B * T, H, D).requires_grad_() for x in (q, k, v))
+    gt = g.detach().reshape(B * T, H, D).requires_grad_()
+    bt = beta.detach().reshape(B * T, H).requires_grad_()
+    dot = do.reshape(B * T, H, D)
+
+    def cudnn():
+        o = kimi_delta_attention(qt, kt, vt, gt, bt, cu, use_qk_l2norm_in_kernel=False)
+        o = o[0] if isinstance(o, (tuple, list)) else o
+        torch.autograd.grad(o, (qt, kt, vt, gt, bt), dot)
+
+    return (triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median"),
+            triton.testing.do_bench(cudnn, warmup=10, rep=100, return_mode="median"))
+
+
 for B, T in [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]:
     for regime, mean in (("long", 4.0), ("strong", 0.0)):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-        q, k = (torch.nn.functional.normalize(r(B, T, H, D), dim=-1).bfloat16().requires_grad_() for _ in range(2))
-        v = r(B, T, H, D).bfloat16().requires_grad_()
-        g = torch.nn.functional.logsigmoid(r(B, T, H, D) + mean).float().requires_grad_()
-        beta = torch.rand(B, T, H, device="cuda", generator=gen).float().requires_grad_()
-        do = r(B, T, H, D).bfloat16()
-
-        def ours():
-            o = da.kda(q, k, v, g, beta, backend="triton")[0]
-            torch.autograd.grad(o, (q, k, v, g, beta), do)
-        cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * T
-        qt, kt, vt = (x.detach().reshape(B * T, H, D).requires_grad_() for x in (q, k, v))
-        gt = g.detach().reshape(B * T, H, D).requires_grad_()
-        bt = beta.detach().reshape(B * T, H).requires_grad_()
-        dot = do.reshape(B * T, H, D)
-
-        def cud():
-            o = kimi_delta_attention(qt, kt, vt, gt, bt, cu, use_qk_l2norm_in_kernel=False)
-            o = o[0] if isinstance(o, (tuple, list)) else o
-            torch.autograd.grad(o, (qt, kt, vt, gt, bt), dot)
-        t_o = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
-        t_c = triton.testing.do_bench(cud, warmup=10, rep=100, return_mode="median")
+        t_o, t_c = times(B, T, mean)
         print(f"| {B} x {T} | {regime} | {t_o:.3f} | {t_c:.3f} | {t_c / t_o:.2f} |", flush=True)
-        del q, k, v, g, beta, do, qt, kt, vt, gt, bt
         torch.cuda.empty_cache()
