@@ -39,10 +39,6 @@ class GluonHazard(AssertionError):
 # tensors with Triton's promotion
 
 
-def _triton_promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    return torch.promote_types(a, b)
-
-
 def _wrap(x):
     if isinstance(x, torch.Tensor) and not isinstance(x, GT):
         return x.as_subclass(GT)
@@ -73,7 +69,7 @@ class GT(torch.Tensor):
         if func in _BINARY and len(args) >= 2:
             a, b = args[0], args[1]
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
-                dt = _triton_promote(a.dtype, b.dtype)
+                dt = torch.promote_types(a.dtype, b.dtype)
                 args = (a.to(dt), b.to(dt)) + tuple(args[2:])
             if func in _INT_DIV:
                 x, y = args[0], args[1]
@@ -352,10 +348,6 @@ def fence_async_shared(cluster=False):
         s.unfenced.fill_(False)
 
 
-class _AsyncCopy(types.SimpleNamespace):
-    pass
-
-
 def async_copy_global_to_shared(smem: Smem, pointer: Ptr, mask=None, **_):
     acc = smem.access(_lay(pointer.off))
     smem._check_write("cp.async", acc)
@@ -575,7 +567,7 @@ def where(cond, a, b):
     if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
         a = _t(a)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
-        dt = _triton_promote(a.dtype, b.dtype)
+        dt = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(dt), b.to(dt)
     cond = _t(cond)
     r = _wrap(torch.where(_plain(cond).to(torch.bool), _plain(a), _plain(b)))
@@ -863,8 +855,9 @@ GPU_SMS = 132       # an H100 / H200: the launch decisions that count SMs (piece
 @contextlib.contextmanager
 def on_cpu(monkeypatch):
     """delta-attn's Gluon kernels on CPU tensors: the dispatch opened to the CPU (Gluon available, the Triton release
-    and the sm_90 GPU the kernels are written for, with its SM count; bfloat16 allowed for the Triton backend), every Gluon launch on the
-    emulator and the Triton kernels beside them on the interpreter with the GPU's bfloat16 arithmetic."""
+    and the sm_90 GPU the kernels are written for, with its SM count; bfloat16 allowed for the Triton backend), every
+    Gluon launch on the emulator and the Triton kernels beside them on the interpreter with the GPU's bfloat16
+    arithmetic."""
     from delta_attn import backends
     from delta_attn.ops.kda import launch
     triton_backend = backends.BACKENDS["triton"]
