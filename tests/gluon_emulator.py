@@ -864,7 +864,7 @@ def on_cpu(monkeypatch):
     rule = triton_backend._device_rule
     monkeypatch.setattr(triton_backend, "_device_rule", lambda call: [] if call.device.type == "cpu" else rule(call))
     monkeypatch.setattr(launch, "gluon_available", lambda device: True)
-    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
+    monkeypatch.setattr(launch, "gluon_version", lambda: launch.KERNELS_TRITON)
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(launch, "sm_count", lambda device: GPU_SMS)
     with emulated_gluon(), interpreter_bf16():

@@ -168,9 +168,9 @@ def test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, monkey
         assert C.per_head_error(a, b, keep) <= BF16_TOL
 
 
-@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", C.WHOLE)
-def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, factored_runs):
-    C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay)
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay,fp32_gb", C.WHOLE)
+def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, factored_runs):
+    C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay, fp32_gb)
     ran = [(n, e) for n, e, _ in factored_runs]
     assert ("_kda_bwd_intra_fused_kernel", False) in ran, ran
     assert STAGE2_KERNEL not in factored_runs.launched, "stage 2 runs in the Gluon domain"

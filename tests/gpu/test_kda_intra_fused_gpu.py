@@ -169,9 +169,9 @@ def test_gluon_against_triton(B, T, H, HV, decay, cu, l2, monkeypatch, intra_run
         assert _same(a[keep], c[keep]), f"{n}: the ONLY_FLAGGED launch wrote an unflagged pair"
 
 
-@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", C.WHOLE)
-def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, intra_runs):
-    C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay, planted=PLANTED)
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay,fp32_gb", C.WHOLE)
+def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, intra_runs):
+    C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay, fp32_gb, planted=PLANTED)
     ran = [(n, f) for n, f, _, _ in intra_runs]
     assert ("_kda_train_intra_fused_kernel", False) in ran, ran
     if decay == "pair":

@@ -10,7 +10,7 @@ from delta_attn.ops.kda import launch
 @pytest.fixture
 def hopper(monkeypatch):
     monkeypatch.setattr(launch, "gluon_available", lambda device: True)
-    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
+    monkeypatch.setattr(launch, "gluon_version", lambda: launch.KERNELS_TRITON)
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     if launch._kda_fused_fwd_kernel is None:
         pytest.skip("the installed Triton has no Gluon")

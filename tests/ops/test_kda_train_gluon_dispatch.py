@@ -18,20 +18,18 @@ CUDA = torch.device("cuda", 0)
 @pytest.fixture
 def hopper(monkeypatch):
     monkeypatch.setattr(launch, "gluon_available", lambda device: True)
-    monkeypatch.setattr(launch, "gluon_version", lambda: launch.FUSED_TRITON)
+    monkeypatch.setattr(launch, "gluon_version", lambda: launch.KERNELS_TRITON)
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     if launch._kda_bwd_intra_fused_kernel is None or launch._kda_train_intra_fused_kernel is None:
         pytest.skip("the installed Triton has no Gluon")
 
 
-def _args(dtype=torch.bfloat16, K=128, V=128, g_dtype=torch.float32, beta_dtype=torch.float32, A_log=None,
-          dt_bias=None, lower_bound=None, allow_tf32=False, device=CUDA):
+def _args(dtype=torch.bfloat16, K=128, V=128, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False,
+          device=CUDA):
     q = torch.empty(1, 1, 2, K, dtype=dtype)
     v = torch.empty(1, 1, 4, V, dtype=dtype)
-    g = torch.empty(1, 1, 4, K, dtype=g_dtype)
-    beta = torch.empty(1, 1, 4, dtype=beta_dtype)
     prec = launch.precision(dtype, allow_tf32, K, train=True)
-    return q, v, g, beta, A_log, dt_bias, lower_bound, prec, device
+    return q, v, A_log, dt_bias, lower_bound, prec, device
 
 
 def _call(**case):
@@ -48,8 +46,6 @@ def test_in_domain_call_runs_gluon(hopper):
     (dict(dtype=torch.float32), "bfloat16"),
     (dict(K=64), "K and V"),
     (dict(V=256), "K and V"),
-    (dict(g_dtype=torch.bfloat16), "g or beta is not float32"),
-    (dict(beta_dtype=torch.bfloat16), "g or beta is not float32"),
     (dict(A_log=torch.zeros(4)), "gate"),
     (dict(dt_bias=torch.zeros(4 * 128)), "gate"),
     (dict(lower_bound=-5.0), "gate"),
@@ -117,7 +113,7 @@ def test_reverse_scan_ring_depth_by_grid(monkeypatch):
     assert many.get("STAGES") == 1
 
 
-def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V=128):
+def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V=128, decay_dtype=torch.float32):
     """(kernel name, EXACT or None, {argument: value}) of every launch ``train_backward`` makes, recorded on meta
     tensors (nothing runs), with the Gluon dispatch decided by ``gluon``."""
     monkeypatch.setattr(launch, "_bwd_intra_fused_unsupported", lambda *a, **kw: None if gluon else "forced")
@@ -132,8 +128,8 @@ def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V
     R, nc, bt = B * T, launch.max_chunks(B, T, B, False), launch.TRAIN_CHUNK
     q, k = (torch.empty(B, T, H, K, dtype=bf, device=meta) for _ in range(2))
     v = torch.empty(B, T, HV, V, dtype=bf, device=meta)
-    g = torch.empty(B, T, HV, K, dtype=f32, device=meta)
-    beta = torch.empty(B, T, HV, dtype=f32, device=meta)
+    g = torch.empty(B, T, HV, K, dtype=decay_dtype, device=meta)
+    beta = torch.empty(B, T, HV, dtype=decay_dtype, device=meta)
     do = torch.empty(B, T, HV, V, dtype=bf, device=meta)
     saved = launch.Saved(*(torch.empty(*s, dtype=d, device=meta) for s, d in (
         ((R, HV, K), bf), ((R, HV, K), bf), ((R, HV, K), bf), ((R, HV, bt), bf), ((R, HV, bt), f32),
@@ -161,12 +157,25 @@ def test_gluon_domain_launches_no_stage_two(hopper, monkeypatch):
                                              ("_kda_bwd_intra_kernel", False), ("_kda_bwd_intra_kernel", True)]
 
 
+@pytest.mark.parametrize("decay_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_decays_are_widened_for_gluon(hopper, monkeypatch, decay_dtype):
+    """A bf16 / fp16 g or beta does not leave the Gluon domain: the training pass widens them (exactly) to the
+    float32 its Gluon kernels read, and every launch of the pass reads the widened copies; outside the domain the
+    Triton kernels read them as given."""
+    calls = _backward_launches(monkeypatch, gluon=True, decay_dtype=decay_dtype)
+    for name, _, a in calls[1:]:
+        assert a["g"].dtype == a["beta"].dtype == torch.float32, name
+    calls = _backward_launches(monkeypatch, gluon=False, decay_dtype=decay_dtype)
+    for name, _, a in calls[2:]:
+        assert a["g"].dtype == a["beta"].dtype == decay_dtype, name
+
+
 INTRA_OUTPUTS = ("W", "U", "QG", "KD", "AQK", "GC", "TM")
 
 
 def test_intra_forward_has_the_backward_domain(hopper):
     """One validation for both Gluon intra-chunk kernels of the training pipeline: the same reason for every call."""
-    for case in (dict(), dict(dtype=torch.float16), dict(K=64), dict(g_dtype=torch.bfloat16),
+    for case in (dict(), dict(dtype=torch.float16), dict(K=64),
                  dict(A_log=torch.zeros(4)), dict(device=torch.device("cpu"))):
         assert launch._train_intra_fused_unsupported(*_args(**case)) == _call(**case)
 

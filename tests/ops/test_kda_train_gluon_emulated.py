@@ -60,6 +60,6 @@ def test_backward_against_triton(B, T, H, HV, decay, cu, l2, cpu):
     BWD.test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, cpu, BWD.spy_factored(cpu))
 
 
-@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay", C.WHOLE)
-def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, cpu):
-    BWD.test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, BWD.spy_factored(cpu))
+@pytest.mark.parametrize("B,T,cu,H,HV,l2,decay,fp32_gb", C.WHOLE)
+def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, cpu):
+    BWD.test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, BWD.spy_factored(cpu))

@@ -11,6 +11,7 @@ import triton
 from .. import settings
 
 MIN_TRITON = (3, 6)         # Gluon's API moves between releases: the oldest version the kernels run on
+KERNELS_TRITON = (3, 6)     # the release whose Gluon API the sm_90 KDA kernels are written for (wgmma, cp.async)
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,3 +36,9 @@ if version() >= MIN_TRITON:
 def available(device) -> bool:
     """Whether a Gluon kernel may run on ``device``: CUDA, Gluon importable, the interpreter off."""
     return gluon is not None and device.type == "cuda" and not settings.triton_interpreter()
+
+
+def kernels_release(device) -> bool:
+    """Whether the sm_90 Gluon kernels written for ``KERNELS_TRITON`` may run on ``device`` as far as Triton goes:
+    :func:`available` and that release installed (the device's architecture is the caller's to check)."""
+    return available(device) and version() == KERNELS_TRITON

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..._outputs import empty
 from ...backends import device_capability
-from .._gluon import available as gluon_available, version as gluon_version
+from .._gluon import KERNELS_TRITON, available as gluon_available, version as gluon_version
 from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, index, launch, next_pow2,
                        optional, param, sm_count, tiles, unit_last)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
@@ -46,7 +46,6 @@ TRAIN_CHUNK = 64      # tokens per chunk of the training pipeline (4 sub-chunks 
 CHUNK_LENGTHS = (16, 32, TRAIN_CHUNK)   # every chunk length a pipeline runs (inference: infer_chunk's 16 or 32)
 FACTOR_MAX = 60.0     # |cumulative log decay| up to which exp(G_i - G_j) is formed as a product of two factors
 FUSED_MIN_PROGRAMS = 64   # (sequence, value head) pairs from which the fused inference forward runs
-FUSED_TRITON = (3, 6)     # the Triton release whose Gluon API the fused kernels are written for
 INTRA_FUSED_TILES = tiles("one warpgroup per (chunk, value head); K slices of 32", num_warps=FUSED_INTRA_WARPS)
 BWD_INTRA_FUSED_TILES = tiles("one warpgroup per (chunk, head); K slices of 16, V of 64", num_warps=FUSED_BWD_WARPS)
 TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| from the chunk's middle row up to which
@@ -271,6 +270,9 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     NC = ch.chunk_t.shape[0]
     nc_alloc = max_chunks(B, T, N, cu_seqlens is not None) if train else NC
     W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
+    gluon_first = NC > 0 and train and _train_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec,
+                                                                      compile_device(q.device)) is None
+    g, beta = _train_decays(g, beta, gluon_first)
     gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
     common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
@@ -280,8 +282,6 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
         #    kernel on the pairs it flagged; else the Triton kernel on every pair)
         if NC > 0 and train:
             out = (W, U, QG, KD, AQK, GC, TM)
-            gluon_first = _train_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
-                                                         compile_device(q.device)) is None
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
             if gluon_first:
                 launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
@@ -326,9 +326,9 @@ def _gluon_unsupported(kernel, q, v, device: torch.device) -> Optional[str]:
     conditions every one of them shares: CUDA with Gluon, the Triton release of its API, sm_90, bf16, K = V = 128."""
     if not gluon_available(device) or kernel is None:
         return "not a CUDA call with Gluon available"
-    if gluon_version() != FUSED_TRITON:
+    if gluon_version() != KERNELS_TRITON:
         return (f"Triton {triton.__version__}: the kernel is written for the Gluon API of Triton "
-                f"{'.'.join(map(str, FUSED_TRITON))}")
+                f"{'.'.join(map(str, KERNELS_TRITON))}")
     if device_capability(device) != (9, 0):
         return "not an sm_90 GPU (the kernel's wgmma is Hopper's)"
     if q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
@@ -367,38 +367,33 @@ def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
     return None
 
 
-def _train_gluon_unsupported(kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
+def _train_gluon_unsupported(kernel, q, v, A_log, dt_bias, lower_bound, prec: Precision,
                              device: torch.device) -> Optional[str]:
     """Why a Gluon kernel of the training pipeline does not run this call: :func:`_gluon_unsupported`, then the
-    training kernels' own conditions (no gate parameters, fp32 g and beta, one-float decays). ``device``: the device
-    the call runs on (or, compiled ahead on meta tensors, compiles for: ``_launch.compile_device``)."""
+    training kernels' own conditions (no gate parameters, one-float decays; they read g and beta in float32, which
+    :func:`_train_decays` makes them). ``device``: the device the call runs on (or, compiled ahead on meta tensors,
+    compiles for: ``_launch.compile_device``)."""
     why = _gluon_unsupported(kernel, q, v, device)
     if why is not None:
         return why
     if A_log is not None or dt_bias is not None or lower_bound is not None:
         return "a gate (A_log, dt_bias, lower_bound) is given"
-    if g.dtype != torch.float32 or beta.dtype != torch.float32:
-        return "g or beta is not float32"
     if prec.two_float:
         return "cumulative log decays in two floats (exact dots)"
     return None
 
 
-def _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
-                                 device: torch.device) -> Optional[str]:
-    """Why the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) does not replace the Triton
-    ``EXACT=False`` launch of this training backward (None: it does): :func:`_train_gluon_unsupported`."""
-    return _train_gluon_unsupported(_kda_bwd_intra_fused_kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec,
-                                    device)
+# None where the Gluon factored intra-chunk backward (``kernels_backward_gluon.py``) replaces the Triton
+# ``EXACT=False`` launch, and where the Gluon intra-chunk forward (``kernels_intra_gluon.py``) takes the training
+# forward's intra-chunk stage (the Triton kernel then redoing only the pairs it flags); else why not
+_bwd_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kda_bwd_intra_fused_kernel)
+_train_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kda_train_intra_fused_kernel)
 
 
-def _train_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec: Precision,
-                                   device: torch.device) -> Optional[str]:
-    """Why the Gluon intra-chunk forward (``kernels_intra_gluon.py``) does not take this training forward's
-    intra-chunk stage, the Triton kernel then redoing only the pairs it flags (None: it does):
-    :func:`_train_gluon_unsupported`."""
-    return _train_gluon_unsupported(_kda_train_intra_fused_kernel, q, v, g, beta, A_log, dt_bias, lower_bound, prec,
-                                    device)
+def _train_decays(g, beta, gluon: bool):
+    """g and beta as a training pass reads them: float32 (an exact widening of bf16 / fp16) where its Gluon kernels
+    run (``gluon``), which read float32; else as given."""
+    return (g.float(), beta.float()) if gluon else (g, beta)
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
@@ -484,6 +479,10 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     ch = chunks(TRAIN_CHUNK) if chunks is not None else chunk_tables(B, T, cu_seqlens, dev, TRAIN_CHUNK)
     N, NC, bt = ch.seq_t.shape[0], ch.chunk_t.shape[0], TRAIN_CHUNK
     W, QG, KD, AQK, TM, GC, HS, VNEW = saved
+    g_dtype, beta_dtype = g.dtype, beta.dtype
+    gluon_first = NC > 0 and _bwd_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec,
+                                                          compile_device(dev)) is None
+    g, beta = _train_decays(g, beta, gluon_first)
     DU = torch.empty(R, HV, V, dtype=f32, device=dev)
     DH = torch.empty(HS.shape, dtype=prec.work, device=dev)
     DQG = torch.empty(R, HV, K, dtype=f32, device=dev)
@@ -505,8 +504,6 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                    scan_tiles(K, V, N * HV, bt, 64, 8, 2))
         # 2. per-chunk gradients of the scan's operands (in the Gluon domain, formed inside the factored launch of
         #    stage 3, which writes them for the flagged chunks only: the EXACT launch's inputs)
-        gluon_first = NC > 0 and _bwd_intra_fused_unsupported(q, v, g, beta, A_log, dt_bias, lower_bound, prec,
-                                                              compile_device(dev)) is None
         if NC > 0 and not gluon_first:
             launch(_kda_bwd_chunk_grads_kernel, lambda t: (NC, HV, triton.cdiv(K, t.get("BKB"))),
                    (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
@@ -548,7 +545,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     # the gate parameters' gradients: sums of the per-chunk partials (dal, ddt) the intra-chunk backward formed
     dA_log = dal.sum(0) if A_log is not None else None
     ddt = ddt.sum(0).reshape(-1) if dt_bias is not None else None
-    return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, dA_log, ddt
+    return dq, dk, dv, dg.to(g_dtype), db.to(beta_dtype), dh0, dA_log, ddt
 
 
 # ------------------------------------------------------------------------------------------------
