@@ -20,6 +20,7 @@ from delta_attn import reference
 from delta_attn.backends import Call, Capability, UnsupportedError, auto_order, explain_call
 from delta_attn.ops.kda import api
 from delta_attn.ops.kda import cudnn as CK
+from delta_attn.ops.kda import register as KR
 
 CUDA = torch.device("cuda", 0)
 
@@ -165,9 +166,11 @@ def test_explicit_backend_raises_with_the_named_reason(fake_gpu):
         da.kda(q, q, q, -torch.rand(1, 4, 1, 128), torch.rand(1, 4, 1), backend="cudnn")
 
 
-def test_auto_tries_cudnn_first_only_for_dense_training_calls_it_measured_faster(fake_gpu):
-    """auto's kda rule (ops/kda/register.py): cuDNN first for training calls on dense batches of sequences up to
-    32768 tokens that cuDNN can run on sm_90; Triton first for the rest, and explain says why."""
+def test_auto_tries_cudnn_first_only_for_dense_training_calls_it_measured_faster(fake_gpu, monkeypatch):
+    """auto's kda rule (ops/kda/register.py), where Triton's training runs its Triton kernels (not Triton 3.6): cuDNN
+    first for training calls on dense batches of sequences up to 32768 tokens that cuDNN can run on sm_90; Triton
+    first for the rest, and explain says why."""
+    monkeypatch.setattr(KR, "_triton_trains_on_gluon", lambda call: False)
     train = dict(feats={"initial_state", "final_state"}, grad=True)
     assert auto_order(_call(seqlen=4096, **train))[:2] == ("cudnn", "triton")
     assert auto_order(_call(seqlen=32768, **train))[0] == "cudnn"
@@ -190,6 +193,35 @@ def test_auto_tries_cudnn_first_only_for_dense_training_calls_it_measured_faster
     assert auto_order(_call(seqlen=4096, **train))[0] == "triton"
     fake_gpu["cc"], fake_gpu["cudnn"] = (9, 0), False
     assert auto_order(_call(seqlen=4096, **train))[0] == "triton"
+
+
+def test_auto_over_the_gluon_training_kernels(fake_gpu, monkeypatch):
+    """Where Triton's training runs its sm_90 Gluon kernels (Triton 3.6), cuDNN goes first only on dense batches of
+    sequences up to 2048 tokens (measured faster there), Triton beyond; explain says which kernels and why."""
+    monkeypatch.setattr(KR, "_triton_trains_on_gluon", lambda call: True)
+    train = dict(feats={"initial_state", "final_state"}, grad=True)
+    assert auto_order(_call(seqlen=1024, **train))[:2] == ("cudnn", "triton")
+    assert auto_order(_call(seqlen=2048, **train))[0] == "cudnn"
+    for seqlen in (4096, 32768, 65536):
+        assert auto_order(_call(seqlen=seqlen, **train))[:2] == ("triton", "torch"), seqlen
+    ex = explain_call(_call(seqlen=2048, **train))
+    assert ex.chosen == "cudnn" and "Gluon" in str(ex) and "1.07-1.12x" in str(ex)
+    ex = explain_call(_call(seqlen=4096, **train))
+    assert ex.chosen == "triton" and "longer than 2048" in str(ex) and "strong decays" in str(ex)
+    assert "longer than 32768" in str(explain_call(_call(seqlen=65536, **train)))
+
+
+def test_gluon_training_kernels_decide_by_the_installed_triton(monkeypatch):
+    """The rule asks whether the installed Triton runs the Gluon kernels on the call's device (the release they are
+    written for, Gluon available: not on CPU, not under the interpreter)."""
+    from delta_attn.ops import _gluon
+    monkeypatch.setattr(_gluon, "kernels_release", lambda device: device.type == "cuda")
+    assert KR._triton_trains_on_gluon(_call(grad=True))
+    assert KR._cudnn_max_seqlen(_call(grad=True)) == KR.CUDNN_OVER_GLUON_MAX_SEQLEN
+    monkeypatch.setattr(_gluon, "kernels_release", lambda device: False)
+    assert KR._cudnn_max_seqlen(_call(grad=True)) == KR.CUDNN_TRAINING_MAX_SEQLEN
+    monkeypatch.undo()
+    assert not _gluon.kernels_release(torch.device("cpu"))
 
 
 def test_auto_reads_the_decay_range_only_where_it_would_try_cudnn(fake_gpu, monkeypatch):
