@@ -44,9 +44,9 @@ CUDNN_OVER_GLUON_WHY = ("training on dense sequences of <= 2048 tokens: cuDNN's 
                         "heads; docs/DISPATCH.md)")
 TRITON_WHY = {
     "gluon": ("training on dense sequences longer than 2048 tokens, where Triton's training runs its sm_90 Gluon "
-              "kernels: with long-memory decays (trained gates) they measured 1.02x cuDNN at 4096 tokens and 1.55-1.75x "
-              "on sequences of 16384-131072; with strong decays cuDNN's shortened warm-up makes it 1.1-1.8x faster "
-              "(H200; docs/DISPATCH.md)"),
+              "kernels: with long-memory decays (trained gates) they measured 1.02x cuDNN at 4096 tokens and "
+              "1.55-1.75x on sequences of 16384-131072; with strong decays cuDNN's shortened warm-up makes it "
+              "1.1-1.8x faster (H200; docs/DISPATCH.md)"),
     "grad": "training on sequences longer than 32768 tokens: Triton and cuDNN measured even (1.05x at 65536)",
     "varlen": "packed (varlen) batch: each new token total builds a cuDNN graph (about 40 ms), so Triton",
     "forward": ("forward only: Triton, whose fused Gluon kernel runs bf16, K = V = 128 calls without gate parameters "
