@@ -25,13 +25,21 @@ BACKENDS = {"flash": ("triton", "cudnn", "sdpa", "torch"), "flash_varlen": ("tri
             "kda": ("triton", "cudnn", "torch"), "kda_step": ("triton", "torch"), "diag": ("triton", "torch"),
             "diag_step": ("triton", "torch")}
 
-# Open defects found on the GPU by seed, (op, backend, seed) -> reason; strict, so a fix shows.
-KNOWN: dict = {}
+# Open defects found on the GPU by seed, (op, backend, seed) -> reason; strict, so a fix shows. A seed past COUNTS
+# runs too (it was found by a wider draw).
+KNOWN: dict = {
+    ("kda", "triton", 219): "bf16, K 32, V 64, softplus gate, q/k not normalised, 95 tokens, initial state, gradients: "
+                            "o 1.25 against a bound of 1.2e-2 (H200, 2026-12-05); the CPU interpreter with the GPU's "
+                            "bf16 and tf32 rounding passes it",
+}
 
 
 def _params():
+    seeds = {(op, backend): range(n) for op, n in COUNTS.items() for backend in BACKENDS[op]}
+    extra = [key for key in KNOWN if key[2] >= COUNTS[key[0]]]
     return [pytest.param(op, backend, seed, id=f"{op}-{backend}-{seed}")
-            for op, n in COUNTS.items() for backend in BACKENDS[op] for seed in range(n)]
+            for (op, backend), rng in seeds.items() for seed in rng] + \
+        [pytest.param(op, backend, seed, id=f"{op}-{backend}-{seed}") for op, backend, seed in extra]
 
 
 @pytest.mark.parametrize("op,backend,seed", _params())
