@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -178,29 +179,84 @@ def value_checks_enabled() -> bool:
             and not settings.skip_value_checks())
 
 
-def log_decay(name: str, g: torch.Tensor, hint: str = "", pending: Optional[list] = None) -> None:
+class PendingChecks:
+    """The value checks of one call that are read after its kernels are enqueued (its outputs are all new
+    tensors, so a call that raises has modified nothing it was given). :func:`log_decay` defers its check of a
+    log decay here; inside :meth:`enqueueing`, a kernel launcher that reads that decay anyway may report its
+    largest positive entry (:func:`decay_top_sink`), and :meth:`finish` then reduces that report instead of g
+    (one pass over g saved). :meth:`finish` runs every deferred check: one reduction, one host read each."""
+
+    def __init__(self):
+        self.decays: List[_DecayCheck] = []
+
+    @contextlib.contextmanager
+    def enqueueing(self):
+        """The block that enqueues the call's kernels (launchers find these checks by :func:`decay_top_sink`)."""
+        token = _ENQUEUEING.set(self)
+        try:
+            yield
+        finally:
+            _ENQUEUEING.reset(token)
+
+    def finish(self) -> None:
+        """Each deferred check's reduction and host read (each raises on a bad value)."""
+        for d in self.decays:
+            top = (d.top if d.top is not None else d.g).amax()
+            _decay_verdict(d.name, d.g, d.hint, _host_value(top))
+
+
+@dataclasses.dataclass
+class _DecayCheck:
+    name: str
+    g: torch.Tensor
+    hint: str
+    top: Optional[torch.Tensor] = None      # reported by a launcher: max(top) is g's largest positive entry, or 0
+
+
+_ENQUEUEING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_enqueueing",
+                                                                                       default=None)
+
+
+def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
+    """For a kernel launcher that reads the log decay ``g`` (the very tensor the call was given): where the call
+    enqueueing it has deferred the check of ``g`` (:class:`PendingChecks`), a function to call with a float32
+    tensor, written by the kernel on the same stream, whose maximum is g's largest positive entry (0 when g has
+    none; NaN and -inf entries count as 0: they are in the domain). The check then reads that tensor instead of
+    reducing g. None where no such check is pending (value checks off, another tensor, already reported)."""
+    checks = _ENQUEUEING.get()
+    for d in checks.decays if checks is not None else ():
+        if d.g is g and d.top is None:
+            return lambda top: setattr(d, "top", top)
+    return None
+
+
+def _host_value(x: torch.Tensor) -> float:
+    """x.item(), on CUDA through pinned memory after an event (the host waits for x, not for the whole device)."""
+    if x.device.type != "cuda":
+        return x.item()
+    host = torch.empty((), dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    read = torch.cuda.Event()
+    read.record()
+    read.synchronize()
+    return host.item()
+
+
+def log_decay(name: str, g: torch.Tensor, hint: str = "", pending: Optional[PendingChecks] = None) -> None:
     """A log decay is <= 0: the state is multiplied by ``exp(g)`` in [0, 1] (``-inf`` resets it). A positive entry
     (a state that grows, which the chunked kernels' ``exp(G_i - G_j)`` arithmetic assumes never happens) is a
     ``ValueError`` naming ``name``; ``hint`` says what to pass instead. NaN is not refused: it keeps its documented
     meaning (that sequence's outputs and state become NaN, the others are untouched). One reduction on the device
     and one host read, when :func:`value_checks_enabled` (never under CUDA-graph capture or torch.compile tracing,
-    nor with DELTA_ATTN_SKIP_VALUE_CHECKS=1: the caller then keeps g <= 0).
-
-    ``pending`` (a list, for calls whose outputs are all new tensors): on a CUDA tensor the reduction is enqueued
-    and its host read appended to ``pending`` as a function, which :func:`finish_pending` runs after the call's
-    kernels are enqueued. The GPU then never waits for the host between the check and the kernels; the call still
-    raises before it returns, and nothing it was given has been modified."""
+    nor with DELTA_ATTN_SKIP_VALUE_CHECKS=1: the caller then keeps g <= 0). With ``pending`` (calls whose outputs
+    are all new tensors) the check runs at ``pending.finish()``, after the call's kernels are enqueued: the call
+    still raises before it returns."""
     if g.numel() == 0 or not value_checks_enabled():
         return
-    if pending is None or g.device.type != "cuda":
+    if pending is None:
         _decay_verdict(name, g, hint, g.amax().item())
-        return
-    top = g.amax()
-    host = torch.empty((), dtype=top.dtype, pin_memory=True)
-    host.copy_(top, non_blocking=True)
-    read = torch.cuda.Event()
-    read.record()
-    pending.append(lambda: (read.synchronize(), _decay_verdict(name, g, hint, host.item())))
+    else:
+        pending.decays.append(_DecayCheck(name, g, hint))
 
 
 def _decay_verdict(name: str, g: torch.Tensor, hint: str, top: float) -> None:
@@ -209,12 +265,6 @@ def _decay_verdict(name: str, g: torch.Tensor, hint: str, top: float) -> None:
     if top > 0:
         raise ValueError(f"{name} is a log decay and must be <= 0 (the state is multiplied by exp({name}) <= 1 at "
                          f"each token), got a value of {top:g}" + (f"; {hint}" if hint else ""))
-
-
-def finish_pending(pending: Optional[list]) -> None:
-    """Run the host reads :func:`log_decay` deferred into ``pending`` (each raises on a bad value)."""
-    for read in pending or ():
-        read()
 
 
 INT32_MAX = 2 ** 31 - 1

@@ -83,16 +83,29 @@ def test_exact_chunks_between_factored_ones(T, cu, fused_runs):
 
 @pytest.mark.parametrize("op", ["kda", "diag"])
 @pytest.mark.parametrize("nan", [False, True])
-def test_positive_decay_raises_after_the_launch(op, nan, fused_runs):
-    """On CUDA the g <= 0 check reads its reduction after the kernels are enqueued (``_checks.log_decay`` with
-    ``pending``): a positive entry still raises from the call (a NaN elsewhere does not hide it), the initial
-    state given is untouched, and a valid call afterwards runs."""
+def test_positive_decay_raises_after_the_launch(op, nan, fused_runs, monkeypatch):
+    """The g <= 0 check is read after the kernels are enqueued (``_checks.PendingChecks``): a positive entry
+    still raises from the call (a NaN elsewhere does not hide it), the initial state given is untouched, and a
+    valid call afterwards runs. The fused KDA kernel reports the largest positive g of each program, which the
+    check reduces instead of g (no pass over g of its own)."""
     import delta_attn as da
+    from delta_attn.ops.kda import launch
+    reports, reduced = [], []
+    real_sink = launch.decay_top_sink
+
+    def sink(g):
+        report = real_sink(g)
+        return None if report is None else (lambda top: (reports.append(top), report(top)))
+
+    monkeypatch.setattr(launch, "decay_top_sink", sink)
+    real_amax = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: reduced.append(self.numel())
+                        or real_amax(self, *a, **kw))
     gen = torch.Generator(device=DEV).manual_seed(3)
-    B, T, H, D = 4, 100, 16, 128
+    B, T, H, D = 2, 40, 4, 128
     q, k, v = (torch.randn(B, T, H, D, device=DEV, generator=gen).bfloat16() for _ in range(3))
     g = -torch.rand(B, T, H, D, device=DEV, generator=gen)
-    g[2, 57, 3, 9] = 0.25
+    g[1, 27, 3, 9] = 0.25
     if nan:
         g[0, 3, 1, 1] = float("nan")
     beta = torch.rand(B, T, H, device=DEV, generator=gen)
@@ -103,7 +116,9 @@ def test_positive_decay_raises_after_the_launch(op, nan, fused_runs):
     with pytest.raises(ValueError, match=r"^g is a log decay and must be <= 0.*0\.25"):
         fn(g)
     assert torch.equal(h0, before)
+    if op == "kda":
+        assert fused_runs and len(reports) == 1 and reports[0].shape == (B * H,)
+        assert reports[0].max().item() == 0.25 and (reports[0] >= 0).all()    # NaN reported as 0
+        assert g.numel() not in reduced, "the check reduced g itself"
     o, _ = fn(g.clamp(max=0.0))
     assert torch.isfinite(o).all() if not nan else torch.isfinite(o[1:]).all()
-    if op == "kda":
-        assert fused_runs

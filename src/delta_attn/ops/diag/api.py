@@ -28,8 +28,8 @@ def _validate_qkvg(q, k, v, g):
 
 
 def validate(q, k, v, g, initial_state=None, output_final_state=False, cu_seqlens=None,
-             pending: Optional[list] = None) -> DiagArgs:
-    """The validated call; ``pending``: the host read of g's range deferred into it (``C.log_decay``)."""
+             pending: Optional[C.PendingChecks] = None) -> DiagArgs:
+    """The validated call; ``pending``: the check of g's range deferred into it (``C.log_decay``)."""
     _validate_qkvg(q, k, v, g)
     C.flag("output_final_state", output_final_state)
     b, t, h, d = q.shape
@@ -84,10 +84,11 @@ def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False,
     >>> o.shape, s.shape
     (torch.Size([2, 9, 4, 8]), torch.Size([2, 4, 8]))
     """
-    pending: list = []       # g's range is read after the kernels are enqueued (outputs are new tensors)
+    pending = C.PendingChecks()      # g's range is read after the kernels are enqueued (outputs are new)
     args = validate(q, k, v, g, initial_state, output_final_state, cu_seqlens, pending)
-    out = select(args.call("diag"), backend)(args)
-    C.finish_pending(pending)
+    with pending.enqueueing():
+        out = select(args.call("diag"), backend)(args)
+    pending.finish()
     return out
 
 

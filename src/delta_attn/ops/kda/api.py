@@ -98,8 +98,8 @@ def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias
 
 def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
              use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False,
-             pending: Optional[list] = None) -> KDAArgs:
-    """The validated call; ``pending``: the host read of g's range deferred into it (``C.log_decay``)."""
+             pending: Optional[C.PendingChecks] = None) -> KDAArgs:
+    """The validated call; ``pending``: the check of g's range deferred into it (``C.log_decay``)."""
     scale, lower_bound = _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
                                    lower_bound)
     if A_log is None:
@@ -185,11 +185,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     (torch.Size([1, 6, 2, 8]), torch.Size([1, 2, 8, 8]))
     """
     C.unknown_keywords("kda", unknown, FLA_KEYWORDS)
-    pending: list = []       # g's range is read after the kernels are enqueued (outputs are new tensors)
+    pending = C.PendingChecks()      # g's range is read after the kernels are enqueued (outputs are new)
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32, pending)
-    out = select(_call(args, "kda", backend), backend)(args)
-    C.finish_pending(pending)
+    with pending.enqueueing():
+        out = select(_call(args, "kda", backend), backend)(args)
+    pending.finish()
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._checks import decay_top_sink
 from ..._outputs import empty
 from ...backends import device_capability
 from .._gluon import KERNELS_TRITON, available as gluon_available, version as gluon_version
@@ -397,7 +398,10 @@ def _train_decays(g, beta, gluon: bool):
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32."""
+    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32. Where the call's
+    check of g's sign is pending, the kernel reports the largest positive g each program read (``decay_top_sink``):
+    the check then reads those instead of another pass over g."""
+    report = decay_top_sink(g)
     q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
                                        param(beta, torch.float32), param(initial_state, torch.float32))
     B, T, H, K = q.shape
@@ -407,11 +411,15 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
     final = empty((N, HV, K, K), torch.float32, q.device) if output_final_state else None
     if N > 0:
         cu = index(cu_seqlens) if cu_seqlens is not None else None
+        gtop = empty((N * HV,), torch.float32, q.device) if report is not None else None
         _kda_fused_fwd_kernel[(HV, N)](
-            q, k, v, g, beta, o, optional(cu, q), optional(initial_state, g), optional(final, g), T, H, HV, HV // H,
-            float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX, L2NORM=bool(use_qk_l2norm),
-            VARLEN=cu is not None, HAS_H0=initial_state is not None, STORE_FINAL=final is not None,
-            TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0, num_warps=FUSED_WARPS)
+            q, k, v, g, beta, o, optional(cu, q), optional(initial_state, g), optional(final, g), optional(gtop, g),
+            T, H, HV, HV // H, float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX,
+            L2NORM=bool(use_qk_l2norm), VARLEN=cu is not None, HAS_H0=initial_state is not None,
+            STORE_FINAL=final is not None, TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0,
+            CHECK_G=gtop is not None, num_warps=FUSED_WARPS)
+        if gtop is not None:
+            report(gtop)
     return o, final
 
 
