@@ -1,6 +1,7 @@
 """What the GPU checks of KDA's Gluon training kernels share (tests/gpu/test_kda_intra_fused_gpu.py,
 test_kda_bwd_fused_gpu.py, test_kda_scan_gpu.py; on CPU through tests/ops/test_kda_train_gluon_emulated.py): the
-planted decays, the rows of unflagged (chunk, value head) pairs, the per-head relative error, a device sync."""
+planted decays, the rows of unflagged (chunk, value head) pairs, the per-head relative error, a device sync; and the
+spy on the g <= 0 check's kernel reports (with tests/gpu/test_kda_fused_gpu.py)."""
 from __future__ import annotations
 
 import torch
@@ -96,3 +97,20 @@ def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, fp32_gb, planted=slice
     assert xs[3].dtype == xs[4].dtype == gb
     bad, _ = P.kda_compare(xs, kw, True, c.seed, use_qk_l2norm=l2, output_final_state=True)
     assert not bad, "; ".join(bad)
+
+
+def spy_decay_reports(monkeypatch):
+    """([each float32 tensor a KDA launcher reported to the pending g <= 0 check], [the numel of every tensor
+    reduced by ``Tensor.amax``]): a check that took the kernel's report never reduces g itself."""
+    from delta_attn.ops.kda import launch
+    reports, reduced = [], []
+    real_sink, real_amax = launch.decay_top_sink, torch.Tensor.amax
+
+    def sink(g):
+        report = real_sink(g)
+        return None if report is None else (lambda top: (reports.append(top), report(top)))
+
+    monkeypatch.setattr(launch, "decay_top_sink", sink)
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: reduced.append(self.numel())
+                        or real_amax(self, *a, **kw))
+    return reports, reduced

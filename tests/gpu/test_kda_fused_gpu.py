@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kda_gluon_cases as C
 import properties as P
 
 DEV = "cuda"
@@ -89,18 +90,7 @@ def test_positive_decay_raises_after_the_launch(op, nan, fused_runs, monkeypatch
     valid call afterwards runs. The fused KDA kernel reports the largest positive g of each program, which the
     check reduces instead of g (no pass over g of its own)."""
     import delta_attn as da
-    from delta_attn.ops.kda import launch
-    reports, reduced = [], []
-    real_sink = launch.decay_top_sink
-
-    def sink(g):
-        report = real_sink(g)
-        return None if report is None else (lambda top: (reports.append(top), report(top)))
-
-    monkeypatch.setattr(launch, "decay_top_sink", sink)
-    real_amax = torch.Tensor.amax
-    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: reduced.append(self.numel())
-                        or real_amax(self, *a, **kw))
+    reports, reduced = C.spy_decay_reports(monkeypatch)
     gen = torch.Generator(device=DEV).manual_seed(3)
     B, T, H, D = 2, 40, 4, 128
     q, k, v = (torch.randn(B, T, H, D, device=DEV, generator=gen).bfloat16() for _ in range(3))

@@ -38,6 +38,11 @@ def test_intra_forward_against_triton(B, T, H, HV, decay, cu, l2, cpu):
     INTRA.test_gluon_against_triton(B, T, H, HV, decay, cu, l2, cpu, INTRA.spy_intra(cpu))
 
 
+@pytest.mark.parametrize("nan", [False, True])
+def test_intra_forward_reports_the_positive_decay(nan, cpu):
+    INTRA.test_positive_decay_reported_by_the_kernel(nan, cpu, INTRA.spy_intra(cpu))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("B,T,H,HV,cu,mean", SCAN.CASES)

@@ -21,6 +21,9 @@ exceeds it (strong or -inf decays) or is not finite (a NaN gate) has its factors
 leave the state as it was) and is then redone exactly, token by token from the recurrence in fp32
 (:func:`_exact_chunk`), its o rows overwriting the ones step 4 wrote.
 
+With CHECK_G, gtop[n, h] gets the largest positive g the program read (0 when none): the g <= 0 value check's share
+(``_checks.decay_top_sink``).
+
 Scope (``launch.fused_forward_unsupported`` says what is outside it): bf16 q, k, v, K = V = 128, log decays g
 (no gate parameters), dense or packed sequences of any length, GVA, initial and final states.
 """

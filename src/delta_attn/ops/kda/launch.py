@@ -55,9 +55,7 @@ TANGENT_MAX = 16.0    # fp32 backward with a gate: |cumulative gate tangent| fro
                       # limit, 0.04 with it); beyond, the exact products (kernels_backward.py)
 
 
-# ------------------------------------------------------------------------------------------------
-# precision
-# ------------------------------------------------------------------------------------------------
+# ---- precision -----------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Precision:
@@ -96,9 +94,7 @@ def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False)
     return Precision(torch.float32, p, p, p, p == "ieee", tl.float32)
 
 
-# ------------------------------------------------------------------------------------------------
-# index tables and tiles
-# ------------------------------------------------------------------------------------------------
+# ---- index tables and tiles ----------------------------------------------------------------------------------------
 
 class Chunks(NamedTuple):
     seq_t: torch.Tensor      # (N, 3) int32: first row, length, first chunk
@@ -227,9 +223,7 @@ def _gate_args(A_log, dt_bias, lower_bound, like):
     return (optional(A_log, like), optional(dt_bias, like)), dict(GATE=mode, HAS_DT_BIAS=dt_bias is not None)
 
 
-# ------------------------------------------------------------------------------------------------
-# forward: intra-chunk stage + state scan
-# ------------------------------------------------------------------------------------------------
+# ---- forward: intra-chunk stage + state scan -----------------------------------------------------------------------
 
 class Saved(NamedTuple):
     """What the training forward keeps for the backward (per-chunk tensors have ``max_chunks`` rows)."""
@@ -260,7 +254,9 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
              output_final_state, allow_tf32, train: bool, chunks: Optional[Callable[[int], Chunks]] = None,
              keep_operands: bool = False):
     """(o, final or None, Saved: training, or with ``keep_operands`` the intra-chunk operands alone); ``chunks``: the
-    chunk tables of a chunk length (default: built here from ``cu_seqlens``)."""
+    chunk tables of a chunk length (default: built here from ``cu_seqlens``). Where the Gluon intra-chunk kernel runs
+    and the call's check of g's sign is pending, the kernel reports the largest positive g of each program."""
+    report = decay_top_sink(g)
     q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -285,11 +281,14 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
             out = (W, U, QG, KD, AQK, GC, TM)
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
             if gluon_first:
+                gtop = empty((NC * HV,), torch.float32, q.device) if report is not None else None
                 launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
-                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, float(scale), H, HV),
+                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, optional(gtop, q), float(scale), H, HV),
                        dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
-                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS),
+                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS, CHECK_G=gtop is not None),
                        (INTRA_FUSED_TILES,))
+                if gtop is not None:
+                    report(gtop)
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
                    common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
                    dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
@@ -471,9 +470,7 @@ def _compile_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bia
                        chunks=chunks)
 
 
-# ------------------------------------------------------------------------------------------------
-# backward
-# ------------------------------------------------------------------------------------------------
+# ---- backward ------------------------------------------------------------------------------------------------------
 
 def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, saved: Saved, do, dht, scale,
                    lower_bound, use_qk_l2norm, allow_tf32, chunks: Optional[Callable[[int], Chunks]] = None):
@@ -556,9 +553,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     return dq, dk, dv, dg.to(g_dtype), db.to(beta_dtype), dh0, dA_log, ddt
 
 
-# ------------------------------------------------------------------------------------------------
-# context parallelism: the local pass with its carried rows' transition, the carry folded in, its gradient
-# ------------------------------------------------------------------------------------------------
+# ---- context parallelism: the local pass with its carried rows' transition, the carry folded in, its gradient ------
 
 class Transition(NamedTuple):
     """The transition's scan of the carried rows (their first T1 tokens; ``kernels_scan.py``, TRANSITION)."""
@@ -658,9 +653,7 @@ def cp_carry_grad(u, do, carried: int, dtype: torch.dtype, allow_tf32: bool):
     return partial.sum(0)
 
 
-# ------------------------------------------------------------------------------------------------
-# decode
-# ------------------------------------------------------------------------------------------------
+# ---- decode --------------------------------------------------------------------------------------------------------
 
 def decode_step(q, k, v, g, beta, state, state_indices, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
                 num_accepted_tokens=None, config: Optional[Tiles] = None):
