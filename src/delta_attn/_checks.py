@@ -191,7 +191,11 @@ class PendingChecks:
 
     @contextlib.contextmanager
     def enqueueing(self):
-        """The block that enqueues the call's kernels (launchers find these checks by :func:`decay_top_sink`)."""
+        """The block that enqueues the call's kernels (launchers find these checks by :func:`decay_top_sink`).
+        Nothing is set without a deferred check (torch.compile, which does not trace ContextVar.set, defers none)."""
+        if not self.decays:
+            yield
+            return
         token = _ENQUEUEING.set(self)
         try:
             yield
