@@ -37,7 +37,7 @@ K = V = 128
 BF16_TOL = 2.0 ** -5
 STAGE2_TOL = 2.0 ** -12     # fp32 sums of the same bf16 products in another order
 REDONE_TOL = 2.0 ** -10
-OUTPUTS = ("DQ", "DK", "DV", "DB", "DG")
+OUTPUTS = ("DQO", "DKO", "DV", "DB", "DG")
 STAGE2 = ("DQG", "DKD", "DW", "DAQK", "DGC")
 STAGE2_KERNEL = "_kda_bwd_chunk_grads_kernel"
 

@@ -9,7 +9,8 @@
    kernel, ``kernels_backward_gluon``, it forms them itself and this launch is skipped).
 3. ``_kda_bwd_intra_kernel`` (parallel over chunks x value heads): back through the UT transform, the decayed
    intra-chunk products (factored, or exact for strong decays: a second launch redoes the flagged chunks),
-   the cumulative decays, the floor, the gate and the l2 norm.
+   the cumulative decays, the floor, the gate and the l2 norm; dq, dk to DQO / DKO in their dtype (through the
+   fp32 scratch DQ / DK with the l2 norm).
 """
 from __future__ import annotations
 
@@ -288,7 +289,7 @@ def _kda_bwd_pairwise(G, Gl, qs, ks, Xa, dAqk, dA, i, Wa, Wal, Wx, Wxl, BT: tl.c
 @triton.jit
 def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
                             DU, DQG, DKD, DW, DAQK, DGC,
-                            DQ, DK, DV, DB, DG, DALOG, DDT, FLAGS,
+                            DQ, DK, DQO, DKO, DV, DB, DG, DALOG, DDT, FLAGS,
                             scale, lower_bound, H, HV,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
@@ -426,12 +427,16 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         if L2NORM:
             dotq += tl.sum(gq * qr, 1)
             dotk += tl.sum(gk * kr, 1)
-        tl.store(DQ + ch.g_off + cols[None, :], gq, mask=m)
-        tl.store(DK + ch.g_off + cols[None, :], gk, mask=m)
+        if L2NORM:                               # r dy to the fp32 scratch, for step 5
+            tl.store(DQ + ch.g_off + cols[None, :], gq, mask=m)
+            tl.store(DK + ch.g_off + cols[None, :], gk, mask=m)
+        else:
+            tl.store(DQO + ch.g_off + cols[None, :], gq, mask=m)
+            tl.store(DKO + ch.g_off + cols[None, :], gk, mask=m)
     tl.store(DB + ch.rows * HV + hv, db, mask=ch.mr)
     if GATE != 0:
         tl.store(DALOG + c * HV + hv, tl.sum(dal, 0))
     # 5. l2 norm backward
     if L2NORM:
-        _kda_l2norm_bwd_rows(q, k, DQ, DK, ch.q_off, ch.g_off, ch.mr, nq, rk, dotq, dotk, K, BK)
+        _kda_l2norm_bwd_rows(q, k, DQ, DK, DQO, DKO, ch.q_off, ch.g_off, ch.mr, nq, rk, dotq, dotk, K, BK)
 

@@ -42,6 +42,10 @@ qs = scale q / |q|, ks = k / |k|):
    g < -FLOOR (a select: NaN stays NaN);
 5. with use_qk_l2norm, the l2-norm backward of dq and dk (re-read where step 4 stored them, by the same threads).
 
+dq and dk go to DQO / DKO in their dtype (q's for one value head per query head: no fp32 round trip); with
+use_qk_l2norm step 4 stores r dy to the fp32 scratch DQ / DK and step 5 writes DQO / DKO. DK is also step 2's
+fp32 scratch.
+
 Memory: the K slices' raw tiles (g, k and the S rows for step 2; g, q, k and the S, dS rows for step 4) come by
 cp.async into a one-slice stage, the next slice's issued as soon as the current one is in registers or its wgmmas
 are done (step 2's first slice while step 1 runs, step 4's while step 3 runs); dO and u (bf16 [BT, V]) come by
@@ -147,7 +151,7 @@ if gluon is not None:
 
     @gluon.jit
     def _kda_bwd_intra_fused_kernel(q, k, v, g, beta, chunk_info, TM, DU, HS, DH, VNEW, DO, DQG, DKD, DW, DAQK, DGC,
-                                    DQ, DK, DV, DB, DG, FLAGS, scale, H, HV,
+                                    DQ, DK, DQO, DKO, DV, DB, DG, FLAGS, scale, H, HV,
                                     K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                                     BV: gl.constexpr, L2NORM: gl.constexpr, FLOOR: gl.constexpr,
                                     FACTOR_MAX: gl.constexpr, W: gl.constexpr):
@@ -170,6 +174,8 @@ if gluon is not None:
         DW = DW + (row0 * HV + hv) * K
         DQ = DQ + (row0 * HV + hv) * K
         DK = DK + (row0 * HV + hv) * K
+        DQO = DQO + (row0 * HV + hv) * K
+        DKO = DKO + (row0 * HV + hv) * K
         DG = DG + (row0 * HV + hv) * K
         TM = TM + (row0 * HV + hv) * BT
         DAQK = DAQK + (row0 * HV + hv) * BT
@@ -515,8 +521,12 @@ if gluon is not None:
             if L2NORM:                          # sum(dq * q) of the l2 norm's backward, as sum(dqs * qs)
                 dotq += gl.sum(dqs * qs, 1)
                 dotk += gl.sum(dks * ks, 1)
-            gl.store(DQ + k0 + og, dqs * rq[:, None], mask=mrA[:, None])
-            gl.store(DK + k0 + og, dks * rk[:, None], mask=mrA[:, None])
+            if L2NORM:                          # r dy to the fp32 scratch, for step 5
+                gl.store(DQ + k0 + og, dqs * rq[:, None], mask=mrA[:, None])
+                gl.store(DK + k0 + og, dks * rk[:, None], mask=mrA[:, None])
+            else:
+                gl.store(DQO + k0 + og, dqs * rq[:, None], mask=mrA[:, None])
+                gl.store(DKO + k0 + og, dks * rk[:, None], mask=mrA[:, None])
             # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc (CL); the floor
             dd = gl.convert_layout(gl.associative_scan(gl.convert_layout(dG, CL), 0, _add, reverse=True) + dd0, MA)
             dd = gl.where(d < -FLOOR, 0.0, dd)     # a select that keeps a NaN gate NaN
@@ -533,7 +543,7 @@ if gluon is not None:
             for k0 in gl.static_range(0, K, BK):         # unrolled: the loads of several slices in flight at once
                 gq = _tile(DQ + k0, ogA, mrA) - _tile(q + k0, oqA, mrA) * cq[:, None]
                 gk = _tile(DK + k0, ogA, mrA) - _tile(k + k0, oqA, mrA) * ck[:, None]
-                gl.store(DQ + k0 + ogA, gq, mask=mrA[:, None])
-                gl.store(DK + k0 + ogA, gk, mask=mrA[:, None])
+                gl.store(DQO + k0 + ogA, gq, mask=mrA[:, None])
+                gl.store(DKO + k0 + ogA, gk, mask=mrA[:, None])
 else:
     _kda_bwd_intra_fused_kernel = None

@@ -221,9 +221,11 @@ def _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K: tl.constexpr, V: tl.const
 
 
 @triton.jit
-def _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K: tl.constexpr, BK: tl.constexpr):
-    """L2-norm backward of a chunk's rows, in place: dx = r (dy - y (y . dy)) with y = r x, where DQ / DK
-    hold r * dy so far and dotq / dotk the row sums of (r * dy) * x; nq, rk are the rows' 1 / |x|."""
+def _kda_l2norm_bwd_rows(q, k, DQ, DK, DQO, DKO, q_off, g_off, mr, nq, rk, dotq, dotk, K: tl.constexpr,
+                         BK: tl.constexpr):
+    """L2-norm backward of a chunk's rows: dx = r (dy - y (y . dy)) with y = r x, where DQ / DK hold r * dy so far
+    (fp32) and dotq / dotk the row sums of (r * dy) * x; nq, rk are the rows' 1 / |x|. dx goes to DQO / DKO (in
+    their dtype; they may be DQ / DK)."""
     tl.debug_barrier()
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -234,8 +236,8 @@ def _kda_l2norm_bwd_rows(q, k, DQ, DK, q_off, g_off, mr, nq, rk, dotq, dotk, K: 
         gk = tl.load(DK + g_off + cols[None, :], mask=m, other=0.0)
         gq = gq - qq * (nq * nq * dotq)[:, None]
         gk = gk - kraw * (rk * rk * dotk)[:, None]
-        tl.store(DQ + g_off + cols[None, :], gq, mask=m)
-        tl.store(DK + g_off + cols[None, :], gk, mask=m)
+        tl.store(DQO + g_off + cols[None, :], gq, mask=m)
+        tl.store(DKO + g_off + cols[None, :], gk, mask=m)
 
 
 @triton.jit

@@ -514,8 +514,10 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                    (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
                    dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
         # 3. intra-chunk backward (factored everywhere, then the flagged chunks exactly)
-        dq_h = empty((B, T, HV, K), f32, dev)
-        dk_h = empty((B, T, HV, K), f32, dev)
+        # dq, dk per value head in q / k's dtype without GVA (else fp32, summed below); fp32 scratch (dq_h, dk_h)
+        G = HV // H
+        dq_o, dk_o = (empty((B, T, HV, K), x.dtype if G == 1 else f32, dev) for x in (q, k))
+        dq_h, dk_h = (empty((B, T, HV, K), f32, dev) for _ in range(2))
         dv = empty((B, T, HV, V), v.dtype, dev)
         db = empty((B, T, HV), f32, dev)
         dg = empty((B, T, HV, K), f32, dev)
@@ -528,14 +530,14 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                 if gluon_first and not exact:   # the factored launch in Gluon; the flagged chunks as below
                     launch(_kda_bwd_intra_fused_kernel, lambda t: (NC, HV),
                            (q, k, v, g, beta, ch.chunk_t, TM, DU, HS, DH, VNEW, do.to(prec.work), DQG, DKD, DW, DAQK,
-                            DGC, dq_h, dk_h, dv, db, dg, flags, float(scale), H, HV),
+                            DGC, dq_h, dk_h, dq_o, dk_o, dv, db, dg, flags, float(scale), H, HV),
                            dict(K=K, V=V, BT=bt, BK=FUSED_BWD_BK, BV=FUSED_BWD_BV, L2NORM=bool(use_qk_l2norm),
                                 FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, W=FUSED_BWD_WARPS),
                            (BWD_INTRA_FUSED_TILES,))
                     continue
                 launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
-                       (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dv,
-                                                        db, dg, dal, optional(ddt, q), flags, float(scale),
+                       (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t, TM, DU, DQG, DKD, DW, DAQK, DGC, dq_h, dk_h, dq_o,
+                                                        dk_o, dv, db, dg, dal, optional(ddt, q), flags, float(scale),
                                                         float(lower_bound or 0.0), H, HV),
                        dict(K=K, V=V, BT=bt, BC=16, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                             TANGENT_MAX=TANGENT_MAX, DOT_PREC=prec.dot, ROUND_TF32=prec.dot == "tf32", EXACT=exact,
@@ -544,9 +546,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     if dev.type == "meta":           # compiled only (_compile_backward): no gradient was computed
         return None
     # GVA: the query / key heads' gradients are the sums over their value heads
-    G = HV // H
-    dq = (dq_h.view(B, T, H, G, K).sum(3) if G > 1 else dq_h).to(q.dtype)
-    dk = (dk_h.view(B, T, H, G, K).sum(3) if G > 1 else dk_h).to(k.dtype)
+    dq = dq_o.view(B, T, H, G, K).sum(3).to(q.dtype) if G > 1 else dq_o
+    dk = dk_o.view(B, T, H, G, K).sum(3).to(k.dtype) if G > 1 else dk_o
     # the gate parameters' gradients: sums of the per-chunk partials (dal, ddt) the intra-chunk backward formed
     dA_log = dal.sum(0) if A_log is not None else None
     ddt = ddt.sum(0).reshape(-1) if dt_bias is not None else None
