@@ -205,6 +205,9 @@ class PendingChecks:
     def finish(self) -> None:
         """Each deferred check's reduction and host read (each raises on a bad value)."""
         for d in self.decays:
+            if isinstance(d.top, float):        # already read on the host
+                _decay_verdict(d.name, d.g, d.hint, d.top)
+                continue
             top = (d.top if d.top is not None else d.g).amax()
             _decay_verdict(d.name, d.g, d.hint, _host_value(top))
 
@@ -214,7 +217,7 @@ class _DecayCheck:
     name: str
     g: torch.Tensor
     hint: str
-    top: Optional[torch.Tensor] = None      # reported by a launcher: max(top) is g's largest positive entry, or 0
+    top: Optional[object] = None    # reported: a tensor whose max is g's largest positive entry (or 0), or g.max()
 
 
 _ENQUEUEING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_enqueueing",
@@ -225,8 +228,9 @@ def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
     """For a kernel launcher that reads the log decay ``g`` (the very tensor the call was given): where the call
     enqueueing it has deferred the check of ``g`` (:class:`PendingChecks`), a function to call with a float32
     tensor, written by the kernel on the same stream, whose maximum is g's largest positive entry (0 when g has
-    none; NaN and -inf entries count as 0: they are in the domain). The check then reads that tensor instead of
-    reducing g. None where no such check is pending (value checks off, another tensor, already reported)."""
+    none; NaN and -inf entries count as 0: they are in the domain), or with g's maximum already read on the host
+    (a float; NaN when g holds one). The check then reads that instead of reducing g. None where no such check is
+    pending (value checks off, another tensor, already reported)."""
     checks = _ENQUEUEING.get()
     for d in checks.decays if checks is not None else ():
         if d.g is g and d.top is None:

@@ -128,11 +128,10 @@ def test_strong_decay_is_declared(fake_gpu, monkeypatch):
     g = torch.tensor([[-1.0, -6.0]])
     assert not CK.log_decay_out_of_range(g, None)                          # CPU: never read
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    as_cuda = types.SimpleNamespace(numel=g.numel, device=torch.device("cuda"), amin=g.amin)
+    as_cuda = _as_cuda(g, monkeypatch)
     assert CK.log_decay_out_of_range(as_cuda, None)
     assert not CK.log_decay_out_of_range(as_cuda, torch.zeros(1))           # the A_log gate: g is not a decay
-    ok = types.SimpleNamespace(numel=g.numel, device=torch.device("cuda"), amin=lambda: torch.tensor(-4.0))
-    assert not CK.log_decay_out_of_range(ok, None)
+    assert not CK.log_decay_out_of_range(_as_cuda(torch.tensor([-4.0, -1.0]), monkeypatch), None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not CK.log_decay_out_of_range(as_cuda, None)                     # traced by torch.compile: skipped
@@ -143,6 +142,33 @@ def test_strong_decay_is_declared(fake_gpu, monkeypatch):
     assert CK.log_decay_out_of_range(as_cuda, None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not CK.log_decay_out_of_range(as_cuda, None)                     # under capture: skipped (documented)
+
+
+def _as_cuda(g: torch.Tensor, monkeypatch):
+    """A stand-in for a CUDA tensor holding g's values: torch.aminmax reads them; it has no amax (a reduction of
+    its own would raise)."""
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda x: real(x.values) if isinstance(x, types.SimpleNamespace) else real(x))
+    return types.SimpleNamespace(numel=g.numel, device=torch.device("cuda"), values=g)
+
+
+@pytest.mark.parametrize("top", [0.5, -0.25])
+def test_the_range_read_serves_the_pending_sign_check(top, monkeypatch):
+    """The one pass that reads g's minimum for cuDNN also gives its maximum to the call's pending g <= 0 check,
+    which then raises (or passes) on it without reducing g again (the stand-in has no amax)."""
+    from delta_attn import _checks as C
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    g = _as_cuda(torch.tensor([-1.0, top, -2.0]), monkeypatch)
+    pending = C.PendingChecks()
+    C.log_decay("g", g, pending=pending)
+    with pending.enqueueing():
+        assert not CK.log_decay_out_of_range(g, None)
+    assert pending.decays[0].top == top
+    if top > 0:
+        with pytest.raises(ValueError, match="got a value of 0.5"):
+            pending.finish()
+    else:
+        pending.finish()
 
 
 def test_explain_reads_strong_decay_as_the_explicit_call_does(monkeypatch):

@@ -126,10 +126,17 @@ def toolchain_error() -> Optional[str]:
 def log_decay_out_of_range(g: torch.Tensor, A_log: Optional[torch.Tensor]) -> bool:
     """Whether a raw log decay g (no A_log gate) goes below MIN_LOG_DECAY: read from the values, one host
     synchronisation; skipped (False) wherever value checks are (``_checks.value_checks_enabled``: CUDA-graph
-    capture, torch.compile tracing, DELTA_ATTN_SKIP_VALUE_CHECKS=1), where the caller must keep g in range."""
+    capture, torch.compile tracing, DELTA_ATTN_SKIP_VALUE_CHECKS=1), where the caller must keep g in range. One
+    pass gives g's minimum and maximum: where the call's g <= 0 check is pending, the maximum is handed to it
+    (``_checks.decay_top_sink``), which then reads g no more."""
     if A_log is not None or g.numel() == 0 or g.device.type != "cuda" or not C.value_checks_enabled():
         return False
-    return bool(g.amin() < MIN_LOG_DECAY)
+    low, high = torch.aminmax(g)
+    low, high = torch.stack((low, high)).tolist()
+    report = C.decay_top_sink(g)
+    if report is not None:
+        report(high)
+    return bool(low < MIN_LOG_DECAY)
 
 
 def check(call: Call) -> List[str]:
