@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -217,14 +217,15 @@ class _DecayCheck:
     name: str
     g: torch.Tensor
     hint: str
-    top: Optional[object] = None    # reported: a tensor whose max is g's largest positive entry (or 0), or g.max()
+    top: Union[torch.Tensor, float, None] = None   # reported: a tensor whose max is g's largest positive entry
+                                                   # (or 0), or g.max() read on the host
 
 
 _ENQUEUEING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_enqueueing",
                                                                                        default=None)
 
 
-def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
+def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[Union[torch.Tensor, float]], None]]:
     """For a kernel launcher that reads the log decay ``g`` (the very tensor the call was given): where the call
     enqueueing it has deferred the check of ``g`` (:class:`PendingChecks`), a function to call with a float32
     tensor, written by the kernel on the same stream, whose maximum is g's largest positive entry (0 when g has
