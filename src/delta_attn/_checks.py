@@ -184,7 +184,7 @@ class PendingChecks:
     tensors, so a call that raises has modified nothing it was given). :func:`log_decay` defers its check of a
     log decay here; inside :meth:`enqueueing`, a kernel launcher that reads that decay anyway may report its
     largest positive entry (:func:`decay_top_sink`), and :meth:`finish` then reduces that report instead of g
-    (one pass over g saved). :meth:`finish` runs every deferred check: one reduction, one host read each."""
+    (one pass over g saved). :meth:`finish` runs every deferred check: at most one reduction and one host read each."""
 
     def __init__(self):
         self.decays: List[_DecayCheck] = []
