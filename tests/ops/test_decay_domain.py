@@ -129,3 +129,26 @@ def test_one_reduction_and_one_host_read(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self.numel()) or item(self))
     _checks.log_decay("g", _g())
     assert reads == [1]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("nan", [False, True])
+def test_triton_kda_takes_the_sign_from_its_intra_chunk_kernel(grad, nan, monkeypatch):
+    """On the Triton backend (fp32 here: the Triton kernels, not the Gluon ones) the first intra-chunk launch
+    reports the largest positive g of each (chunk, value head) to the pending check, which raises on it (a NaN
+    elsewhere does not hide it) without a reduction over g of its own; a valid g then runs."""
+    import kda_gluon_cases as C
+    reports, reduced = C.spy_decay_reports(monkeypatch)
+    g = -torch.rand(2, 40, H, D)
+    g[1, 33, 1, 7] = 0.25
+    if nan:
+        g[0, 3, 0, 2] = float("nan")
+    q, k, v = (torch.randn(2, 40, H, D) for _ in range(3))
+    beta = torch.rand(2, 40, H)
+    q.requires_grad_(grad)
+    with pytest.raises(ValueError, match="^g is a log decay and must be <= 0.*0.25"):
+        da.kda(q, k, v, g, beta, backend="triton")
+    assert len(reports) == 1 and float(reports[0].max()) == 0.25 and bool((reports[0] >= 0).all())
+    assert g.numel() not in reduced, "the check reduced g itself"
+    o, _ = da.kda(q, k, v, g.clamp(max=0.0), beta, backend="triton")
+    assert torch.isfinite(o[1]).all()

@@ -254,8 +254,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
              output_final_state, allow_tf32, train: bool, chunks: Optional[Callable[[int], Chunks]] = None,
              keep_operands: bool = False):
     """(o, final or None, Saved: training, or with ``keep_operands`` the intra-chunk operands alone); ``chunks``: the
-    chunk tables of a chunk length (default: built here from ``cu_seqlens``). Where the Gluon intra-chunk kernel runs
-    and the call's check of g's sign is pending, the kernel reports the largest positive g of each program."""
+    chunk tables of a chunk length (default: built here from ``cu_seqlens``). Where the call's check of g's sign is
+    pending, the first intra-chunk launch reports the largest positive g of each program."""
     report = decay_top_sink(g)
     q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     B, T, H, K = q.shape
@@ -274,6 +274,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                  DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
+    gtop = empty((NC * HV,), torch.float32, q.device) if report is not None and NC > 0 else None   # check's share
     with compiled_together():        # the stages' kernels compile concurrently on first use
         # 1. intra-chunk stage (training: the Gluon kernel's factored products where it runs, then the Triton
         #    kernel on the pairs it flagged; else the Triton kernel on every pair)
@@ -281,24 +282,25 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
             out = (W, U, QG, KD, AQK, GC, TM)
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
             if gluon_first:
-                gtop = empty((NC * HV,), torch.float32, q.device) if report is not None else None
                 launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
                        (q, k, v, g, beta, ch.chunk_t) + out + (flags, optional(gtop, q), float(scale), H, HV),
                        dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
                             FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS, CHECK_G=gtop is not None),
                        (INTRA_FUSED_TILES,))
-                if gtop is not None:
-                    report(gtop)
-            launch(_kda_train_intra_kernel, lambda t: (NC, HV),
-                   common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
-                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
+            launch(_kda_train_intra_kernel, lambda t: (NC, HV), common + out + (optional(flags, q), optional(gtop, q),
+                   float(scale), float(lower_bound or 0.0), H, HV), dict(fixed, BC=16, INV_PREC=prec.dot,
+                   OP=prec.intra_op, ONLY_FLAGGED=gluon_first, CHECK_G=gtop is not None and not gluon_first),
                    train_intra_tiles(K, V))
         elif NC > 0:
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
             for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
                 launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
-                       common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
-                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.intra_op), infer_intra_tiles(K, V, bt))
+                       common + (W, U, QG, KD, AQK, GC, flags, optional(gtop, q), float(scale),
+                                 float(lower_bound or 0.0), H, HV),
+                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.intra_op,
+                            CHECK_G=gtop is not None and not exact), infer_intra_tiles(K, V, bt))
+        if gtop is not None:
+            report(gtop)
         # 2. state scan and output
         o = empty((B, T, HV, V), v.dtype, q.device)
         final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
@@ -397,9 +399,8 @@ def _train_decays(g, beta, gluon: bool):
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32. Where the call's
-    check of g's sign is pending, the kernel reports the largest positive g each program read (``decay_top_sink``):
-    the check then reads those instead of another pass over g."""
+    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32. The kernel reports
+    the largest positive g of each program to the call's pending check of g's sign (``decay_top_sink``)."""
     report = decay_top_sink(g)
     q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
                                        param(beta, torch.float32), param(initial_state, torch.float32))
