@@ -26,6 +26,9 @@ def _worker(rank, world, init_file, fn, args, errors, backend):
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
             fn(rank, world, *args)
+            # no rank tears down while another still connects: gloo's new_group can return on one rank before
+            # the others have connected to the new group (seen as "Connection closed by peer" on a loaded machine)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException:                      # noqa: BLE001  (every failure goes back to the parent)
