@@ -33,6 +33,11 @@ def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
     FUSED.test_exact_chunks_between_factored_ones(T, cu, FUSED.spy_fused(cpu))
 
 
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("cosine", ["0.5", "0.85", "0.99"])
+def test_inference_forward_with_correlated_keys(path, cosine, cpu):
+    FUSED.test_correlated_keys(path, cosine, FUSED.spy_fused(cpu), cpu)
+
 @pytest.mark.parametrize("nan", [False, True])
 def test_fused_forward_reports_the_positive_decay(nan, cpu):
     FUSED.test_positive_decay_raises_after_the_launch("kda", nan, FUSED.spy_fused(cpu), cpu)

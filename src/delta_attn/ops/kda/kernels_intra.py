@@ -15,8 +15,8 @@ Two kernels, one per use:
 * ``_kda_infer_intra_kernel`` (inference prefill, 16- or 32-token chunks): two launches. ``EXACT=False``
   (every chunk) forms the factored products only, with the strong-decay code compiled out, and flags a
   chunk whose cumulative decay exceeds ``FACTOR_MAX``; ``EXACT=True`` returns at once for unflagged chunks
-  and redoes the flagged ones pairwise. T is the product ``(I - A)(I + A^2)(I + A^4)...`` (A is nilpotent),
-  a few small dots instead of BT dependent substitution steps; T is not stored.
+  and redoes the flagged ones pairwise. T by block merging (``_kda_tri_inverse_dots``: the 4x4 diagonal blocks
+  exactly, then pairs joined), a few small dots instead of BT dependent substitution steps; T is not stored.
 * ``_kda_train_intra_kernel`` (training, 64-token chunks of 4 sub-chunks of 16): factored at the chunk's
   middle token when every |G - G_mid| <= FACTOR_MAX, else off-diagonal 16x16 blocks factored at the
   sub-chunk boundary (both exponents <= 0) and diagonal blocks pairwise; T by block forward substitution,
@@ -34,16 +34,21 @@ from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_
 
 @triton.jit
 def _kda_tri_inverse_dots(A, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A (BT = 16, 32 or 64; A^BT = 0):
-    (I + M)(I + M^2)(I + M^4) ... (I + M^(BT/2)), M = -A."""
+    """(I + A)^-1 for strictly lower-triangular A (BT = 16, 32 or 64) by block merging: the 4x4 diagonal blocks D
+    exactly, (I + D)^-1 = (I - D)(I + D^2), then pairs of blocks joined, T <- T - T N T with N the lower-left block
+    of each pair (of 4, 8, ... rows): (I + D + N)^-1 = (I - T N) T as (T N)^2 = 0. No power of A beyond a 4x4
+    block's square: stable where A's entries are near 1 (correlated keys), unlike the doubling product
+    (I - A)(I + A^2)(I + A^4)..., whose terms of size C(BT - 2, BT / 2 - 1) a^(BT / 2) cancel."""
     i = tl.arange(0, BT)
     eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    P = -A
-    T = eye + P
-    for s in tl.static_range(5):
-        if BT > (2 << s):
-            P = tl.dot(P, P, input_precision=PREC)
-            T = tl.dot(T, eye + P, input_precision=PREC)
+    D = tl.where(i[:, None] // 4 == i[None, :] // 4, A, 0.0)
+    T = eye - D
+    T = T + tl.dot(T, tl.dot(D, D, input_precision=PREC), input_precision=PREC)
+    for s in tl.static_range(1, 5):
+        if BT >= (4 << s):
+            N = tl.where((i[:, None] // (4 << s) == i[None, :] // (4 << s)) &
+                         (i[:, None] // (2 << s) != i[None, :] // (2 << s)), A, 0.0)
+            T = T - tl.dot(tl.dot(T, N, input_precision=PREC), T, input_precision=PREC)
     return T
 
 
