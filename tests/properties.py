@@ -65,6 +65,7 @@ class KDACase:
     scale: Optional[float]
     fp32_gb: bool                # g and beta in float32 with low-precision q / k / v
     grad: bool
+    corr: Optional[float] = None  # keys w * shared + (1 - w) * own (unit norm), beta in [0.75, 1): A near 1
 
     def __str__(self):
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
@@ -131,6 +132,11 @@ def kda_inputs(c: KDACase, device):
     v = rnd(c.B, c.T, c.HV, c.V)
     g = _log_decay(gen, (c.B, c.T, c.HV, c.K), c.decay) if c.gate is None else rnd(c.B, c.T, c.HV, c.K)
     beta = torch.rand(c.B, c.T, c.HV, generator=gen)
+    if c.corr is not None:       # nearly parallel keys (a generator of their own: the other inputs as without)
+        unit = lambda x: x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)       # noqa: E731
+        shared = unit(torch.randn(1, 1, c.H, c.K, generator=torch.Generator().manual_seed(c.seed + 1)))
+        k = unit(c.corr * shared + (1 - c.corr) * unit(k))
+        beta = 0.75 + 0.25 * beta
     xs = [q.to(dt), k.to(dt), v.to(dt), g.to(gb), beta.to(gb)]
     kw = {}
     if c.gate is not None:
@@ -315,8 +321,10 @@ def _draw_kda(r: random.Random, seed: int, domain: str) -> Case:
         nan = r.choice([i for i, n in enumerate(lens) if n > 0])
         kc = replace(kc, grad=False)
     names = ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens"]
-    return Case("kda", seed, domain, kc.dtype, kc.grad, dict(kda=kc, state64=state64),
-                _strided_names(r, names, 0.2), nan)
+    strided = _strided_names(r, names, 0.2)
+    if r.random() < 0.2:         # drawn last: every other field as without
+        kc = replace(kc, corr=r.choice([0.6, 0.8, 0.95]))
+    return Case("kda", seed, domain, kc.dtype, kc.grad, dict(kda=kc, state64=state64), strided, nan)
 
 
 def _draw_diag(r: random.Random, seed: int, domain: str) -> Case:

@@ -87,6 +87,7 @@ def test_the_draws_cover_the_edges():
     assert {None, "softplus", "lower_bound"} == {k.gate for k in kda} and any(k.l2 for k in kda)
     assert any(k.HV > k.H for k in kda) and any(k.cu and 0 in [b - a for a, b in zip(k.cu, k.cu[1:])] for k in kda)
     assert any(k.h0 for k in kda) and any(k.final for k in kda) and any(k.fp32_gb for k in kda)
+    assert any(k.corr for k in kda)                 # nearly parallel keys (A near 1)
     diag = cases["diag"]
     assert any(c.p["decay"] == -1e4 for c in diag) and any(c.p["lens"] and 0 in c.p["lens"] for c in diag)
     assert any(c.p["t"] == 0 for c in diag) and any(c.p["g32"] for c in diag)
