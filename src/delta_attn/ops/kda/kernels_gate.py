@@ -224,8 +224,8 @@ def _kda_chunk_rows(chunk_info, beta, c, hv, H, HV, K: tl.constexpr, V: tl.const
 def _kda_l2norm_bwd_rows(q, k, DQ, DK, DQO, DKO, q_off, g_off, mr, nq, rk, dotq, dotk, K: tl.constexpr,
                          BK: tl.constexpr):
     """L2-norm backward of a chunk's rows: dx = r (dy - y (y . dy)) with y = r x, where DQ / DK hold r * dy so far
-    (fp32) and dotq / dotk the row sums of (r * dy) * x; nq, rk are the rows' 1 / |x|. dx goes to DQO / DKO (in
-    their dtype; they may be DQ / DK)."""
+    (fp32) and dotq / dotk the row sums of (r * dy) * x; nq, rk are the rows' 1 / |x|. dx goes to DQO / DKO, in
+    their dtype."""
     tl.debug_barrier()
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)

@@ -515,13 +515,13 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                    (HS, DH, VNEW, do, DU, ch.chunk_t, DQG, DKD, DW, DAQK, DGC, HV),
                    dict(K=K, V=V, BT=bt, PREC=prec.scan), chunk_grads_tiles(K, V))
         # 3. intra-chunk backward (factored everywhere, then the flagged chunks exactly)
-        # dq, dk per value head in q / k's dtype without GVA (else fp32, summed below); fp32 scratch (dq_h, dk_h)
+        # dq, dk in q / k's dtype without GVA (else fp32, summed below); fp32 scratch where read (l2 norm, Gluon's dk)
         G = HV // H
         dq_o, dk_o = (empty((B, T, HV, K), x.dtype if G == 1 else f32, dev) for x in (q, k))
-        dq_h, dk_h = (empty((B, T, HV, K), f32, dev) for _ in range(2))
+        dq_h = empty((B, T, HV, K), f32, dev) if use_qk_l2norm else dq_o
+        dk_h = empty((B, T, HV, K), f32, dev) if use_qk_l2norm or gluon_first else dk_o
         dv = empty((B, T, HV, V), v.dtype, dev)
-        db = empty((B, T, HV), f32, dev)
-        dg = empty((B, T, HV, K), f32, dev)
+        db, dg = empty((B, T, HV), f32, dev), empty((B, T, HV, K), f32, dev)
         dal = torch.zeros(NC, HV, dtype=f32, device=dev)
         ddt = torch.empty(NC, HV, K, dtype=f32, device=dev) if dt_bias is not None else None
         if NC > 0:
