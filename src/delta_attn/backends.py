@@ -91,7 +91,7 @@ class Capability:
 
 def package_available(module: str) -> bool:
     """Whether ``module`` can be imported. A constant of the graph under torch.compile (importlib's lookup is a
-    call dynamo refuses to trace): marked below, where ``_assume_constant_result`` is defined."""
+    call dynamo refuses to trace): marked below, where ``trace_constant`` is defined."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -431,7 +431,7 @@ def _choose(op: str, device: torch.device, dtype: torch.dtype, head_dims: Tuple[
     return ex.chosen
 
 
-def _assume_constant_result(fn: Callable) -> Callable:
+def trace_constant(fn: Callable) -> Callable:
     """``torch.compiler.assume_constant_result(fn)``: torch.compile treats ``fn``'s result as a constant of the
     graph (the backend choice is made once at trace time and never breaks a graph). The public decorator imports
     ``torch._dynamo``, and with it sympy, numpy and Triton (about 1.2 s), which ``import delta_attn`` must not do
@@ -443,8 +443,8 @@ def _assume_constant_result(fn: Callable) -> Callable:
     return fn
 
 
-_choose = _assume_constant_result(_choose)
-package_available = _assume_constant_result(package_available)
+_choose = trace_constant(_choose)
+package_available = trace_constant(package_available)
 
 
 def select(call: Call, backend: str = "auto") -> Callable:

@@ -185,7 +185,7 @@ def test_select_tells_the_registry_when_it_is_traced(monkeypatch):
 
 
 def test_choose_is_marked_as_the_public_decorator_marks():
-    """backends._assume_constant_result stands in for torch.compiler.assume_constant_result without importing
+    """backends.trace_constant stands in for torch.compiler.assume_constant_result without importing
     torch._dynamo at `import delta_attn`: it must mark a function exactly as the installed torch's decorator does."""
     def probe():
         return 0
@@ -215,3 +215,23 @@ def test_capability_checks_trace_under_torch_compile(monkeypatch):
     x = torch.zeros(3)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), fn(x))
+
+
+def test_cudnn_probes_trace_under_torch_compile(monkeypatch):
+    """cuDNN's KDA probes (the frontend import, the NVRTC toolchain) run while torch.compile traces a CUDA call
+    that ``auto`` may send to cuDNN (the hybrid model's KDA layers): dynamo refuses to trace an import, so they must
+    be trace-time constants. Here the frontend is not installed and its import fails, as a traced import would."""
+    from delta_attn.ops.kda import cudnn
+
+    monkeypatch.setattr(cudnn, "_PROBES", {})
+    monkeypatch.setattr(cudnn.B, "package_available", lambda module: True)
+    call = fake_call(op="kda", dtype=torch.bfloat16, head_dims=(64, 64), features=frozenset(), seqlen=64)
+
+    def fn(x):
+        return x + len(cudnn.check(call))
+    x = torch.zeros(3)
+    torch._dynamo.reset()
+    expected = fn(x)
+    monkeypatch.setattr(cudnn, "_PROBES", {})
+    assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), expected)
+    assert "frontend" in cudnn._PROBES      # probed while tracing (a constant of the graph), not skipped

@@ -91,8 +91,10 @@ _FE: Dict[str, object] = {}                 # "kda" -> cudnn.linear_attention.ki
 _PROBES: Dict[str, Optional[str]] = {}      # probe name -> reason (None: fine)
 
 
+@B.trace_constant
 def frontend_error() -> Optional[str]:
-    """Why ``cudnn.linear_attention.kimi_delta_attention`` cannot be imported (None when it can); once."""
+    """Why ``cudnn.linear_attention.kimi_delta_attention`` cannot be imported (None when it can); once. A constant
+    of the graph under torch.compile (dynamo refuses to trace an import)."""
     if "frontend" not in _PROBES:
         try:
             _FE["kda"] = importlib.import_module("cudnn.linear_attention").kimi_delta_attention
@@ -104,8 +106,10 @@ def frontend_error() -> Optional[str]:
     return _PROBES["frontend"]
 
 
+@B.trace_constant
 def toolchain_error() -> Optional[str]:
-    """Why the sm_90 engine could not compile its kernel (cuda-python's NVRTC, the CUDA headers); once.
+    """Why the sm_90 engine could not compile its kernel (cuda-python's NVRTC, the CUDA headers); once (a graph
+    constant, as :func:`frontend_error`).
     Asks the frontend's own locator; a frontend without that module is not second-guessed."""
     if "toolchain" not in _PROBES:
         why = None
