@@ -1,6 +1,6 @@
 """The Triton KDA's context-parallel stages on one process (fp32, IEEE dots; the interpreter on CPU, the GPU when
 there is one):
-``ops/kda/launch.py``'s ``cp_forward`` (the transition scan of the carried rows), ``cp_fold_carry`` (the carry
+``ops/kda/launch_carry.py``'s ``cp_forward`` (the transition scan of the carried rows), ``cp_fold_carry`` (the carry
 added to outputs, final states and the backward's saved tensors) and ``cp_carry_grad``, against the float64
 reference and against the plain forward at the true initial state. Both scan layouts of a chunk (whole, and
 two row halves: ``SPLIT``), dense (every row carried) and packed (the first piece carried), with and without
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from delta_attn import reference
-from delta_attn.ops.kda import launch
+from delta_attn.ops.kda import launch, launch_carry
 
 pytest.importorskip("triton")
 
@@ -35,7 +35,7 @@ def _forward(x, init, cu, train, carried, carried_len):
             tables[bt] = launch.chunk_tables(b, t, None if cu is None else cu.tolist(), DEV, bt)
         return tables[bt]
 
-    return launch.cp_forward(*x, init, cu, None, None, K ** -0.5, None, True, False, train, chunks, carried,
+    return launch_carry.cp_forward(*x, init, cu, None, None, K ** -0.5, None, True, False, train, chunks, carried,
                              carried_len)
 
 
@@ -75,7 +75,7 @@ def test_transition_fold_and_carry_gradient(monkeypatch, split, train, packed):
     assert (tr.HS is not None) == train and (tr.VNEW is not None) == train
     # the carry folded in: what the plain forward at the true initial state computes and keeps
     carry = torch.randn(carried, HV, K, V, generator=gen).to(DEV)
-    launch.cp_fold_carry(o, final, saved, tr, carry, False)
+    launch_carry.cp_fold_carry(o, final, saved, tr, carry, False)
     true_init = carry if init is None else torch.cat([carry, init[1:]])
     o_want, f_want, s_want = launch._forward(*x, true_init, cu, None, None, K ** -0.5, None, True, True, False, train,
                                              keep_operands=True)
@@ -87,5 +87,58 @@ def test_transition_fold_and_carry_gradient(monkeypatch, split, train, packed):
     # the carry's gradient from the outputs: sum_t u_t^T do_t over the carried rows (do with a stride)
     do = torch.randn(x[2].shape[0], x[2].shape[1], HV, 2 * V, generator=gen).to(DEV)[..., ::2]
     want = torch.einsum("bthk,bthv->bhkv", u_ref, do[:carried, :t1].double())
-    got = launch.cp_carry_grad(tr.u, do, carried, torch.float32, False)
+    got = launch_carry.cp_carry_grad(tr.u, do, carried, torch.float32, False)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pieces,h0", [(2, True), (4, False), (4, True)])
+def test_pieces_forward_matches_unsplit(pieces, h0):
+    """The exact split of long sequences (``launch_carry.pieces_forward``): each sequence as equal pieces from state
+    0 with their transitions, the start states composed in order, the carry folded in, equals the unsplit forward
+    and the float64 reference (outputs and final states)."""
+    b, t = 2, 256
+    x = _inputs(b, t, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    init = torch.randn(b, HV, K, V, generator=gen).to(DEV) if h0 else None
+    scale = K ** -0.5
+    o, final = launch_carry.pieces_forward(*x, init, None, None, scale, None, True, True, False, pieces)
+    o_want, f_want, _ = launch._forward(*x, init, None, None, None, scale, None, True, True, False, False)
+    torch.testing.assert_close(o, o_want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, f_want, rtol=1e-4, atol=1e-4)
+    o64, f64 = reference.kda(*(y.double() for y in x), initial_state=None if init is None else init.double(),
+                             output_final_state=True, use_qk_l2norm=True)
+    torch.testing.assert_close(o.double(), o64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final.double(), f64, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_splits_few_long_sequences(monkeypatch):
+    """``prefill`` splits a dense inference batch whose B x HV chains leave SMs idle (an H100's 132 here) into the
+    fewest pieces (a power of two, each a multiple of 64 tokens and at least ``PIECE_MIN_TOKENS``) that fill them;
+    a packed batch, a batch with chains enough, and a length with no such split are not split. Through ``kda``:
+    the value check of g still takes the intra-chunk kernel's report."""
+    import delta_attn as da
+    monkeypatch.setattr(launch_carry, "sm_count", lambda device: 132)
+    assert launch_carry.pieces_count(1, 32768, 16, DEV) == 16 and launch_carry.pieces_count(2, 16384, 16, DEV) == 8
+    assert launch_carry.pieces_count(8, 4096, 16, DEV) == 2 and launch_carry.pieces_count(16, 2048, 16, DEV) == 1
+    assert launch_carry.pieces_count(1, 1000, 2, DEV) == 1 and launch_carry.pieces_count(1, 3000, 2, DEV) == 1
+    monkeypatch.setattr(launch_carry, "PIECE_MIN_TOKENS", 64)
+    seen = []
+    real = launch_carry.pieces_forward
+    monkeypatch.setattr(launch_carry, "pieces_forward", lambda *a: seen.append(a[-1]) or real(*a))
+    x = _inputs(1, 256, seed=5)
+    with torch.no_grad():
+        o, final = da.kda(*x, output_final_state=True, use_qk_l2norm=True, backend="triton")
+        assert seen == [4]
+        cu = torch.tensor([0, 256], dtype=torch.int32, device=DEV)
+        o1, f1 = da.kda(*(y.view((1, 256) + y.shape[2:]) for y in x), output_final_state=True, use_qk_l2norm=True,
+                        cu_seqlens=cu, backend="triton")
+    assert seen == [4]          # packed: not split
+    torch.testing.assert_close(o, o1, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, f1, rtol=1e-4, atol=1e-4)
+    from kda_gluon_cases import spy_decay_reports
+    reports, reduced = spy_decay_reports(monkeypatch)
+    bad = x[3].clone()
+    bad[0, 200, 1, 3] = 0.5
+    with pytest.raises(ValueError, match="g"), torch.no_grad():
+        da.kda(*x[:3], bad, x[4], use_qk_l2norm=True, backend="triton")
+    assert seen == [4, 4] and len(reports) == 1 and bad.numel() not in reduced

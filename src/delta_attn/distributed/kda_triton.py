@@ -6,7 +6,7 @@ rows are those whose first token continues a sequence from rank r - 1: the first
 dense):
 
 forward
-  1. local pass (``ops/kda/launch.py: cp_forward``): the intra-chunk stage once, on the V value columns; the
+  1. local pass (``ops/kda/launch_carry.py: cp_forward``): the intra-chunk stage once, on the V value columns; the
      state scan of every row (the carried ones from 0): o(0) and the final states B; where r takes a carry,
      the transition's scan of the carried rows on the same operands (no values, the identity as initial
      state, K columns): u with ``o_t = o_t(0) + u_t S_in`` and M;
@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..ops.kda import launch as kda_launch
+from ..ops.kda import launch_carry
 from ..ops.kda.args import KDAArgs
 from ._carry import KDA_MAP, carry, carry_grad
 from .plan import LinearPlan
@@ -63,7 +64,7 @@ class _KDATritonCP(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, init, A_log, dt_bias, run: _Run):
         lp, r = run.lp, run.lp.rank
         # 1. local pass: every row from its own initial state, the carried rows from 0, and their transition
-        o, finals, saved, tr = kda_launch.cp_forward(
+        o, finals, saved, tr = launch_carry.cp_forward(
             q, k, v, g, beta, init, lp.cu_local, A_log, dt_bias, run.scale, run.lower_bound, run.use_qk_l2norm,
             run.allow_tf32, run.train, run.chunks, run.carried, lp.first_len)
         # 2. exchange: the last row's summary (its transition only where one sequence runs through the shard)
@@ -72,7 +73,7 @@ class _KDATritonCP(torch.autograd.Function):
         c, ms = carry(lp, KDA_MAP, m, last, run.scheme, run.group)
         # 3. the carry folded into the outputs, final states and the backward's saved tensors
         if tr is not None:
-            kda_launch.cp_fold_carry(o, finals, saved, tr, c, run.allow_tf32)
+            launch_carry.cp_fold_carry(o, finals, saved, tr, c, run.allow_tf32)
         if run.train:
             ctx.run, ctx.ms = run, ms
             ctx.save_for_backward(q, k, v, g, beta, init, A_log, dt_bias, m, *saved,
@@ -93,7 +94,7 @@ class _KDATritonCP(torch.autograd.Function):
         # 1. this rank's own gradient of its carry: through its outputs and its carried rows' final states
         dc = None
         if run.carried:
-            dc = kda_launch.cp_carry_grad(u, do, run.carried, q.dtype, run.allow_tf32)
+            dc = launch_carry.cp_carry_grad(u, do, run.carried, q.dtype, run.allow_tf32)
             if dfinal is not None:
                 dc += m_first.transpose(-1, -2) @ dfinal[:run.carried].to(dc.dtype)
         # 2. the gradient of the state this rank hands on
