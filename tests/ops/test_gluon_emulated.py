@@ -38,6 +38,14 @@ def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
 def test_inference_forward_with_correlated_keys(path, cosine, cpu):
     FUSED.test_correlated_keys(path, cosine, FUSED.spy_fused(cpu), cpu)
 
+def test_split_inference_one_token_bf16(cpu):
+    """The split inference kernels with the GPU's bf16 arithmetic, one token (B 2, K = V = 16, softplus gate, q / k
+    not normalised; CPU-domain property seed 260): Aqk's diagonal (decay 1) is q . k in fp32, not the product of the
+    bf16-rounded factors q exp(G) and k exp(-G), which put the output 1.3x over the error rule."""
+    import properties as P
+    assert P.Checker(P.draw("kda", 260, "cpu"), "cpu").check("triton") == "ran"
+
+
 @pytest.mark.parametrize("nan", [False, True])
 def test_fused_forward_reports_the_positive_decay(nan, cpu):
     FUSED.test_positive_decay_raises_after_the_launch("kda", nan, FUSED.spy_fused(cpu), cpu)

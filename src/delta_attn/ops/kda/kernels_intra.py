@@ -163,6 +163,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         #     otherwise the chunk is flagged (what this launch wrote for it is overwritten by EXACT)
         bad = 0.0
         top = 0.0
+        qk = tl.zeros([BT], tl.float32)     # Aqk's diagonal, D_ii = 1: q_i . k_i in fp32, not the rounded factors
         for k0 in range(0, K, KS):
             cols = k0 + tl.arange(0, KS)
             m = ch.mr[:, None] & (cols[None, :] < K)
@@ -178,6 +179,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             kn = kn.to(OP)
             akk += tl.dot((ks * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
             aqk += tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
+            qk += tl.sum(qs * ks, 1)
             G_last = tl.sum(tl.where(ch.i[:, None] == ch.L - 1, G, 0.0), 0)
             tl.store(QG + ch.g_off + cols[None, :], (qs * eP).to(QG.dtype.element_ty), mask=m)
             tl.store(KD + ch.g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT)))
@@ -189,6 +191,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             tl.store(GTOP + c * HV + hv, top)
         if not fast:
             return
+        aqk = tl.where(ch.i[:, None] == ch.i[None, :], qk[:, None], aqk)
     # 3. UT transform: T = (I + strictly_lower(beta_i k_i D_ij k_j))^-1; Aqk stored (i >= j)
     akk = tl.where(ch.i[:, None] > ch.i[None, :], ch.b[:, None] * akk, 0.0)
     aqk = tl.where(tril, aqk, 0.0)
