@@ -859,7 +859,7 @@ def on_cpu(monkeypatch):
     Gluon launch on the emulator and the Triton kernels beside them on the interpreter with the GPU's bfloat16
     arithmetic."""
     from delta_attn import backends
-    from delta_attn.ops.kda import launch, launch_carry
+    from delta_attn.ops.kda import launch
     triton_backend = backends.BACKENDS["triton"]
     rule = triton_backend._device_rule
     monkeypatch.setattr(triton_backend, "_device_rule", lambda call: [] if call.device.type == "cpu" else rule(call))
@@ -867,7 +867,6 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(launch, "gluon_version", lambda: launch.KERNELS_TRITON)
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(launch, "sm_count", lambda device: GPU_SMS)
-    monkeypatch.setattr(launch_carry, "sm_count", lambda device: GPU_SMS)
     with emulated_gluon(), interpreter_bf16():
         yield
 

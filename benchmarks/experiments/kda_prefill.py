@@ -1,14 +1,13 @@
 """KDA inference prefill, ``da.kda(backend="triton")`` under no_grad, against cuDNN frontend's native KDA, one
 process (bf16, H = 16, K = V = 128).
 
-python benchmarks/experiments/kda_prefill.py [--split] [--unchecked] [--sweep] [--pieces 1,8,16] [--shapes 8x4096]
+python benchmarks/experiments/kda_prefill.py [--split] [--unchecked] [--sweep] [--shapes 64x1024,8x4096]
 Prints one row per (shape, decay regime, config): ours ms, cuDNN-FE ms, ratio (cuDNN / ours), fraction of the
 memory floor, and the max |ours - cuDNN| relative to max |o|. Configs: the shipped dispatch (the fused Gluon kernel
 or the split kernels, ``launch.fused_forward_unsupported``); ``--split``: the split kernels forced; ``--unchecked``:
 the shipped dispatch without the g <= 0 value check (DELTA_ATTN_SKIP_VALUE_CHECKS=1: no reduction, no host read);
-``--sweep``: the split kernels' intra-chunk dots on tf32 operands; ``--intra-sweep``: their tiles; ``--pieces``: the
-exact split of long sequences forced to these piece counts (1: not split; ``launch_carry.pieces_count``). Each
-config's output is compared with cuDNN-FE's (rel diff).
+``--sweep``: the split kernels' intra-chunk dots on tf32 operands; ``--intra-sweep``: their tiles. Each config's
+output is compared with cuDNN-FE's (rel diff).
 """
 import argparse
 import dataclasses
@@ -20,7 +19,7 @@ import triton
 import triton.language as tl
 
 import delta_attn as da
-from delta_attn.ops.kda import launch, launch_carry
+from delta_attn.ops.kda import launch
 
 SHAPES = [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]
 H, D = 16, 128
@@ -82,7 +81,6 @@ def main():
     ap.add_argument("--split", action="store_true", help="also the split kernels (intra-chunk stage + scan), forced")
     ap.add_argument("--unchecked", action="store_true", help="also the shipped dispatch without the g value check")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--pieces", default=None, help="piece counts to force, e.g. 1,8,16")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--regimes", default="long,strong")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of ours (torch.profiler)")
@@ -124,8 +122,6 @@ def main():
                 configs += ["tf32"]
             if args.intra_sweep:
                 configs += [(ks, w, bt) for bt in (16, 32) for ks in (32, 64, 128) for w in (4, 8)]
-            if args.pieces:
-                configs += [("pieces", int(n)) for n in args.pieces.split(",")]
             for cfg in configs:
                 min_programs = launch.FUSED_MIN_PROGRAMS
                 if cfg is not None and cfg != "unchecked":      # the split kernels' configs
@@ -135,9 +131,6 @@ def main():
                 if cfg == "tf32":      # the inference intra-chunk dots on fp32 operands in tf32
                     orig = launch.precision
                     launch.precision = lambda *a, **k: dataclasses.replace(orig(*a, **k), intra_op=tl.float32)
-                elif isinstance(cfg, tuple) and cfg[0] == "pieces":
-                    pieces_count = launch_carry.pieces_count
-                    launch_carry.pieces_count = lambda *a, _n=cfg[1]: _n
                 elif isinstance(cfg, tuple):  # (KS, warps, chunk length) of the inference intra-chunk kernel
                     ks, w, bt_ = cfg
                     saved = launch.infer_intra_tiles, launch.infer_chunk
@@ -159,8 +152,6 @@ def main():
                     os.environ.pop("DELTA_ATTN_SKIP_VALUE_CHECKS", None)
                     if cfg == "tf32":
                         launch.precision = orig
-                    elif isinstance(cfg, tuple) and cfg[0] == "pieces":
-                        launch_carry.pieces_count = pieces_count
                     elif isinstance(cfg, tuple):
                         launch.infer_intra_tiles, launch.infer_chunk = saved
                 row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,

@@ -226,24 +226,17 @@ _ENQUEUEING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.Conte
 
 
 def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[Union[torch.Tensor, float]], None]]:
-    """For a kernel launcher that reads the log decay ``g`` (the tensor the call was given, or a view of all its
-    elements): where the call enqueueing it has deferred the check of ``g`` (:class:`PendingChecks`), a function to
-    call with a float32 tensor, written by the kernel on the same stream, whose maximum is g's largest positive
-    entry (0 when g has none; NaN and -inf entries count as 0: they are in the domain), or with g's maximum already
-    read on the host (a float; NaN when g holds one). The check then reads that instead of reducing g. None where no
-    such check is pending (value checks off, other elements, already reported)."""
+    """For a kernel launcher that reads the log decay ``g`` (the very tensor the call was given): where the call
+    enqueueing it has deferred the check of ``g`` (:class:`PendingChecks`), a function to call with a float32
+    tensor, written by the kernel on the same stream, whose maximum is g's largest positive entry (0 when g has
+    none; NaN and -inf entries count as 0: they are in the domain), or with g's maximum already read on the host
+    (a float; NaN when g holds one). The check then reads that instead of reducing g. None where no such check is
+    pending (value checks off, another tensor, already reported)."""
     checks = _ENQUEUEING.get()
     for d in checks.decays if checks is not None else ():
-        if _same_elements(d.g, g) and d.top is None:
+        if d.g is g and d.top is None:
             return lambda top: setattr(d, "top", top)
     return None
-
-
-def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``b`` is ``a``, or a contiguous view of all of contiguous ``a``'s elements (a reshape, as the split of a long
-    sequence into pieces makes)."""
-    return a is b or (a.is_contiguous() and b.is_contiguous() and a.data_ptr() == b.data_ptr()
-                      and a.numel() == b.numel() and a.dtype == b.dtype and a.device == b.device)
 
 
 def _host_value(x: torch.Tensor) -> float:

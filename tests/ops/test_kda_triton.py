@@ -104,7 +104,7 @@ def test_pipeline_per_use(monkeypatch):
     training pipeline. Both compute the same function."""
     from delta_attn.ops.kda import autograd
     seen = []
-    for name in ("prefill", "train_forward"):
+    for name in ("infer_forward", "train_forward"):
         real = getattr(autograd, name)
         monkeypatch.setattr(autograd, name, lambda *a, _r=real, _n=name: seen.append(_n) or _r(*a))
     xs, kw = properties.kda_inputs(_case(3, B=1, T=40, cu=None, dtype="fp32", h0=True), "cpu")
@@ -112,7 +112,7 @@ def test_pipeline_per_use(monkeypatch):
     with torch.no_grad():
         o1, s1 = da.kda(*leaves, use_qk_l2norm=True, output_final_state=True, backend="triton", **kw)
     o2, s2 = da.kda(*leaves, use_qk_l2norm=True, output_final_state=True, backend="triton", **kw)
-    assert seen == ["prefill", "train_forward"]
+    assert seen == ["infer_forward", "train_forward"]
     assert o1.grad_fn is None and o2.grad_fn is not None
     torch.testing.assert_close(o1, o2.detach(), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(s1, s2.detach(), atol=2e-5, rtol=1e-4)

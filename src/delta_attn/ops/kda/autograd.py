@@ -16,8 +16,8 @@ import torch
 
 from .._launch import eager_or_op
 from .args import KDAArgs
-from .launch import TRAIN_CHUNK, Saved, decode_step, max_chunks, precision, train_backward, train_forward
-from .launch_carry import prefill
+from .launch import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
+                     train_forward)
 
 _Opt = Optional[torch.Tensor]
 
@@ -30,8 +30,8 @@ def _infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
            initial_state: _Opt, cu_seqlens: _Opt, A_log: _Opt, dt_bias: _Opt, scale: float,
            lower_bound: Optional[float], use_qk_l2norm: bool, output_final_state: bool,
            allow_tf32: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    o, final = prefill(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                       use_qk_l2norm, output_final_state, allow_tf32)
+    o, final = infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
+                             use_qk_l2norm, output_final_state, allow_tf32)
     return o, (final if final is not None else _empty(q))
 
 

@@ -6,8 +6,8 @@
 * **inference prefill**: ``infer_forward`` (intra-chunk stage on 16- or 32-token chunks, factored launch
   plus an exact launch for strongly decaying chunks, then the state scan);
 * **decode**: ``decode_step`` (token by token from a state pool, in place).
-* the carry (rows run from state 0 with their transition, the true start folded in: context parallelism and the
-  exact split of long sequences) is ``launch_carry.py``, over these pipelines.
+* the carry of context parallelism (rows run from state 0 with their transition, the true start folded in) is
+  ``launch_carry.py``, over these pipelines.
 
 Tiles are frozen :class:`~delta_attn.ops._launch.Tiles` chosen by shape in the ``*_tiles`` functions below,
 each with its reason; every launch goes through :func:`~delta_attn.ops._launch.launch`, which falls back to

@@ -1,18 +1,9 @@
-"""Host side of the carry: rows run from state 0 with their transition, the true start state folded in afterwards.
-The state after a piece of a sequence is affine in the state before it, ``S_out = M S_in + B``, and so is each output,
-``o_t = o_t(0) + u_t S_in`` (``kernels_carry.py``, ``kernels_scan.py``'s TRANSITION). Two users:
-
-* **context parallelism** (``distributed/kda_triton.py``): ``cp_forward`` (either forward, then the transition's
-  scan of the carried rows on the same operands), ``cp_fold_carry`` (the carry added to outputs, final states and
-  saved tensors) and ``cp_carry_grad`` (its gradient from the outputs); the chunk tables come from the plan;
-* **the exact split of long sequences** on one GPU (``prefill``): a dense inference batch whose (sequence, value
-  head) chains leave SMs idle runs each sequence as ``pieces_count`` equal pieces in parallel (``pieces_forward``):
-  1. every piece from state 0, with its transition (``cp_forward``, every row carried): o(0), B, u, M;
-  2. the true start states in sequence order, ``S_{p+1} = M_p S_p + B_p`` (float32, one batched product a piece);
-  3. the fold: ``o += u S_p`` and the final states ``+= M S_p`` (``cp_fold_carry``).
-  No truncation: the result is the unsplit forward's up to rounding. The intra-chunk stage runs once; the scans,
-  sequential over a piece's chunks, run on P times as many chains (the V-column scan and the K-column transition
-  scan: twice the scan work, spread over P times the programs).
+"""Host side of the carry (context parallelism, ``distributed/kda_triton.py``): rows run from state 0 with their
+transition, the true start state folded in afterwards. The state after a shard's piece of a sequence is affine in the
+state before it, ``S_out = M S_in + B``, and so is each output, ``o_t = o_t(0) + u_t S_in`` (``kernels_carry.py``,
+``kernels_scan.py``'s TRANSITION): ``cp_forward`` (either forward, then the transition's scan of the carried rows on
+the same operands), ``cp_fold_carry`` (the carry added to outputs, final states and saved tensors) and
+``cp_carry_grad`` (its gradient from the outputs); the chunk tables come from the plan.
 """
 from __future__ import annotations
 
@@ -25,8 +16,7 @@ from ..._outputs import empty
 from .._launch import cdiv, compiled_together, halving, launch, next_pow2, optional, sm_count, tiles, unit_last
 from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_scan import _kda_fwd_scan_kernel
-from .launch import (TRAIN_CHUNK, Chunks, Saved, _compile_backward, _forward, chunk_tables, fused_forward_unsupported,
-                     infer_forward, precision, scan_tiles)
+from .launch import Chunks, Saved, _compile_backward, _forward, precision, scan_tiles
 
 class Transition(NamedTuple):
     """The transition's scan of the carried rows (their first T1 tokens; ``kernels_scan.py``, TRANSITION)."""
@@ -124,73 +114,3 @@ def cp_carry_grad(u, do, carried: int, dtype: torch.dtype, allow_tf32: bool):
            (u, do, partial, t1, rps, n, HV, t1 * HV * K, K, HV * K, do.stride(0), do.stride(2), do.stride(1)),
            dict(K=K, V=V, KP=next_pow2(K), PREC=precision(dtype, allow_tf32, K, True).scan), carry_tiles(K, V))
     return partial.sum(0)
-
-
-# ---- the exact split of long sequences (inference) -----------------------------------------------------------------
-
-PIECE_MIN_TOKENS = 1024   # shortest piece: each piece adds a K-column transition scan, a fold and a combine step
-
-
-def pieces_count(B: int, T: int, HV: int, device) -> int:
-    """Pieces per sequence for an inference call's dense batch: 1 (no split) when its B x HV (sequence, value head)
-    chains reach the SM count, else the fewest pieces (a power of two) that do, each a multiple of 64 tokens and at
-    least ``PIECE_MIN_TOKENS`` long (fewer when T allows no more)."""
-    sms, p = sm_count(device), 1
-    while B * HV * p < sms:
-        n = 2 * p
-        if T % n or (T // n) % TRAIN_CHUNK or T // n < PIECE_MIN_TOKENS:
-            break
-        p = n
-    return p
-
-
-def pieces_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-                   output_final_state, allow_tf32, pieces: int):
-    """Inference of a dense batch (B, T) with each sequence cut into ``pieces`` equal pieces (T a multiple of it),
-    combined exactly (the module docstring's steps): (o, final_state or None)."""
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    P, L = pieces, T // pieces
-    rows = B * P
-    tables = {}
-
-    def chunks(bt: int) -> Chunks:
-        if bt not in tables:
-            tables[bt] = chunk_tables(rows, L, None, q.device, bt)
-        return tables[bt]
-
-    def split(x):
-        return x.reshape((rows, L) + tuple(x.shape[2:]))
-
-    # 1. every piece from state 0, with its transition
-    o, finals, saved, tr = cp_forward(*map(split, (q, k, v, g, beta)), None, None, A_log, dt_bias, scale, lower_bound,
-                                      use_qk_l2norm, allow_tf32, False, chunks, rows, L)
-    # 2. the true start states, piece by piece (piece-major: each step one batched product over B x HV)
-    m = tr.m.view(B, P, HV, K, K).transpose(0, 1).reshape(P, B * HV, K, K)
-    b = finals.view(B, P, HV, K, V).transpose(0, 1).reshape(P, B * HV, K, V)
-    starts = torch.empty(P, B * HV, K, V, dtype=torch.float32, device=q.device)
-    if initial_state is None:
-        starts[0].zero_()
-    else:
-        starts[0].copy_(initial_state.reshape(B * HV, K, V))
-    for p in range(1, P):
-        torch.baddbmm(b[p - 1], m[p - 1], starts[p - 1], out=starts[p])
-    # 3. the fold: o += u S, finals += M S
-    carry = starts.view(P, B, HV, K, V).transpose(0, 1).reshape(rows, HV, K, V)
-    cp_fold_carry(o, finals, saved, tr, carry, allow_tf32)
-    final = finals.view(B, P, HV, K, V)[:, -1] if output_final_state else None
-    return o.view(B, T, HV, V), (final.contiguous() if final is not None else None)
-
-
-def prefill(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-            output_final_state, allow_tf32):
-    """Inference prefill: (o, final_state or None). The fused Gluon forward where it runs, else a dense batch of too
-    few chains for the GPU in exactly combined pieces (:func:`pieces_count`), else the intra-chunk stage and the
-    state scan (``launch.infer_forward``). A packed batch is not split."""
-    if cu_seqlens is None and fused_forward_unsupported(q, v, A_log, q.shape[0]) is not None:
-        p = pieces_count(q.shape[0], q.shape[1], v.shape[2], q.device)
-        if p > 1:
-            return pieces_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
-                                  output_final_state, allow_tf32, p)
-    return infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound,
-                         use_qk_l2norm, output_final_state, allow_tf32)

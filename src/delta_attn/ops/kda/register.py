@@ -51,9 +51,9 @@ TRITON_WHY = {
     "varlen": "packed (varlen) batch: each new token total builds a cuDNN graph (about 40 ms), so Triton",
     "forward": ("forward only: Triton, whose fused Gluon kernel runs bf16, K = V = 128 calls without gate parameters "
                 "on sm_90 from 64 (sequence, value head) pairs (1.1-2.3x the split kernels, H200), the split kernels "
-                "otherwise, few long sequences cut into exactly combined pieces (docs/DISPATCH.md); cuDNN's forward "
-                "is faster with strong decays, but each new shape builds a cuDNN graph of about 40 ms, which prefill "
-                "lengths that change per request would pay on every call (ask for backend='cudnn' with fixed shapes)"),
+                "otherwise (docs/DISPATCH.md); cuDNN's forward is faster with strong decays, but each new shape builds "
+                "a cuDNN graph of about 40 ms, which prefill lengths that change per request would pay on every call "
+                "(ask for backend='cudnn' with fixed shapes)"),
 }
 
 
