@@ -82,11 +82,10 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
 @triton.jit
 def _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
                   GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr,
-                  TWO_FLOAT: tl.constexpr, OP: tl.constexpr, W_HOLDS_X: tl.constexpr = False):
+                  TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
     """The UT transform applied to the chunk ``ch`` (a KdaChunkRows; ``gate`` its head's KdaGate, rk the rows'
     k factors): U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice, the dots on ``OP`` operands
-    (``DOT_PREC`` for fp32 ones). ``W_HOLDS_X``: the caller stored X = beta exp(G) k in W (the decays are not
-    formed again); each K slice of X is read before W's slice is written over it."""
+    (``DOT_PREC`` for fp32 ones)."""
     To = T.to(OP)
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
@@ -97,16 +96,10 @@ def _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K: tl.constexpr, V: tl.constexpr,
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         m = ch.mr[:, None] & (cols[None, :] < K)
-        if W_HOLDS_X:
-            x = tl.load(W + ch.g_off + cols[None, :], mask=m, other=0.0)
-        else:
-            ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
-            x_, d, G, Gl_ = _kda_chunk_decay(gate, ch.g_off + cols[None, :], ch.hv, cols, m, K, GATE, HAS_DT_BIAS,
-                                             FLOOR, TWO_FLOAT)
-            x = ch.b[:, None] * ks * tl.exp(G)
-        w = tl.dot(To, x.to(OP), input_precision=DOT_PREC)
-        if W_HOLDS_X:
-            tl.debug_barrier()          # every thread has read X's slice before any writes W's over it
+        ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        x_, d, G, Gl_ = _kda_chunk_decay(gate, ch.g_off + cols[None, :], ch.hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
+                                         TWO_FLOAT)
+        w = tl.dot(To, (ch.b[:, None] * ks * tl.exp(G)).to(OP), input_precision=DOT_PREC)
         tl.store(W + ch.g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
 
 
@@ -248,8 +241,6 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         tl.store(KD + ch.g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT)))
                  .to(KD.dtype.element_ty), mask=m)
         tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
-        # X = beta exp(G) k, the UT transform's input for W (step 3), kept in W's slice
-        tl.store(W + ch.g_off + cols[None, :], (ch.b[:, None] * ks * tl.exp(G)).to(W.dtype.element_ty), mask=m)
         Gm = _kda_rel(G, Gl, ch.i, BT // 2 - 1, TWO_FLOAT)            # relative to the chunk's middle
         if tl.max(tl.max(tl.abs(Gm), 1), 0) <= FACTOR_MAX:
             # fast: one reference (the middle token) for every pair. Entries i >= j are exp(G_i - G_j) <= 1
@@ -307,7 +298,5 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=ch.mr[:, None])
     T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
     tl.store(TM + a_off, T, mask=ch.mr[:, None])       # kept for the backward
-    # 3. U = T (beta v), W = T X
-    tl.debug_barrier()                                  # X (step 1) written by every thread
-    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP,
-                  W_HOLDS_X=True)
+    # 3. U = T (beta v), W = T (beta exp(G) k)
+    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)
