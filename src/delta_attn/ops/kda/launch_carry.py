@@ -18,6 +18,7 @@ from .kernels_carry import _kda_carry_add_kernel, _kda_carry_grad_kernel
 from .kernels_scan import _kda_fwd_scan_kernel
 from .launch import Chunks, Saved, _compile_backward, _forward, precision, scan_tiles
 
+
 class Transition(NamedTuple):
     """The transition's scan of the carried rows (their first T1 tokens; ``kernels_scan.py``, TRANSITION)."""
     u: torch.Tensor                  # (n T1, HV, K), v's dtype: o_t(S) = o_t(0) + u_t S
