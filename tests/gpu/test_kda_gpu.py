@@ -14,11 +14,11 @@ DEV = "cuda"
 GPU_CASES = 1000
 
 
-# Open defects found on the GPU by seed -> what exceeds the error rule (H200, 2026-12-04; the same figures at
-# 7fc4c60, so older than that commit); strict, so a fix shows.
+# Open defects found on the GPU by seed -> what exceeds the error rule; strict, so a fix shows.
 KNOWN = {
-    213: "bf16, K 176, V 160, one token, no gate: o 1.07x the bound",
-    997: "bf16, K 96, V 112, two tokens, L2 norm, gradients: dbeta 1.09x the bound",
+    241: "bf16, K 192, V 16, 3 x 235 tokens, softplus gate, L2 norm, initial state, gradients: o 98x the bound "
+         "(H100, 2026-12-05; passed on the H200 on 2026-12-04; the CPU interpreter computes it within the rule)",
+    997: "bf16, K 96, V 112, two tokens, L2 norm, gradients: dbeta 1.09x the bound (H200, 2026-12-04)",
 }
 
 

@@ -27,13 +27,7 @@ BACKENDS = {"flash": ("triton", "cudnn", "sdpa", "torch"), "flash_varlen": ("tri
 
 # Open defects found on the GPU by seed, (op, backend, seed) -> reason; strict, so a fix shows. A seed past COUNTS
 # runs too (it was found by a wider draw).
-KNOWN: dict = {
-    ("kda", "triton", 219): "bf16, K 32, V 64, softplus gate, q/k not normalised, 95 tokens, initial state, gradients: "
-                            "o 1.25 against a bound of 1.2e-2 (H200, 2026-12-05): the training intra-chunk kernel's W "
-                            "rows 56-63 of the first chunk are wrong on the GPU (off by up to 1.9; U, QG, KD, Aqk, T "
-                            "right), whether its UT transform forms exp(G) again or reads it from step 1; the CPU "
-                            "interpreter with the GPU's bf16 and tf32 rounding computes them right",
-}
+KNOWN: dict = {}
 
 
 def _params():
