@@ -2,9 +2,9 @@
 ones: on a GPU a kernel runs the first tile candidate whose compiled kernel fits the shared memory, so a large head
 dim or an fp32 work dtype runs a later candidate (halved tiles, one pipeline stage, the state scans' two row
 halves); the interpreter has no limit and takes the first. Here every launch takes its LAST candidate (the smallest
-tiles) or its first SPLIT = 2 one (the rest: the first; these runs take gradients), on seeded configurations of 70-145 tokens (several 64-token
-chunks, a partial last one, some packed with an empty sequence), which must pass the error rule against the float64
-reference (tests/properties.py)."""
+tiles) or its first SPLIT = 2 one (the rest: the first; these runs take gradients), on seeded configurations of
+70-145 tokens (several 64-token chunks, a partial last one, some packed with an empty sequence), which must pass the
+error rule against the float64 reference (tests/properties.py)."""
 from __future__ import annotations
 
 import dataclasses
