@@ -16,8 +16,6 @@ GPU_CASES = 1000
 
 # Open defects found on the GPU by seed -> what exceeds the error rule; strict, so a fix shows.
 KNOWN = {
-    241: "bf16, K 192, V 16, 3 x 235 tokens, softplus gate, L2 norm, initial state, gradients: o 98x the bound "
-         "(H100, 2026-12-05; passed on the H200 on 2026-12-04; the CPU interpreter computes it within the rule)",
     997: "bf16, K 96, V 112, two tokens, L2 norm, gradients: dbeta 1.09x the bound (H200, 2026-12-04)",
 }
 

@@ -82,16 +82,17 @@ def _kda_block_tri_inverse(A, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
 @triton.jit
 def _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
                   GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, DOT_PREC: tl.constexpr,
-                  TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
+                  TWO_FLOAT: tl.constexpr):
     """The UT transform applied to the chunk ``ch`` (a KdaChunkRows; ``gate`` its head's KdaGate, rk the rows'
-    k factors): U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice, the dots on ``OP`` operands
-    (``DOT_PREC`` for fp32 ones)."""
-    To = T.to(OP)
+    k factors): U = T (beta v) and W = T (beta exp(G) k), V and K slice by slice. Both products take T as it
+    leaves the triangular inverse, on fp32 operands (``DOT_PREC``: tf32 for bf16 inputs): T converted to a bf16
+    register operand gave O(1) errors on the GPU under Triton 3.6 (property seed 219's W, test_kda_gpu seed 241's
+    U; docs/PERFORMANCE.md)."""
     for v0 in range(0, V, BV):
         vc = v0 + tl.arange(0, BV)
         m = ch.mr[:, None] & (vc[None, :] < V)
         vs = tl.load(v + ch.v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.dot(To, (ch.b[:, None] * vs).to(OP), input_precision=DOT_PREC)
+        u = tl.dot(T, ch.b[:, None] * vs, input_precision=DOT_PREC)
         tl.store(U + ch.v_off + vc[None, :], u.to(U.dtype.element_ty), mask=m)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -99,13 +100,7 @@ def _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K: tl.constexpr, V: tl.constexpr,
         ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
         x_, d, G, Gl_ = _kda_chunk_decay(gate, ch.g_off + cols[None, :], ch.hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
                                          TWO_FLOAT)
-        x = ch.b[:, None] * ks * tl.exp(G)
-        if K <= 128:
-            # W on fp32 operands (tf32 for bf16 inputs): its bf16 product gave O(1) errors on the GPU (seed 219)
-            w = tl.dot(T, x, input_precision=DOT_PREC)
-        else:
-            # above K 128 Triton 3.6's tf32 dots on fp32 tiles lose accuracy (precision()): bf16 operands
-            w = tl.dot(To, x.to(OP), input_precision=DOT_PREC)
+        w = tl.dot(T, ch.b[:, None] * ks * tl.exp(G), input_precision=DOT_PREC)
         tl.store(W + ch.g_off + cols[None, :], w.to(W.dtype.element_ty), mask=m)
 
 
@@ -204,7 +199,7 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     T = _kda_tri_inverse_dots(akk, BT, INV_PREC)
     tl.store(AQK + (ch.rows * HV + hv)[:, None] * BT + ch.i[None, :], aqk.to(AQK.dtype.element_ty), mask=ch.mr[:, None])
     # 4. U = T (beta v), W = T (beta exp(G) k)
-    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, KS, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)
+    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, KS, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)
 
 
 @triton.jit
@@ -305,4 +300,4 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
     tl.store(TM + a_off, T, mask=ch.mr[:, None])       # kept for the backward
     # 3. U = T (beta v), W = T (beta exp(G) k)
-    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT, OP)
+    _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K, V, BV, BK, GATE, HAS_DT_BIAS, FLOOR, DOT_PREC, TWO_FLOAT)

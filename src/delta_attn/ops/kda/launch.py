@@ -63,15 +63,15 @@ class Precision:
     scan: str              # dots of the backward state scan and of the per-chunk operand gradients
     fwd_scan: str          # dots of the forward state scan (they make the output)
     two_float: bool        # cumulative log decays in two floats (fp32 with exact dots: kernels_gate._kda_cumsum)
-    intra_op: tl.dtype     # operand dtype of the forward intra-chunk products and UT transform
+    intra_op: tl.dtype     # operand dtype of the forward intra-chunk products
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
     """bf16: the scans' dots take the bf16-stored intermediates as they are (bf16 tensor-core products); the forward
-    intra-chunk products and UT transform (inference and training) on bf16 operands (bf16 tensor-core rate; their
-    results are stored in bf16), except the UT transform's W for K <= 128, on fp32 operands in tf32 (its bf16
-    product came out wrong on the GPU: kernels_intra._kda_apply_ut); tf32 for the fp32 tiles of the triangular
-    inverse and of the backward's per-chunk products. fp16: exact per-chunk dots (fp16's range is too narrow for the
+    intra-chunk products (inference and training) on bf16 operands (bf16 tensor-core rate; their results are stored
+    in bf16); the UT transform's U and W on fp32 operands in tf32, every K (with T as a bf16 register operand both
+    came out wrong on the GPU: kernels_intra._kda_apply_ut); tf32 for the fp32 tiles of the triangular inverse and
+    of the backward's per-chunk products. fp16: exact per-chunk dots (fp16's range is too narrow for the
     UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles fp16's rounding (H200 property seeds: output
     8 % over the rule with a tf32 forward scan, dbeta 60 % over with tf32 backward scans), so fp16 scans run 3xTF32
     or IEEE: the inference forward scan in 3xTF32 for K <= 128; the training forward scan in 3xTF32 for K <= 64 and
@@ -80,9 +80,10 @@ def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False)
     are kept in two floats (``kernels_gate._kda_cumsum``: one fp32 loses too much of an exponent G_i - G_j formed
     near the end of a strongly decaying 64-token chunk).
 
-    tf32 dots on fp32 tiles are used only for K <= 128: with K > 128 (a 256-wide padded state tile) Triton
-    3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
-    measured at K = 144 and 192) and lost accuracy where they ran; IEEE dots are exact there."""
+    fp16 and fp32 inputs take tf32 dots on fp32 tiles only for K <= 128: with K > 128 (a 256-wide padded state
+    tile) Triton 3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
+    measured at K = 144 and 192) and lost accuracy where they ran; IEEE dots are exact there. bf16's tf32 dots on
+    fp32 tiles above K 128 (the UT transform, the backward's per-chunk products) pass test_kda_gpu's draws."""
     tf32_ok = K <= 128
     if dtype == torch.bfloat16:
         return Precision(torch.bfloat16, "tf32", "tf32", "tf32", False, tl.bfloat16)
