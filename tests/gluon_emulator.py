@@ -858,16 +858,24 @@ def on_cpu(monkeypatch):
     and the sm_90 GPU the kernels are written for, with its SM count; bfloat16 allowed for the Triton backend), every
     Gluon launch on the emulator and the Triton kernels beside them on the interpreter with the GPU's bfloat16
     arithmetic."""
-    from delta_attn import backends
     from delta_attn.ops.kda import launch
-    triton_backend = backends.BACKENDS["triton"]
-    rule = triton_backend._device_rule
-    monkeypatch.setattr(triton_backend, "_device_rule", lambda call: [] if call.device.type == "cpu" else rule(call))
     monkeypatch.setattr(launch, "gluon_available", lambda device: True)
     monkeypatch.setattr(launch, "gluon_version", lambda: launch.KERNELS_TRITON)
     monkeypatch.setattr(launch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(launch, "sm_count", lambda device: GPU_SMS)
-    with emulated_gluon(), interpreter_bf16():
+    with emulated_gluon(), triton_bf16_on_cpu(monkeypatch):
+        yield
+
+
+@contextlib.contextmanager
+def triton_bf16_on_cpu(monkeypatch):
+    """The Triton backend on CPU tensors in bfloat16: the registry's refusal lifted and the interpreter computing
+    bfloat16 as the GPU does (:func:`interpreter_bf16`)."""
+    from delta_attn import backends
+    triton_backend = backends.BACKENDS["triton"]
+    rule = triton_backend._device_rule
+    monkeypatch.setattr(triton_backend, "_device_rule", lambda call: [] if call.device.type == "cpu" else rule(call))
+    with interpreter_bf16():
         yield
 
 

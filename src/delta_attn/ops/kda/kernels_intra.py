@@ -250,7 +250,9 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             eP = tl.exp(Gm)
             kn = (ks * tl.exp(-Gm)).to(OP)
             akk += tl.dot((ks * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
-            aqk += tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
+            # Aqk's diagonal (D_ii = 1) as q_i . k_i in fp32, not from the rounded factors
+            aqk += tl.where(ch.i[:, None] == ch.i[None, :], tl.sum(qs * ks, 1)[:, None],
+                            tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC))
         else:
             # safe, off-diagonal blocks: reference G_ref(a) = G at row a*BC - 1 for the rows of sub-chunk a
             # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
