@@ -5,7 +5,8 @@ Per chunk (parallel over chunks x value heads), with G the chunk-local cumulativ
 
 1. the intra-chunk products ``Akk_ij = beta_i k_i . D_ij . k_j`` (i > j) and ``Aqk_ij = q_i . D_ij . k_j``
    (i >= j), factored as ``exp(G_i - G_ref) exp(G_ref - G_j)`` while every exponent stays in fp32 range,
-   else exactly (pairwise per channel; no exponent is ever > 0, -inf decays included);
+   else exactly (pairwise per channel; no exponent is ever > 0, -inf decays included); Aqk's diagonal
+   (D_ii = 1) as q_i . k_i in fp32 where the factors are rounded to bf16;
 2. the UT transform ``T = (I + Akk)^-1``;
 3. ``U = T (beta v)``, ``W = T (beta exp(G) k)``, ``qg = exp(G) q``, ``kd = exp(G_last - G) k`` and
    ``exp(G_last)``.

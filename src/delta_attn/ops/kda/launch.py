@@ -83,7 +83,8 @@ def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False)
     fp16 and fp32 inputs take tf32 dots on fp32 tiles only for K <= 128: with K > 128 (a 256-wide padded state
     tile) Triton 3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
     measured at K = 144 and 192) and lost accuracy where they ran; IEEE dots are exact there. bf16's tf32 dots on
-    fp32 tiles above K 128 (the UT transform, the backward's per-chunk products) pass test_kda_gpu's draws."""
+    fp32 tiles above K 128 (the UT transform, the backward's per-chunk products) pass test_kda_gpu's draws
+    (docs/PERFORMANCE.md)."""
     tf32_ok = K <= 128
     if dtype == torch.bfloat16:
         return Precision(torch.bfloat16, "tf32", "tf32", "tf32", False, tl.bfloat16)
