@@ -2,14 +2,15 @@
 
 The training intra-chunk kernel forms Aqk's off-diagonal entries from bf16-rounded factors; its diagonal
 (D_ii = 1) must be q_i . k_i formed in fp32 and rounded once, as the inference kernel does: from the rounded
-factors a one-token bf16 sequence's dbeta was 1.1x over the error rule on the H100 (test_kda_gpu seed 500)."""
+factors a one-token bf16 sequence's dbeta was 1.1x over the error rule on the H100 (test_kda_gpu seed 500). The
+Gluon training kernel of the bf16 K = V = 128 domain still forms it so (a strict xfail here, so a fix shows)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import properties as P
-from gluon_emulator import triton_bf16_on_cpu
+from gluon_emulator import on_cpu, triton_bf16_on_cpu
 from delta_attn.ops.kda import launch
 
 
@@ -24,16 +25,29 @@ def _near_orthogonal_qk(T: int, K: int, seed: int):
     return q.bfloat16(), k.bfloat16()
 
 
-@pytest.mark.parametrize("K,T", [(16, 1), (32, 5), (64, 64)])
-def test_train_aqk_diagonal_is_rounded_once(K, T, monkeypatch):
+GLUON_DIAGONAL = ("the Gluon training intra-chunk kernel (bf16, K = V = 128) forms Aqk's diagonal from the "
+                  "bf16-rounded factors (wgmma): 124 ulps off at one token, 1,536 at 64 on these inputs")
+
+
+@pytest.mark.parametrize("K,T,gluon", [(16, 1, False), (32, 5, False), (64, 64, False),
+                                       pytest.param(128, 1, True, marks=pytest.mark.xfail(strict=True,
+                                                                                           reason=GLUON_DIAGONAL)),
+                                       pytest.param(128, 64, True, marks=pytest.mark.xfail(strict=True,
+                                                                                            reason=GLUON_DIAGONAL))])
+def test_train_aqk_diagonal_is_rounded_once(K, T, gluon, monkeypatch):
+    """The training forward's stored Aqk diagonal is scale q_i . k_i (L2-normed) within one bf16 ulp, on the Triton
+    kernel (gluon False) and on the Gluon kernel of its domain (the emulator, ``gluon_emulator.on_cpu``)."""
     q, k = _near_orthogonal_qk(T, K, seed=K + T)
-    v = torch.randn(1, T, 1, 16).bfloat16()
-    g = torch.zeros(1, T, 1, K)
+    V = 128 if gluon else 16
+    v = torch.randn(1, T, 1, V).bfloat16()
+    g = torch.zeros(1, T, 1, K).bfloat16()
     beta = torch.rand(1, T, 1).bfloat16()
     scale = K ** -0.5
-    with triton_bf16_on_cpu(monkeypatch):
-        _, _, saved = launch.train_forward(q, k, v, g.bfloat16(), beta, None, None, None, None, scale, None, True,
-                                           False, False)
+    with on_cpu(monkeypatch) if gluon else triton_bf16_on_cpu(monkeypatch):
+        prec = launch.precision(q.dtype, False, K, train=True)
+        assert (launch._train_intra_fused_unsupported(q, v, None, None, None, prec, launch.compile_device(q.device))
+                is None) == gluon
+        _, _, saved = launch.train_forward(q, k, v, g, beta, None, None, None, None, scale, None, True, False, False)
     diag = saved.AQK.float().reshape(-1, launch.TRAIN_CHUNK)[:T].diagonal()
     qd, kd = q.double()[0, :, 0], k.double()[0, :, 0]
     exact = scale * (qd / qd.norm(dim=-1, keepdim=True) * kd / kd.norm(dim=-1, keepdim=True)).sum(-1)
