@@ -1,5 +1,5 @@
 """Seeded KDA configurations against the float64 reference, on the delta-attn tree first on PYTHONPATH: run it once
-per candidate tree to see which one a failing GPU seed passes (how seeds 219, 241 and 500 were located).
+per candidate tree to see which one a failing GPU seed passes.
 
 PYTHONPATH=<tree>/src python benchmarks/experiments/kda_seed_check.py 241 p219 997
 N is test_kda_gpu.py's seed N, pN the Triton backend's KDA property seed N of test_properties_gpu.py. One line per

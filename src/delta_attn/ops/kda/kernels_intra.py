@@ -229,11 +229,13 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     top = 0.0                                       # the g <= 0 check's share (CHECK_G)
     akk = tl.zeros([BT, BT], tl.float32)
     aqk = tl.zeros([BT, BT], tl.float32)
+    qk = tl.zeros([BT], tl.float32)     # Aqk's diagonal, D_ii = 1: q_i . k_i in fp32, not the rounded factors
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         m = ch.mr[:, None] & (cols[None, :] < K)
         qs = tl.load(q + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None]
         ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        qk += tl.sum(qs * ks, 1)
         x_, d, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
                                         TWO_FLOAT)     # chunk-local, <= 0, finite
         if CHECK_G:
@@ -251,9 +253,7 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             eP = tl.exp(Gm)
             kn = (ks * tl.exp(-Gm)).to(OP)
             akk += tl.dot((ks * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
-            # Aqk's diagonal (D_ii = 1) as q_i . k_i in fp32, not from the rounded factors
-            aqk += tl.where(ch.i[:, None] == ch.i[None, :], tl.sum(qs * ks, 1)[:, None],
-                            tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC))
+            aqk += tl.dot((qs * eP).to(OP), tl.trans(kn), input_precision=DOT_PREC)
         else:
             # safe, off-diagonal blocks: reference G_ref(a) = G at row a*BC - 1 for the rows of sub-chunk a
             # (runtime loops in this rare branch, not unrolled: seconds less of compile time)
@@ -297,7 +297,7 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         tl.store(GTOP + c * HV + hv, top)
     # 2. UT transform by block forward substitution
     akk = tl.where(ch.i[:, None] > ch.i[None, :], ch.b[:, None] * akk, 0.0)
-    aqk = tl.where(ch.i[:, None] >= ch.i[None, :], aqk, 0.0)
+    aqk = tl.where(ch.i[:, None] > ch.i[None, :], aqk, tl.where(ch.i[:, None] == ch.i[None, :], qk[:, None], 0.0))
     a_off = (ch.rows * HV + hv)[:, None] * BT + ch.i[None, :]
     tl.store(AQK + a_off, aqk.to(AQK.dtype.element_ty), mask=ch.mr[:, None])
     T = _kda_block_tri_inverse(akk, BT, BC, INV_PREC)
