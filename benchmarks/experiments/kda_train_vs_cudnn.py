@@ -2,10 +2,17 @@
 native KDA (the form its backward takes: q, k pre-normalised, fp32 g and beta, THD views, cu_seqlens made outside the
 timed call) in one process: bf16, H 16, K = V = 128, long-memory (logsigmoid(N(4, 1))) and strong (logsigmoid(N(0, 1)))
 decays; ``triton.testing.do_bench`` medians. Prints | B x T | decays | ours ms | cuDNN-FE ms | cuDNN / ours |.
-Optional argument: a checkout whose ``src`` is imported instead of the installed delta-attn."""
+
+python benchmarks/experiments/kda_train_vs_cudnn.py [CHECKOUT] [--shapes 8x4096,64x1024]
+CHECKOUT: a checkout whose ``src`` is imported instead of the installed delta-attn."""
+import argparse
 import sys
-if len(sys.argv) > 1:
-    sys.path.insert(0, sys.argv[1] + "/src")
+ap = argparse.ArgumentParser()
+ap.add_argument("checkout", nargs="?")
+ap.add_argument("--shapes", default="8x4096,64x1024,16x2048,2x16384,1x32768,1x131072")
+args = ap.parse_args()
+if args.checkout:
+    sys.path.insert(0, args.checkout + "/src")
 import torch  # noqa: E402
 import triton  # noqa: E402
 import delta_attn as da  # noqa: E402
@@ -45,7 +52,7 @@ def times(B: int, T: int, mean: float):
             triton.testing.do_bench(cudnn, warmup=10, rep=100, return_mode="median"))
 
 
-for B, T in [(8, 4096), (64, 1024), (16, 2048), (2, 16384), (1, 32768), (1, 131072)]:
+for B, T in [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]:
     for regime, mean in (("long", 4.0), ("strong", 0.0)):
         t_o, t_c = times(B, T, mean)
         print(f"| {B} x {T} | {regime} | {t_o:.3f} | {t_c:.3f} | {t_c / t_o:.2f} |", flush=True)

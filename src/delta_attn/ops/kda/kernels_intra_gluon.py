@@ -13,7 +13,9 @@ cumulative floored log decay per channel, Gm = G - G[BT / 2 - 1], b = beta, qs =
 1. per K slice: G (a channel's 64 tokens in one warp: ``CL``), the range test, QG = qs e^G, KD = ks e^(G_last - G),
    GC = e^G_last; the bf16 factors ks e^Gm, qs e^Gm, ks e^-Gm to shared memory and Akk += (ks e^Gm)(ks e^-Gm)^T,
    Aqk += (qs e^Gm)(ks e^-Gm)^T (bf16 wgmmas, fp32 accumulators); ks e^G (bf16) kept for W;
-2. Akk = strict_lower(b_i Akk) and Aqk = lower(Aqk), AQK stored; v comes by cp.async meanwhile;
+2. Akk = strict_lower(b_i Akk) and Aqk = strict_lower(Aqk) + diag(qs_i . ks_i) (the diagonal summed in fp32 in
+   step 1, as the Triton kernel forms it: from the bf16 factors it was off by up to thousands of bf16 ulps on
+   nearly orthogonal q, k), AQK stored; v comes by cp.async meanwhile;
 3. T = (I + Akk)^-1 as the Triton kernel's ``_kda_block_tri_inverse``: the four 16x16 diagonal blocks inverted
    exactly in fp32 by forward substitution (FMAs, one warp per block), then X = Dinv - M X three times with
    M = Dinv N (N the blocks below the diagonal; tf32 wgmmas on K-major operands); T stored (TM, fp32);
@@ -144,6 +146,7 @@ if gluon is not None:
         kg_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BT, BK], HK)
         akk = gl.zeros([BT, BT], gl.float32, M64)
         aqk = gl.zeros([BT, BT], gl.float32, M64)
+        qk = gl.zeros([BT], gl.float32, RV)         # Aqk's diagonal q_i . k_i (D_ii = 1) in fp32
         bad = gl.to_tensor(0)
         top = gl.zeros([BK], gl.float32, gl.SliceLayout(0, CL))
         for s in range(NS):
@@ -162,6 +165,7 @@ if gluon is not None:
             GrV = gl.convert_layout(Gr, gl.SliceLayout(0, VL))[None, :]
             qs = q_s.index(s).load(VL).to(gl.float32) * rq[:, None]
             ks = k_s.index(s).load(VL).to(gl.float32) * rk[:, None]
+            qk += gl.sum(qs * ks, 1)
             eG = _ex2(GV * LOG2E)
             _rows_store(QG + s * BK, qs * eG, iV, jV, HV * K, mrV)
             _rows_store(KD + s * BK, ks * _ex2((GlV - GV) * LOG2E), iV, jV, HV * K, mrV)
@@ -185,7 +189,7 @@ if gluon is not None:
             gl.store(GTOP + c * HV + hv, gl.max(top, 0))
         gl.thread_barrier()                         # every warp is done with step 1's buffers (reused below)
 
-        # 2. v by cp.async (for step 4); Akk = strict_lower(b_i Akk), Aqk = lower(Aqk), stored
+        # 2. v by cp.async (for step 4); Akk = strict_lower(b_i Akk), Aqk = strict_lower(Aqk) + diag(qk), stored
         v_s = gl.allocate_shared_memory(gl.bfloat16, [V // 64, BT, 64], H64)
         iP = gl.arange(0, BT, layout=gl.SliceLayout(1, CPV))
         for s in gl.static_range(V // 64):
@@ -198,7 +202,9 @@ if gluon is not None:
         mr64 = i64 < L
         bR = gl.load(beta + i64 * HV, mask=mr64, other=0.0)
         akk = gl.where(i64[:, None] > j64[None, :], bR[:, None] * akk, 0.0)
-        _rows_store(AQK, gl.where(i64[:, None] >= j64[None, :], aqk, 0.0), i64, j64, HV * BT, mr64)
+        qk64 = gl.convert_layout(qk, R64)[:, None]
+        aqk = gl.where(i64[:, None] > j64[None, :], aqk, gl.where(i64[:, None] == j64[None, :], qk64, 0.0))
+        _rows_store(AQK, aqk, i64, j64, HV * BT, mr64)
 
         # 3. T = (I + Akk)^-1. The diagonal blocks D (a warp's own rows of the accumulator) as [BC rows, NB, BC] and
         #    N^T (the blocks below, stored transposed: tf32 wgmma operands are K-major)
