@@ -3,13 +3,15 @@ native KDA (the form its backward takes: q, k pre-normalised, fp32 g and beta, T
 timed call) in one process: bf16, H 16, K = V = 128, long-memory (logsigmoid(N(4, 1))) and strong (logsigmoid(N(0, 1)))
 decays; ``triton.testing.do_bench`` medians. Prints | B x T | decays | ours ms | cuDNN-FE ms | cuDNN / ours |.
 
-python benchmarks/experiments/kda_train_vs_cudnn.py [CHECKOUT] [--shapes 8x4096,64x1024]
-CHECKOUT: a checkout whose ``src`` is imported instead of the installed delta-attn."""
+python benchmarks/experiments/kda_train_vs_cudnn.py [CHECKOUT] [--shapes 8x4096,64x1024] [--profile]
+CHECKOUT: a checkout whose ``src`` is imported instead of the installed delta-attn; ``--profile``: each kernel's GPU
+time per step of ours (torch.profiler, 10 steps, long decays) instead of the timings."""
 import argparse
 import sys
 ap = argparse.ArgumentParser()
 ap.add_argument("checkout", nargs="?")
 ap.add_argument("--shapes", default="8x4096,64x1024,16x2048,2x16384,1x32768,1x131072")
+ap.add_argument("--profile", action="store_true")
 args = ap.parse_args()
 if args.checkout:
     sys.path.insert(0, args.checkout + "/src")
@@ -20,8 +22,8 @@ from cudnn.linear_attention import kimi_delta_attention  # noqa: E402
 H, D = 16, 128
 
 
-def times(B: int, T: int, mean: float):
-    """(ours ms, cuDNN-FE ms) of one forward+backward."""
+def times(B: int, T: int, mean: float, profile: bool = False):
+    """(ours ms, cuDNN-FE ms) of one forward+backward; with ``profile`` the per-kernel table of ours instead."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def r(*shape):
@@ -48,11 +50,24 @@ def times(B: int, T: int, mean: float):
         o = o[0] if isinstance(o, (tuple, list)) else o
         torch.autograd.grad(o, (qt, kt, vt, gt, bt), dot)
 
+    if profile:
+        from torch.profiler import ProfilerActivity, profile
+        ours()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                ours()
+            torch.cuda.synchronize()
+        print(f"## {B} x {T}: GPU time of 10 steps")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
+        return None
     return (triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median"),
             triton.testing.do_bench(cudnn, warmup=10, rep=100, return_mode="median"))
 
 
 for B, T in [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]:
+    if args.profile:
+        times(B, T, 4.0, profile=True)
+        continue
     for regime, mean in (("long", 4.0), ("strong", 0.0)):
         t_o, t_c = times(B, T, mean)
         print(f"| {B} x {T} | {regime} | {t_o:.3f} | {t_c:.3f} | {t_c / t_o:.2f} |", flush=True)
