@@ -38,6 +38,12 @@ def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
 def test_inference_forward_with_correlated_keys(path, cosine, cpu):
     FUSED.test_correlated_keys(path, cosine, FUSED.spy_fused(cpu), cpu)
 
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("along", [1.0, 0.03])
+def test_fused_forward_nearly_orthogonal_qk(T, along, cpu):
+    FUSED.test_nearly_orthogonal_qk(T, along, FUSED.spy_fused(cpu))
+
+
 def test_split_inference_one_token_bf16(cpu):
     """The split inference kernels with the GPU's bf16 arithmetic, one token (B 2, K = V = 16, softplus gate, q / k
     not normalised; CPU-domain property seed 260): Aqk's diagonal (decay 1) is q . k in fp32, not the product of the
