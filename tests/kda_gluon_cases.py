@@ -99,18 +99,32 @@ def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, fp32_gb, planted=slice
     assert not bad, "; ".join(bad)
 
 
-def spy_decay_reports(monkeypatch):
-    """([each float32 tensor a KDA launcher reported to the pending g <= 0 check], [the numel of every tensor
-    reduced by ``Tensor.amax``]): a check that took the kernel's report never reduces g itself."""
+def spy_check_order(monkeypatch):
+    """The order in which a call enqueues its work: ("reduce", numel) for every ``Tensor.amax``, ("kernel", name)
+    for every Triton / Gluon launch through ``_launch._run`` and ("kernel", "fused_forward") for the fused forward
+    (launched directly). The g <= 0 check's reduction of g must come before the call's first kernel."""
+    from delta_attn.ops import _launch
     from delta_attn.ops.kda import launch
-    reports, reduced = [], []
-    real_sink, real_amax = launch.decay_top_sink, torch.Tensor.amax
+    events = []
+    real_run, real_fused, real_amax = _launch._run, launch.fused_forward, torch.Tensor.amax
 
-    def sink(g):
-        report = real_sink(g)
-        return None if report is None else (lambda top: (reports.append(top), report(top)))
+    def run(p):
+        events.append(("kernel", kernel_name(p.kernel)))
+        return real_run(p)
 
-    monkeypatch.setattr(launch, "decay_top_sink", sink)
-    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: reduced.append(self.numel())
+    def fused(*args, **kw):
+        events.append(("kernel", "fused_forward"))
+        return real_fused(*args, **kw)
+
+    monkeypatch.setattr(_launch, "_run", run)
+    monkeypatch.setattr(launch, "fused_forward", fused)
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: events.append(("reduce", self.numel()))
                         or real_amax(self, *a, **kw))
-    return reports, reduced
+    return events
+
+
+def reduced_before_kernels(events, g) -> bool:
+    """g reduced once by the check, before the first kernel (a NaN in g adds a second pass after it)."""
+    kernels = [i for i, e in enumerate(events) if e[0] == "kernel"]
+    reductions = [i for i, e in enumerate(events) if e == ("reduce", g.numel())]
+    return bool(kernels) and bool(reductions) and reductions[0] < kernels[0]

@@ -180,36 +180,52 @@ def value_checks_enabled() -> bool:
 
 
 class PendingChecks:
-    """The value checks of one call that are read after its kernels are enqueued (its outputs are all new
-    tensors, so a call that raises has modified nothing it was given). :func:`log_decay` defers its check of a
-    log decay here; inside :meth:`enqueueing`, a kernel launcher that reads that decay anyway may report its
-    largest positive entry (:func:`decay_top_sink`), and :meth:`finish` then reduces that report instead of g
-    (one pass over g saved). :meth:`finish` runs every deferred check: at most one reduction and one host read each."""
+    """The value checks of one call whose verdict is read after its kernels are enqueued (its outputs are all new
+    tensors, so a call that raises has modified nothing it was given). :func:`log_decay` defers its check of a log
+    decay here. Then, in order: inside :meth:`routing`, a range read made while choosing the backend may settle a
+    check with g's maximum already on the host (:func:`decay_top_sink`); :meth:`start` enqueues every other check's
+    reduction and its copy to the host, before the call's kernels; :meth:`finish`, after them, waits for those
+    copies alone and raises on a bad value. The host so waits for one reduction while the kernels stay queued (its
+    next work overlaps them), where a read after the kernels waits for the kernels too."""
 
     def __init__(self):
         self.decays: List[_DecayCheck] = []
 
     @contextlib.contextmanager
-    def enqueueing(self):
-        """The block that enqueues the call's kernels (launchers find these checks by :func:`decay_top_sink`).
+    def routing(self):
+        """The block that chooses the call's backend (a range read there reports by :func:`decay_top_sink`).
         Nothing is set without a deferred check (torch.compile, which does not trace ContextVar.set, defers none)."""
         if not self.decays:
             yield
             return
-        token = _ENQUEUEING.set(self)
+        token = _ROUTING.set(self)
         try:
             yield
         finally:
-            _ENQUEUEING.reset(token)
+            _ROUTING.reset(token)
+
+    def run(self, route: Callable[[], Callable[[Any], Any]], args: Any) -> Any:
+        """``route()(args)`` with the checks in their places: ``route`` (which chooses the backend) inside
+        :meth:`routing`, then :meth:`start`, the chosen implementation, :meth:`finish`."""
+        with self.routing():
+            impl = route()
+        self.start()
+        out = impl(args)
+        self.finish()
+        return out
+
+    def start(self) -> None:
+        """Each unsettled check's reduction and host copy, enqueued now (before the call's kernels)."""
+        for d in self.decays:
+            if d.top is None:
+                d.top = _start_host_read(d.g.amax())
 
     def finish(self) -> None:
-        """Each deferred check's reduction and host read (each raises on a bad value)."""
+        """Each deferred check's verdict (each raises on a bad value): the host read :meth:`start` enqueued, or
+        the value :func:`decay_top_sink` reported (a check not started reduces g now)."""
         for d in self.decays:
-            if isinstance(d.top, float):        # already read on the host
-                _decay_verdict(d.name, d.g, d.hint, d.top)
-                continue
-            top = (d.top if d.top is not None else d.g).amax()
-            _decay_verdict(d.name, d.g, d.hint, _host_value(top))
+            top = d.top if d.top is not None else _start_host_read(d.g.amax())
+            _decay_verdict(d.name, d.g, d.hint, top if isinstance(top, float) else top())
 
 
 @dataclasses.dataclass
@@ -217,38 +233,35 @@ class _DecayCheck:
     name: str
     g: torch.Tensor
     hint: str
-    top: Union[torch.Tensor, float, None] = None   # reported: a tensor whose max is g's largest positive entry
-                                                   # (or 0), or g.max() read on the host
+    top: Union[float, Callable[[], float], None] = None   # g.max(): on the host, or a started host read
 
 
-_ENQUEUEING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_enqueueing",
-                                                                                       default=None)
+_ROUTING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_routing", default=None)
 
 
-def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[Union[torch.Tensor, float]], None]]:
-    """For a kernel launcher that reads the log decay ``g`` (the very tensor the call was given): where the call
-    enqueueing it has deferred the check of ``g`` (:class:`PendingChecks`), a function to call with a float32
-    tensor, written by the kernel on the same stream, whose maximum is g's largest positive entry (0 when g has
-    none; NaN and -inf entries count as 0: they are in the domain), or with g's maximum already read on the host
-    (a float; NaN when g holds one). The check then reads that instead of reducing g. None where no such check is
-    pending (value checks off, another tensor, already reported)."""
-    checks = _ENQUEUEING.get()
+def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[float], None]]:
+    """For a backend's range read of the log decay ``g`` (the very tensor the call was given) made while the call
+    is routed: where that call has deferred the check of ``g`` (:class:`PendingChecks`), a function to call with
+    g's maximum read on the host (NaN when g holds one); the check then reads g no more. None where no such check
+    is pending (value checks off, another tensor, already reported)."""
+    checks = _ROUTING.get()
     for d in checks.decays if checks is not None else ():
         if d.g is g and d.top is None:
-            return lambda top: setattr(d, "top", top)
+            return lambda top: setattr(d, "top", float(top))
     return None
 
 
-def _host_value(x: torch.Tensor) -> float:
-    """x.item(), on CUDA through pinned memory after an event (the host waits for x, not for the whole device)."""
+def _start_host_read(x: torch.Tensor) -> Callable[[], float]:
+    """A function returning x.item(); on CUDA the copy to pinned memory and an event are enqueued now, and the
+    function waits for that event alone (not for work enqueued after it)."""
     if x.device.type != "cuda":
-        return x.item()
+        value = x.item()
+        return lambda: value
     host = torch.empty((), dtype=x.dtype, pin_memory=True)
     host.copy_(x, non_blocking=True)
     read = torch.cuda.Event()
     read.record()
-    read.synchronize()
-    return host.item()
+    return lambda: (read.synchronize(), host.item())[1]
 
 
 def log_decay(name: str, g: torch.Tensor, hint: str = "", pending: Optional[PendingChecks] = None) -> None:
@@ -258,8 +271,8 @@ def log_decay(name: str, g: torch.Tensor, hint: str = "", pending: Optional[Pend
     meaning (that sequence's outputs and state become NaN, the others are untouched). One reduction on the device
     and one host read, when :func:`value_checks_enabled` (never under CUDA-graph capture or torch.compile tracing,
     nor with DELTA_ATTN_SKIP_VALUE_CHECKS=1: the caller then keeps g <= 0). With ``pending`` (calls whose outputs
-    are all new tensors) the check runs at ``pending.finish()``, after the call's kernels are enqueued: the call
-    still raises before it returns."""
+    are all new tensors) its reduction is enqueued at ``pending.start()``, before the call's kernels, and read at
+    ``pending.finish()``, after them: the call still raises before it returns."""
     if g.numel() == 0 or not value_checks_enabled():
         return
     if pending is None:

@@ -133,12 +133,12 @@ def test_one_reduction_and_one_host_read(monkeypatch):
 
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("nan", [False, True])
-def test_triton_kda_takes_the_sign_from_its_intra_chunk_kernel(grad, nan, monkeypatch):
-    """On the Triton backend (fp32 here: the Triton kernels, not the Gluon ones) the first intra-chunk launch
-    reports the largest positive g of each (chunk, value head) to the pending check, which raises on it (a NaN
-    elsewhere does not hide it) without a reduction over g of its own; a valid g then runs."""
+def test_triton_kda_reduces_g_before_its_kernels(grad, nan, monkeypatch):
+    """On the Triton backend (fp32 here: the Triton kernels, not the Gluon ones) the pending check's reduction of g
+    is enqueued before the call's first kernel and read after its last is enqueued: a positive g raises from the
+    call (a NaN elsewhere does not hide it); a valid g then runs."""
     import kda_gluon_cases as C
-    reports, reduced = C.spy_decay_reports(monkeypatch)
+    events = C.spy_check_order(monkeypatch)
     g = -torch.rand(2, 40, H, D)
     g[1, 33, 1, 7] = 0.25
     if nan:
@@ -148,7 +148,6 @@ def test_triton_kda_takes_the_sign_from_its_intra_chunk_kernel(grad, nan, monkey
     q.requires_grad_(grad)
     with pytest.raises(ValueError, match="^g is a log decay and must be <= 0.*0.25"):
         da.kda(q, k, v, g, beta, backend="triton")
-    assert len(reports) == 1 and float(reports[0].max()) == 0.25 and bool((reports[0] >= 0).all())
-    assert g.numel() not in reduced, "the check reduced g itself"
+    assert C.reduced_before_kernels(events, g), events
     o, _ = da.kda(q, k, v, g.clamp(max=0.0), beta, backend="triton")
     assert torch.isfinite(o[1]).all()

@@ -53,7 +53,7 @@ def test_split_inference_one_token_bf16(cpu):
 
 
 @pytest.mark.parametrize("nan", [False, True])
-def test_fused_forward_reports_the_positive_decay(nan, cpu):
+def test_fused_forward_positive_decay_reduced_first(nan, cpu):
     FUSED.test_positive_decay_raises_after_the_launch("kda", nan, FUSED.spy_fused(cpu), cpu)
 
 

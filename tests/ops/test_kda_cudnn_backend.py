@@ -161,7 +161,7 @@ def test_the_range_read_serves_the_pending_sign_check(top, monkeypatch):
     g = _as_cuda(torch.tensor([-1.0, top, -2.0]), monkeypatch)
     pending = C.PendingChecks()
     C.log_decay("g", g, pending=pending)
-    with pending.enqueueing():
+    with pending.routing():
         assert not CK.log_decay_out_of_range(g, None)
     assert pending.decays[0].top == top
     if top > 0:

@@ -84,12 +84,9 @@ def gated_diag_attn(q, k, v, g, *, initial_state=None, output_final_state=False,
     >>> o.shape, s.shape
     (torch.Size([2, 9, 4, 8]), torch.Size([2, 4, 8]))
     """
-    pending = C.PendingChecks()      # g's range is read after the kernels are enqueued (outputs are new)
+    pending = C.PendingChecks()      # g's range: reduced before the kernels, read after (outputs are new)
     args = validate(q, k, v, g, initial_state, output_final_state, cu_seqlens, pending)
-    with pending.enqueueing():
-        out = select(args.call("diag"), backend)(args)
-    pending.finish()
-    return out
+    return pending.run(lambda: select(args.call("diag"), backend), args)
 
 
 def gated_diag_step(q, k, v, g, state, *, state_indices=None, num_accepted_tokens=None, backend="auto"):

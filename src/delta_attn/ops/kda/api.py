@@ -185,13 +185,10 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     (torch.Size([1, 6, 2, 8]), torch.Size([1, 2, 8, 8]))
     """
     C.unknown_keywords("kda", unknown, FLA_KEYWORDS)
-    pending = C.PendingChecks()      # g's range is read after the kernels are enqueued (outputs are new)
+    pending = C.PendingChecks()      # g's range: reduced before the kernels, read after (outputs are new)
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32, pending)
-    with pending.enqueueing():
-        out = select(_call(args, "kda", backend), backend)(args)
-    pending.finish()
-    return out
+    return pending.run(lambda: select(_call(args, "kda", backend), backend), args)
 
 
 def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_tokens=None, scale=None,

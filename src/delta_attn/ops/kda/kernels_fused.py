@@ -21,9 +21,6 @@ exceeds it (strong or -inf decays) or is not finite (a NaN gate) has its factors
 leave the state as it was) and is then redone exactly, token by token from the recurrence in fp32
 (:func:`_exact_chunk`), its o rows overwriting the ones step 4 wrote.
 
-With CHECK_G, gtop[n, h] gets the largest positive g the program read (0 when none): the g <= 0 value check's share
-(``_checks.decay_top_sink``).
-
 Scope (``launch.fused_forward_unsupported`` says what is outside it): bf16 q, k, v, K = V = 128, log decays g
 (no gate parameters), dense or packed sequences of any length, GVA, initial and final states.
 """
@@ -88,13 +85,11 @@ if gluon is not None:
               L2NORM: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr, CL: gl.constexpr, M2: gl.constexpr):
         """One chunk's factors from its raw tiles (one stage of the raw ring) into one stage of the factor ring:
         -(beta e^G k), q e^G, k e^-G (bf16 [BT, K]), T = (I + Akk)^-1 and Aqk (bf16 [BT, BT]), e^Gl ([K] fp32).
-        Returns (1 when the chunk is redone exactly (its factors zeroed: T = I, e^Gl = 1), else 0; each channel's
-        largest positive g of the chunk, 0 where none: the value check's share)."""
+        Returns 1 when the chunk is redone exactly (its factors zeroed: T = I, e^Gl = 1), else 0."""
         # 0. the chunk's decay from in-thread column sums (a thread per channel); the factored form holds while
         #    every channel's summed |g| is within FACTOR_MAX (a NaN fails the test)
         gcol = gr.load(CL)
         exact = gl.max(gl.where(gl.sum(gl.abs(gcol), 0) <= FACTOR_MAX, 0, 1), 0)
-        gpos = gl.max(gl.where(gcol > 0, gcol, 0.0), 0)                 # in-thread (NaN and -inf count as 0)
         fast = exact == 0
         gl_s.store(gl.where(fast, _ex2(gl.sum(gcol, 0) * 1.4426950408889634), 1.0))
         qc = qr.load(BL).to(gl.float32)
@@ -138,7 +133,7 @@ if gluon is not None:
         tt_s.store(tm.to(gl.bfloat16))
         aq_s.store(aqk.to(gl.bfloat16))
         fence_async_shared()                        # visible to the wgmmas' async proxy (the caller's barrier follows)
-        return exact, gpos
+        return exact
 
     @gluon.jit
     def _row(ptr, off, ok, N: gl.constexpr, W: gl.constexpr, DST: gl.constexpr):
@@ -192,10 +187,10 @@ if gluon is not None:
         return S0, S1
 
     @gluon.jit
-    def _kda_fused_fwd_kernel(q, k, v, g, beta, o, cu, h0, ht, gtop, T, HQ, HV, GROUP, scale, K: gl.constexpr,
+    def _kda_fused_fwd_kernel(q, k, v, g, beta, o, cu, h0, ht, T, HQ, HV, GROUP, scale, K: gl.constexpr,
                               BT: gl.constexpr, W: gl.constexpr, FACTOR_MAX: gl.constexpr, L2NORM: gl.constexpr,
                               VARLEN: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
-                              TAIL: gl.constexpr, CHECK_G: gl.constexpr):
+                              TAIL: gl.constexpr):
         h = gl.program_id(0)
         hq = h // GROUP
         n = gl.program_id(1).to(gl.int64)
@@ -264,9 +259,9 @@ if gluon is not None:
                      bos + gl.minimum(BT, last), eos, HQ, HV, hq, h, K, BT, CP, CG, CB, TAIL)
         async_copy.wait_group(1)
         gl.thread_barrier()
-        exact, top = _prep(qr_s.index(0), kr_s.index(0), gr_s.index(0), br_s.index(0), kb_s.index(0), qg_s.index(0),
-                           kn_s.index(0), tt_s.index(0), aq_s.index(0), gl_s.index(0), scale, mi, mj, eye, FACTOR_MAX,
-                           L2NORM, BT, BL, CL, M2)
+        exact = _prep(qr_s.index(0), kr_s.index(0), gr_s.index(0), br_s.index(0), kb_s.index(0), qg_s.index(0),
+                      kn_s.index(0), tt_s.index(0), aq_s.index(0), gl_s.index(0), scale, mi, mj, eye, FACTOR_MAX,
+                      L2NORM, BT, BL, CL, M2)
         gl.thread_barrier()
         for t0 in range(0, L, BT):
             st = ((t0 // BT) % 2).to(gl.int32)     # chunk c's raw and factor stage; 1 - st is chunk c + 1's
@@ -317,12 +312,10 @@ if gluon is not None:
             else:
                 gl.store(o + (orow[:, None] * HV + h) * K + ocol[None, :], o_s.load(CP))
             # 1-2. chunk c + 1's factors while the state update runs
-            exact_next, gpos = _prep(qr_s.index(1 - st), kr_s.index(1 - st), gr_s.index(1 - st), br_s.index(1 - st),
-                                     kb_s.index(1 - st), qg_s.index(1 - st), kn_s.index(1 - st), tt_s.index(1 - st),
-                                     aq_s.index(1 - st), gl_s.index(1 - st), scale, mi, mj, eye, FACTOR_MAX, L2NORM,
-                                     BT, BL, CL, M2)
-            if CHECK_G:
-                top = gl.maximum(top, gpos)
+            exact_next = _prep(qr_s.index(1 - st), kr_s.index(1 - st), gr_s.index(1 - st), br_s.index(1 - st),
+                               kb_s.index(1 - st), qg_s.index(1 - st), kn_s.index(1 - st), tt_s.index(1 - st),
+                               aq_s.index(1 - st), gl_s.index(1 - st), scale, mi, mj, eye, FACTOR_MAX, L2NORM,
+                               BT, BL, CL, M2)
             # 5. S^T = (S^T + u^T (k e^-G)) e^Gl
             S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
             eGl = gl_s.index(st)
@@ -334,8 +327,6 @@ if gluon is not None:
                                       SL, L2NORM)
             exact = exact_next
         async_copy.wait_group(0)                    # the last prefetch (a repeat of the last chunk) lands
-        if CHECK_G:                                 # the value check's share: the largest positive g this program read
-            gl.store(gtop + n * HV + h, gl.max(top, 0))
         if STORE_FINAL:
             S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
             gl.store(ht + s_off, S0)

@@ -241,13 +241,6 @@ def _kda_l2norm_bwd_rows(q, k, DQ, DK, DQO, DKO, q_off, g_off, mr, nq, rk, dotq,
 
 
 @triton.jit
-def _kda_positive_max(top, x, mask):
-    """max(top, the largest positive entry of x where ``mask``): the g <= 0 value check's share of a kernel that
-    reads raw log decays (NaN and -inf entries count as 0: they are in the domain)."""
-    return tl.maximum(top, tl.max(tl.max(tl.where(mask & (x > 0), x, 0.0), 1), 0))
-
-
-@triton.jit
 def _kda_row_at(G, i, r):
     """Row r of a (rows x cols) tile, as a cols vector."""
     return tl.sum(tl.where(i[:, None] == r, G, 0.0), 0)

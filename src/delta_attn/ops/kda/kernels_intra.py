@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_floor, _kda_gdiff, _kda_head_gate,
-                           _kda_load_decay, _kda_positive_max, _kda_rel, _kda_row_at, _kda_row_norms_sliced)
+                           _kda_load_decay, _kda_rel, _kda_row_at, _kda_row_norms_sliced)
 
 
 @triton.jit
@@ -107,13 +107,13 @@ def _kda_apply_ut(T, ch, gate, v, k, rk, U, W, K: tl.constexpr, V: tl.constexpr,
 
 @triton.jit
 def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
-                              W, U, QG, KD, AQK, GC, FLAGS, GTOP,
+                              W, U, QG, KD, AQK, GC, FLAGS,
                               scale, lower_bound, H, HV,
                               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr, KS: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
                               HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr, FACTOR_MAX: tl.constexpr,
                               DOT_PREC: tl.constexpr, EXACT: tl.constexpr, INV_PREC: tl.constexpr,
-                              TWO_FLOAT: tl.constexpr, OP: tl.constexpr, CHECK_G: tl.constexpr):
+                              TWO_FLOAT: tl.constexpr, OP: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     if EXACT:
@@ -164,7 +164,6 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         # 2f. factored products exp(G_i) exp(-G_j), valid when every |G| of the chunk is <= FACTOR_MAX;
         #     otherwise the chunk is flagged (what this launch wrote for it is overwritten by EXACT)
         bad = 0.0
-        top = 0.0
         qk = tl.zeros([BT], tl.float32)     # Aqk's diagonal, D_ii = 1: q_i . k_i in fp32, not the rounded factors
         for k0 in range(0, K, KS):
             cols = k0 + tl.arange(0, KS)
@@ -173,8 +172,6 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             ks = tl.load(k + ch.q_off + cols[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None]
             xs_, ds_, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
                                                TWO_FLOAT)
-            if CHECK_G:
-                top = _kda_positive_max(top, xs_, m)
             bad = tl.maximum(bad, tl.max(tl.max(tl.abs(G), 1), 0))
             eP = tl.exp(G)
             kn = ks * tl.exp(-G)
@@ -189,8 +186,6 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
             tl.store(GC + (c * HV + hv) * K + cols, tl.exp(G_last), mask=cols < K)
         fast = bad <= FACTOR_MAX
         tl.store(FLAGS + c * HV + hv, tl.where(fast, 0, 1).to(tl.int32))
-        if CHECK_G:
-            tl.store(GTOP + c * HV + hv, top)
         if not fast:
             return
         aqk = tl.where(ch.i[:, None] == ch.i[None, :], qk[:, None], aqk)
@@ -205,14 +200,13 @@ def _kda_infer_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
 
 @triton.jit
 def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
-                           W, U, QG, KD, AQK, GC, TM, FLAGS, GTOP,
+                           W, U, QG, KD, AQK, GC, TM, FLAGS,
                            scale, lower_bound, H, HV,
                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                            GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, FLOOR: tl.constexpr,
                            FACTOR_MAX: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-                           TWO_FLOAT: tl.constexpr, OP: tl.constexpr, ONLY_FLAGGED: tl.constexpr,
-                           CHECK_G: tl.constexpr):
+                           TWO_FLOAT: tl.constexpr, OP: tl.constexpr, ONLY_FLAGGED: tl.constexpr):
     NB: tl.constexpr = BT // BC
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
@@ -226,7 +220,6 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
     nq, rk = _kda_row_norms_sliced(q, k, ch.q_off, ch.mr, K, BT, BK, L2NORM)
     rq = nq * scale
     # 1. per K slice: decays, output operands, intra-chunk products
-    top = 0.0                                       # the g <= 0 check's share (CHECK_G)
     akk = tl.zeros([BT, BT], tl.float32)
     aqk = tl.zeros([BT, BT], tl.float32)
     qk = tl.zeros([BT], tl.float32)     # Aqk's diagonal, D_ii = 1: q_i . k_i in fp32, not the rounded factors
@@ -238,8 +231,6 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
         qk += tl.sum(qs * ks, 1)
         x_, d, G, Gl = _kda_chunk_decay(gate, ch.g_off + cols[None, :], hv, cols, m, K, GATE, HAS_DT_BIAS, FLOOR,
                                         TWO_FLOAT)     # chunk-local, <= 0, finite
-        if CHECK_G:
-            top = _kda_positive_max(top, x_, m)
         G_last = _kda_row_at(G, ch.i, ch.L - 1)
         tl.store(QG + ch.g_off + cols[None, :], (qs * tl.exp(G)).to(QG.dtype.element_ty), mask=m)
         tl.store(KD + ch.g_off + cols[None, :], (ks * tl.exp(-_kda_rel(G, Gl, ch.i, ch.L - 1, TWO_FLOAT)))
@@ -293,8 +284,6 @@ def _kda_train_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info,
                 # place block n at rows / columns n*BC ... n*BC + BC - 1 of the BT x BT matrices
                 akk += tl.reshape(tl.where(eye, dk4[:, :, None, :], 0.0), (BT, BT))
                 aqk += tl.reshape(tl.where(eye, dq4[:, :, None, :], 0.0), (BT, BT))
-    if CHECK_G:
-        tl.store(GTOP + c * HV + hv, top)
     # 2. UT transform by block forward substitution
     akk = tl.where(ch.i[:, None] > ch.i[None, :], ch.b[:, None] * akk, 0.0)
     aqk = tl.where(ch.i[:, None] > ch.i[None, :], aqk, tl.where(ch.i[:, None] == ch.i[None, :], qk[:, None], 0.0))

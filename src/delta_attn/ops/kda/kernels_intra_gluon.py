@@ -22,9 +22,6 @@ cumulative floored log decay per channel, Gm = G - G[BT / 2 - 1], b = beta, qs =
 4. U = T (b v) and W = T (b ks e^G): bf16 wgmmas with T a register operand, on the Triton kernel's bf16 operands
    (T, b v and b ks e^G each rounded once to bf16), stored bf16.
 
-With CHECK_G, GTOP[c, hv] gets the largest positive g the program read (0 when none): the g <= 0 value check's
-share (``_checks.decay_top_sink``).
-
 Every bf16 and tf32 operand is the Triton kernel's, rounded where it rounds it: the two kernels differ by the order
 of their fp32 sums (cumulative decays, row norms, products) and by the tf32 / bf16 roundings that order moves.
 
@@ -57,10 +54,10 @@ if gluon is not None:
         gl.store(ptr + (i[:, None] * row_stride + j[None, :]), x.to(ptr.dtype.element_ty), mask=mr[:, None])
 
     @gluon.jit
-    def _kda_train_intra_fused_kernel(q, k, v, g, beta, chunk_info, W, U, QG, KD, AQK, GC, TM, FLAGS, GTOP, scale, H,
+    def _kda_train_intra_fused_kernel(q, k, v, g, beta, chunk_info, W, U, QG, KD, AQK, GC, TM, FLAGS, scale, H,
                                       HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                                       BC: gl.constexpr, L2NORM: gl.constexpr, FLOOR: gl.constexpr,
-                                      FACTOR_MAX: gl.constexpr, NW: gl.constexpr, CHECK_G: gl.constexpr):
+                                      FACTOR_MAX: gl.constexpr, NW: gl.constexpr):
         gl.static_assert(BT == 64 and BC == 16 and BK == 32 and NW == 4, "a warpgroup, 64 tokens, 4 blocks of 16")
         gl.static_assert(K % BK == 0 and V % 64 == 0, "K, V: whole slices")
         NS: gl.constexpr = K // BK                  # K slices
@@ -148,11 +145,8 @@ if gluon is not None:
         aqk = gl.zeros([BT, BT], gl.float32, M64)
         qk = gl.zeros([BT], gl.float32, RV)         # Aqk's diagonal q_i . k_i (D_ii = 1) in fp32
         bad = gl.to_tensor(0)
-        top = gl.zeros([BK], gl.float32, gl.SliceLayout(0, CL))
         for s in range(NS):
             graw = g_s.index(s).load(CL)
-            if CHECK_G:                             # the value check's share: the largest positive g per channel
-                top = gl.maximum(top, gl.max(gl.where(graw > 0, graw, 0.0), 0))    # NaN, -inf count as 0
             G = _cum_decay(graw, mrC, CL, FLOOR)
             Gl = _row_at(G, iC, L - 1)
             Gr = _row_at(G, iC, BT // 2 - 1)
@@ -185,8 +179,6 @@ if gluon is not None:
             aqk = warpgroup_mma(faq_s.index(0), knT, aqk, is_async=True)
             akk, aqk = warpgroup_mma_wait(0, deps=[akk, aqk])
         gl.store(FLAGS + c * HV + hv, bad)
-        if CHECK_G:
-            gl.store(GTOP + c * HV + hv, gl.max(top, 0))
         gl.thread_barrier()                         # every warp is done with step 1's buffers (reused below)
 
         # 2. v by cp.async (for step 4); Akk = strict_lower(b_i Akk), Aqk = strict_lower(Aqk) + diag(qk), stored

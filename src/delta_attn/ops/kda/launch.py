@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._checks import decay_top_sink
 from ..._outputs import empty
 from ...backends import device_capability
 from .._gluon import KERNELS_TRITON, available as gluon_available, version as gluon_version
@@ -255,9 +254,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
              output_final_state, allow_tf32, train: bool, chunks: Optional[Callable[[int], Chunks]] = None,
              keep_operands: bool = False):
     """(o, final or None, Saved: training, or with ``keep_operands`` the intra-chunk operands alone); ``chunks``: the
-    chunk tables of a chunk length (default: built here from ``cu_seqlens``). Where the call's check of g's sign is
-    pending, the first intra-chunk launch reports the largest positive g of each program."""
-    report = decay_top_sink(g)
+    chunk tables of a chunk length (default: built here from ``cu_seqlens``)."""
     q, k, v, g, beta, initial_state, A_log, dt_bias = map(param, (q, k, v, g, beta, initial_state, A_log, dt_bias))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -275,7 +272,6 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
                  DOT_PREC=prec.dot, TWO_FLOAT=prec.two_float, **gate_kw)
-    gtop = empty((NC * HV,), torch.float32, q.device) if report is not None and NC > 0 else None   # check's share
     with compiled_together():        # the stages' kernels compile concurrently on first use
         # 1. intra-chunk stage (training: the Gluon kernel's factored products where it runs, then the Triton
         #    kernel on the pairs it flagged; else the Triton kernel on every pair)
@@ -284,24 +280,20 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
             if gluon_first:
                 launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
-                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, optional(gtop, q), float(scale), H, HV),
+                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, float(scale), H, HV),
                        dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
-                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS, CHECK_G=gtop is not None),
+                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS),
                        (INTRA_FUSED_TILES,))
-            launch(_kda_train_intra_kernel, lambda t: (NC, HV), common + out + (optional(flags, q), optional(gtop, q),
-                   float(scale), float(lower_bound or 0.0), H, HV), dict(fixed, BC=16, INV_PREC=prec.dot,
-                   OP=prec.intra_op, ONLY_FLAGGED=gluon_first, CHECK_G=gtop is not None and not gluon_first),
+            launch(_kda_train_intra_kernel, lambda t: (NC, HV),
+                   common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
+                   dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
                    train_intra_tiles(K, V))
         elif NC > 0:
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device)    # every entry written by launch 1
             for exact in (False, True):      # factored everywhere, then the flagged chunks redone exactly
                 launch(_kda_infer_intra_kernel, lambda t: (NC, HV),
-                       common + (W, U, QG, KD, AQK, GC, flags, optional(gtop, q), float(scale),
-                                 float(lower_bound or 0.0), H, HV),
-                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.intra_op,
-                            CHECK_G=gtop is not None and not exact), infer_intra_tiles(K, V, bt))
-        if gtop is not None:
-            report(gtop)
+                       common + (W, U, QG, KD, AQK, GC, flags, float(scale), float(lower_bound or 0.0), H, HV),
+                       dict(fixed, EXACT=exact, INV_PREC=prec.dot, OP=prec.intra_op), infer_intra_tiles(K, V, bt))
         # 2. state scan and output
         o = empty((B, T, HV, V), v.dtype, q.device)
         final = empty((N, HV, K, V), torch.float32, q.device) if output_final_state else None
@@ -400,9 +392,7 @@ def _train_decays(g, beta, gluon: bool):
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32. The kernel reports
-    the largest positive g of each program to the call's pending check of g's sign (``decay_top_sink``)."""
-    report = decay_top_sink(g)
+    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32."""
     q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
                                        param(beta, torch.float32), param(initial_state, torch.float32))
     B, T, H, K = q.shape
@@ -412,15 +402,12 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
     final = empty((N, HV, K, K), torch.float32, q.device) if output_final_state else None
     if N > 0:
         cu = index(cu_seqlens) if cu_seqlens is not None else None
-        gtop = empty((N * HV,), torch.float32, q.device) if report is not None else None
         _kda_fused_fwd_kernel[(HV, N)](
-            q, k, v, g, beta, o, optional(cu, q), optional(initial_state, g), optional(final, g), optional(gtop, g),
+            q, k, v, g, beta, o, optional(cu, q), optional(initial_state, g), optional(final, g),
             T, H, HV, HV // H, float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX,
             L2NORM=bool(use_qk_l2norm), VARLEN=cu is not None, HAS_H0=initial_state is not None,
             STORE_FINAL=final is not None, TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0,
-            CHECK_G=gtop is not None, num_warps=FUSED_WARPS)
-        if gtop is not None:
-            report(gtop)
+            num_warps=FUSED_WARPS)
     return o, final
 
 
