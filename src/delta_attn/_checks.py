@@ -222,10 +222,10 @@ class PendingChecks:
 
     def finish(self) -> None:
         """Each deferred check's verdict (each raises on a bad value): the host read :meth:`start` enqueued, or
-        the value :func:`decay_top_sink` reported (a check not started reduces g now)."""
+        the value :func:`decay_top_sink` reported."""
+        self.start()                    # no-op for the checks already started or settled
         for d in self.decays:
-            top = d.top if d.top is not None else _start_host_read(d.g.amax())
-            _decay_verdict(d.name, d.g, d.hint, top if isinstance(top, float) else top())
+            _decay_verdict(d.name, d.g, d.hint, d.top if isinstance(d.top, float) else d.top())
 
 
 @dataclasses.dataclass

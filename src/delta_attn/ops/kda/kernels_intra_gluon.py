@@ -14,8 +14,7 @@ cumulative floored log decay per channel, Gm = G - G[BT / 2 - 1], b = beta, qs =
    GC = e^G_last; the bf16 factors ks e^Gm, qs e^Gm, ks e^-Gm to shared memory and Akk += (ks e^Gm)(ks e^-Gm)^T,
    Aqk += (qs e^Gm)(ks e^-Gm)^T (bf16 wgmmas, fp32 accumulators); ks e^G (bf16) kept for W;
 2. Akk = strict_lower(b_i Akk) and Aqk = strict_lower(Aqk) + diag(qs_i . ks_i) (the diagonal summed in fp32 in
-   step 1, as the Triton kernel forms it: from the bf16 factors it was off by up to thousands of bf16 ulps on
-   nearly orthogonal q, k), AQK stored; v comes by cp.async meanwhile;
+   step 1, as the Triton kernel forms it, not from the bf16 factors), AQK stored; v comes by cp.async meanwhile;
 3. T = (I + Akk)^-1 as the Triton kernel's ``_kda_block_tri_inverse``: the four 16x16 diagonal blocks inverted
    exactly in fp32 by forward substitution (FMAs, one warp per block), then X = Dinv - M X three times with
    M = Dinv N (N the blocks below the diagonal; tf32 wgmmas on K-major operands); T stored (TM, fp32);
