@@ -100,9 +100,9 @@ def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, fp32_gb, planted=slice
 
 
 def spy_check_order(monkeypatch):
-    """The order in which a call enqueues its work: ("reduce", numel) for every ``Tensor.amax``, ("kernel", name)
-    for every Triton / Gluon launch through ``_launch._run`` and ("kernel", "fused_forward") for the fused forward
-    (launched directly). The g <= 0 check's reduction of g must come before the call's first kernel."""
+    """The order in which a call enqueues its work: ("reduce", numel, stream) for every ``Tensor.amax`` (the
+    current CUDA stream then, None on the CPU), ("kernel", name) for every Triton / Gluon launch through
+    ``_launch._run`` and ("kernel", "fused_forward") for the fused forward (launched directly). The g <= 0 check's reduction of g must come before the call's first kernel."""
     from delta_attn.ops import _launch
     from delta_attn.ops.kda import launch
     events = []
@@ -116,15 +116,25 @@ def spy_check_order(monkeypatch):
         events.append(("kernel", "fused_forward"))
         return real_fused(*args, **kw)
 
+    def amax(self, *a, **kw):
+        stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        events.append(("reduce", self.numel(), stream))
+        return real_amax(self, *a, **kw)
+
     monkeypatch.setattr(_launch, "_run", run)
     monkeypatch.setattr(launch, "fused_forward", fused)
-    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: events.append(("reduce", self.numel()))
-                        or real_amax(self, *a, **kw))
+    monkeypatch.setattr(torch.Tensor, "amax", amax)
     return events
 
 
 def reduced_before_kernels(events, g) -> bool:
     """g reduced once by the check, before the first kernel (a NaN in g adds a second pass after it)."""
     kernels = [i for i, e in enumerate(events) if e[0] == "kernel"]
-    reductions = [i for i, e in enumerate(events) if e == ("reduce", g.numel())]
+    reductions = [i for i, e in enumerate(events) if e[:2] == ("reduce", g.numel())]
     return bool(kernels) and bool(reductions) and reductions[0] < kernels[0]
+
+
+def reduced_beside_kernels(events, g) -> bool:
+    """The check's reduction of g ran on a stream other than the caller's, so the kernels did not wait for it."""
+    streams = [e[2] for e in events if e[:2] == ("reduce", g.numel())]
+    return bool(streams) and streams[0] is not None and streams[0] != torch.cuda.current_stream(g.device)

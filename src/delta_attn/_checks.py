@@ -184,9 +184,10 @@ class PendingChecks:
     tensors, so a call that raises has modified nothing it was given). :func:`log_decay` defers its check of a log
     decay here. Then, in order: inside :meth:`routing`, a range read made while choosing the backend may settle a
     check with g's maximum already on the host (:func:`decay_top_sink`); :meth:`start` enqueues every other check's
-    reduction and its copy to the host, before the call's kernels; :meth:`finish`, after them, waits for those
-    copies alone and raises on a bad value. The host so waits for one reduction while the kernels stay queued (its
-    next work overlaps them), where a read after the kernels waits for the kernels too."""
+    reduction and its copy to the host on a side stream (:func:`_start_host_read`), before the call's kernels;
+    :meth:`finish`, after them, waits for those copies alone and raises on a bad value. The kernels do not wait for
+    the reduction (it runs beside them) and the host waits for the reduction alone, so its next work overlaps the
+    kernels; a read after the kernels would wait for the kernels too."""
 
     def __init__(self):
         self.decays: List[_DecayCheck] = []
@@ -210,7 +211,11 @@ class PendingChecks:
         with self.routing():
             impl = route()
         self.start()
-        out = impl(args)
+        try:
+            out = impl(args)
+        except BaseException:
+            self.settle()               # the side stream's reads of g end before the caller may free g
+            raise
         self.finish()
         return out
 
@@ -218,7 +223,7 @@ class PendingChecks:
         """Each unsettled check's reduction and host copy, enqueued now (before the call's kernels)."""
         for d in self.decays:
             if d.top is None:
-                d.top = _start_host_read(d.g.amax())
+                d.top = _start_host_read(torch.Tensor.amax, d.g)
 
     def finish(self) -> None:
         """Each deferred check's verdict (each raises on a bad value): the host read :meth:`start` enqueued, or
@@ -226,6 +231,12 @@ class PendingChecks:
         self.start()                    # no-op for the checks already started or settled
         for d in self.decays:
             _decay_verdict(d.name, d.g, d.hint, d.top if isinstance(d.top, float) else d.top())
+
+    def settle(self) -> None:
+        """Waits for every started reduction, with no verdict (for a call that failed otherwise)."""
+        for d in self.decays:
+            if callable(d.top):
+                d.top()
 
 
 @dataclasses.dataclass
@@ -251,17 +262,34 @@ def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[float], None]]:
     return None
 
 
-def _start_host_read(x: torch.Tensor) -> Callable[[], float]:
-    """A function returning x.item(); on CUDA the copy to pinned memory and an event are enqueued now, and the
-    function waits for that event alone (not for work enqueued after it)."""
+def _start_host_read(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], float]:
+    """A function returning ``reduce(x).item()``. On CUDA the reduction and its copy to pinned memory run on a
+    high-priority side stream that first waits for the work enqueued so far on the current one (x's producers);
+    work enqueued after it on the current stream does not wait for it, and the function waits for the copy's event
+    alone. The caller keeps x alive until it has called the function."""
     if x.device.type != "cuda":
-        value = x.item()
+        value = reduce(x).item()
         return lambda: value
-    host = torch.empty((), dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    read = torch.cuda.Event()
-    read.record()
+    side = _side_stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        top = reduce(x)
+        host = torch.empty((), dtype=top.dtype, pin_memory=True)
+        host.copy_(top, non_blocking=True)
+        read = torch.cuda.Event()
+        read.record(side)
     return lambda: (read.synchronize(), host.item())[1]
+
+
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The device's stream for the value checks' reductions; high priority, so that its blocks are scheduled ahead
+    of the kernels' as SMs free up and the host's wait stays short."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return _SIDE_STREAMS[device]
 
 
 def log_decay(name: str, g: torch.Tensor, hint: str = "", pending: Optional[PendingChecks] = None) -> None:

@@ -131,7 +131,7 @@ def test_nearly_orthogonal_qk(T, along, fused_runs):
 @pytest.mark.parametrize("op", ["kda", "diag"])
 @pytest.mark.parametrize("nan", [False, True])
 def test_positive_decay_raises_after_the_launch(op, nan, fused_runs, monkeypatch):
-    """The g <= 0 check's reduction of g is enqueued before the kernels and read after them
+    """The g <= 0 check's reduction of g is enqueued before the kernels, on a side stream, and read after them
     (``_checks.PendingChecks``): a positive entry still raises from the call (a NaN elsewhere does not hide it), the
     initial state given is untouched, and a valid call afterwards runs."""
     import delta_attn as da
@@ -153,5 +153,7 @@ def test_positive_decay_raises_after_the_launch(op, nan, fused_runs, monkeypatch
     assert torch.equal(h0, before)
     if op == "kda":
         assert fused_runs and C.reduced_before_kernels(events, g), events
+        if g.is_cuda:                               # (the emulator has no streams)
+            assert C.reduced_beside_kernels(events, g), events
     o, _ = fn(g.clamp(max=0.0))
     assert torch.isfinite(o).all() if not nan else torch.isfinite(o[1:]).all()

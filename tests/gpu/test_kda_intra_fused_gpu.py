@@ -191,3 +191,5 @@ def test_positive_decay_reduced_before_the_kernels(nan, monkeypatch, intra_runs)
         da.kda(q, k, v, g, beta, cu_seqlens=cu_t, use_qk_l2norm=True, backend="triton")
     assert ("_kda_train_intra_fused_kernel", False) in [(n, f) for n, f, _, _ in intra_runs]
     assert C.reduced_before_kernels(events, g), events
+    if g.is_cuda:                               # (the emulator has no streams)
+        assert C.reduced_beside_kernels(events, g), events

@@ -151,3 +151,22 @@ def test_triton_kda_reduces_g_before_its_kernels(grad, nan, monkeypatch):
     assert C.reduced_before_kernels(events, g), events
     o, _ = da.kda(q, k, v, g.clamp(max=0.0), beta, backend="triton")
     assert torch.isfinite(o[1]).all()
+
+
+def test_a_call_failing_after_the_reduction_raises_its_own_error(monkeypatch):
+    """A call whose implementation fails after the check's reduction was started raises that failure (not the
+    check's verdict, even for a positive g), having waited for the reduction (``PendingChecks.settle``)."""
+    settled, real_settle = [], _checks.PendingChecks.settle
+    monkeypatch.setattr(_checks.PendingChecks, "settle",
+                        lambda self: settled.append([callable(d.top) for d in self.decays]) or real_settle(self))
+    pending = _checks.PendingChecks()
+    _checks.log_decay("g", torch.full((3,), 0.5), pending=pending)
+
+    def fail(args):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        pending.run(lambda: fail, None)
+    assert settled == [[True]]
+    with pytest.raises(ValueError, match="^g is a log decay.*0.5"):     # the verdict was read by nobody
+        pending.finish()
