@@ -100,8 +100,8 @@ def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, fp32_gb, planted=slice
 
 
 def spy_check_order(monkeypatch):
-    """The order in which a call enqueues its work: ("reduce", numel, stream) for every ``Tensor.amax`` (the
-    current CUDA stream then, None on the CPU), ("kernel", name) for every Triton / Gluon launch through
+    """The order in which a call enqueues its work: ("reduce", numel, stream, requires_grad) for every
+    ``Tensor.amax`` (the current CUDA stream then, None on the CPU), ("kernel", name) for every Triton / Gluon launch through
     ``_launch._run`` and ("kernel", "fused_forward") for the fused forward (launched directly). The g <= 0 check's reduction of g must come before the call's first kernel."""
     from delta_attn.ops import _launch
     from delta_attn.ops.kda import launch
@@ -118,7 +118,7 @@ def spy_check_order(monkeypatch):
 
     def amax(self, *a, **kw):
         stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
-        events.append(("reduce", self.numel(), stream))
+        events.append(("reduce", self.numel(), stream, self.requires_grad))
         return real_amax(self, *a, **kw)
 
     monkeypatch.setattr(_launch, "_run", run)

@@ -268,12 +268,12 @@ def _start_host_read(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
     work enqueued after it on the current stream does not wait for it, and the function waits for the copy's event
     alone. The caller keeps x alive until it has called the function."""
     if x.device.type != "cuda":
-        value = reduce(x).item()
+        value = reduce(x.detach()).item()
         return lambda: value
     side = _side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        top = reduce(x)
+        top = reduce(x.detach())    # no autograd node on this stream (x's AccumulateGrad would run on it)
         host = torch.empty((), dtype=top.dtype, pin_memory=True)
         host.copy_(top, non_blocking=True)
         read = torch.cuda.Event()

@@ -170,3 +170,15 @@ def test_a_call_failing_after_the_reduction_raises_its_own_error(monkeypatch):
     assert settled == [[True]]
     with pytest.raises(ValueError, match="^g is a log decay.*0.5"):     # the verdict was read by nobody
         pending.finish()
+
+
+def test_the_reduction_of_g_records_no_autograd_node(monkeypatch):
+    """The check reduces a detached g: with g requiring grad, no autograd node (and no AccumulateGrad for g) is made
+    on the check's side stream, where g's gradient would then be accumulated."""
+    import kda_gluon_cases as C
+    events = C.spy_check_order(monkeypatch)
+    g = (-torch.rand(B, T, H, D)).requires_grad_(True)
+    o, _ = _kda(g)
+    o.sum().backward()
+    assert [e for e in events if e[:2] == ("reduce", g.numel())] == [("reduce", g.numel(), None, False)], events
+    assert g.grad is not None and torch.isfinite(g.grad).all()
