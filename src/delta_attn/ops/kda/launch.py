@@ -392,8 +392,10 @@ def _train_decays(g, beta, gluon: bool):
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32."""
-    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
+    """The fused Gluon inference forward: (o, final_state or None); g read in its dtype (float32, or bfloat16 like
+    q: the kernel widens it exactly, with no cast pass over g), beta in float32."""
+    g_dtype = g.dtype if g.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, g_dtype),
                                        param(beta, torch.float32), param(initial_state, torch.float32))
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -407,7 +409,7 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
             T, H, HV, HV // H, float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX,
             L2NORM=bool(use_qk_l2norm), VARLEN=cu is not None, HAS_H0=initial_state is not None,
             STORE_FINAL=final is not None, TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0,
-            num_warps=FUSED_WARPS)
+            GBITS=8 * g.element_size(), num_warps=FUSED_WARPS)
     return o, final
 
 
