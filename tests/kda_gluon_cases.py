@@ -75,7 +75,7 @@ def gluon_runs(unsupported: str) -> bool:
 
 WHOLE = [
     # the whole-gradient cases, KDACase fields that vary: B, T, cu, H, HV, l2, decay kind, g and beta in float32
-    # (else bf16, which the training pass widens for its Gluon kernels)
+    # (else bf16, which the Gluon kernels read as given and widen on chip)
     (2, 300, None, 2, 2, True, "long", True),
     (2, 300, None, 2, 2, False, "strong", True),
     (1, 333, (0, 100, 237, 333), 1, 2, True, "long", True),
@@ -101,8 +101,9 @@ def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, fp32_gb, planted=slice
 
 def spy_check_order(monkeypatch):
     """The order in which a call enqueues its work: ("reduce", numel, stream, requires_grad) for every
-    ``Tensor.amax`` (the current CUDA stream then, None on the CPU), ("kernel", name) for every Triton / Gluon launch through
-    ``_launch._run`` and ("kernel", "fused_forward") for the fused forward (launched directly). The g <= 0 check's reduction of g must come before the call's first kernel."""
+    ``Tensor.amax`` (the current CUDA stream then, None on the CPU), ("kernel", name) for every Triton / Gluon
+    launch through ``_launch._run`` and ("kernel", "fused_forward") for the fused forward (launched directly). The
+    g <= 0 check's reduction of g must come before the call's first kernel."""
     from delta_attn.ops import _launch
     from delta_attn.ops.kda import launch
     events = []

@@ -206,15 +206,15 @@ if gluon is not None:
         # layouts: BL the [BT, K] decay-work tiles (a warp holds all BT tokens of K / W channels: the cumulative
         # sum over tokens stays in the warp); SL the two halves S^T[:, :K/2], S^T[:, K/2:] (wgmma accumulators
         # [V, K/2]: a half at a time goes to bf16 for the A operand, which keeps the register peak down); PL the
-        # [V, BT] products; M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies (CG: GV values
-        # of g's dtype each); CL a thread per channel with all BT tokens
+        # [V, BT] products; M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies (CG: GVEC
+        # values of g's dtype each); CL a thread per channel with all BT tokens
         BL: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [1, W], [1, 0])
         SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, KH, 16])
         PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
         M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
         CP: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-        GV: gl.constexpr = 128 // GBITS                 # g values per 16-byte copy (GBITS: 32, or 16 for a bf16 g)
-        CG: gl.constexpr = gl.BlockedLayout([1, GV], [32 * GV // K, K // GV], [W, 1], [1, 0])
+        GVEC: gl.constexpr = 128 // GBITS               # g values per 16-byte copy (GBITS: 32, or 16 for a bf16 g)
+        CG: gl.constexpr = gl.BlockedLayout([1, GVEC], [32 * GVEC // K, K // GVEC], [W, 1], [1, 0])
         CB: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
         CL: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, W], [0, 1])
         PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)      # register A operand of the [V, *] x [*, BT] wgmmas
