@@ -184,7 +184,7 @@ class PendingChecks:
     tensors, so a call that raises has modified nothing it was given). :func:`log_decay` defers its check of a log
     decay here. Then, in order: inside :meth:`routing`, a range read made while choosing the backend may settle a
     check with g's maximum already on the host (:func:`decay_top_sink`); :meth:`start` enqueues every other check's
-    reduction and its copy to the host on a side stream (:func:`_start_host_read`), before the call's kernels;
+    reduction and its copy to the host on a side stream (:func:`_start_max_read`), before the call's kernels;
     :meth:`finish`, after them, waits for those copies alone and raises on a bad value. The kernels do not wait for
     the reduction (it runs beside them) and the host waits for the reduction alone, so its next work overlaps the
     kernels; a read after the kernels would wait for the kernels too."""
@@ -223,7 +223,7 @@ class PendingChecks:
         """Each unsettled check's reduction and host copy, enqueued now (before the call's kernels)."""
         for d in self.decays:
             if d.top is None:
-                d.top = _start_host_read(torch.Tensor.amax, d.g)
+                d.top = _start_max_read(d.g)
 
     def finish(self) -> None:
         """Each deferred check's verdict (each raises on a bad value): the host read :meth:`start` enqueued, or
@@ -262,18 +262,18 @@ def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[float], None]]:
     return None
 
 
-def _start_host_read(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], float]:
-    """A function returning ``reduce(x).item()``. On CUDA the reduction and its copy to pinned memory run on a
+def _start_max_read(x: torch.Tensor) -> Callable[[], float]:
+    """A function returning ``x.amax().item()``. On CUDA the reduction and its copy to pinned memory run on a
     high-priority side stream that first waits for the work enqueued so far on the current one (x's producers);
     work enqueued after it on the current stream does not wait for it, and the function waits for the copy's event
     alone. The caller keeps x alive until it has called the function."""
     if x.device.type != "cuda":
-        value = reduce(x.detach()).item()
+        value = x.detach().amax().item()
         return lambda: value
     side = _side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        top = reduce(x.detach())    # no autograd node on this stream (x's AccumulateGrad would run on it)
+        top = x.detach().amax()     # no autograd node on this stream (x's AccumulateGrad would run on it)
         host = torch.empty((), dtype=top.dtype, pin_memory=True)
         host.copy_(top, non_blocking=True)
         read = torch.cuda.Event()
