@@ -75,7 +75,7 @@ def gluon_runs(unsupported: str) -> bool:
 
 WHOLE = [
     # the whole-gradient cases, KDACase fields that vary: B, T, cu, H, HV, l2, decay kind, g and beta in float32
-    # (else bf16, which the training pass widens for its Gluon kernels)
+    # (else bf16, which the Gluon kernels read as given and widen on chip)
     (2, 300, None, 2, 2, True, "long", True),
     (2, 300, None, 2, 2, False, "strong", True),
     (1, 333, (0, 100, 237, 333), 1, 2, True, "long", True),

@@ -2,7 +2,7 @@
 specialisation: registers, spill, shared memory. Needs Triton 3.6 (the Gluon API the kernels are written for; e.g.
 in a separate virtual environment with `pip install triton==3.6.0`), which bundles the ptxas it runs.
 
-python benchmarks/experiments/gluon_offline_compile.py [--g fp32[,bf16]]  (bf16: kernels that read a 16-bit g)
+python benchmarks/experiments/gluon_offline_compile.py [--g fp32,bf16]
 """
 import argparse
 import os
@@ -25,7 +25,6 @@ def ptxas_report(kernel, pointers, constexprs, warps):
     """(shared bytes, ptxas's register / spill lines) of one specialisation; every pointer 16-byte aligned, as the
     launcher specialises them."""
     names = kernel.arg_names
-    constexprs = {n: v for n, v in constexprs.items() if n in names}     # GBITS: only kernels that read 16-bit g
     sig = {n: ("constexpr" if n in constexprs else "fp32" if n == "scale" else
                "i32" if n in ("T", "H", "HQ", "HV", "GROUP") else pointers.get(n, "*fp32")) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
@@ -44,7 +43,7 @@ def ptxas_report(kernel, pointers, constexprs, warps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--g", default="fp32", help="g's (and the training kernels' beta's) dtypes")
+    ap.add_argument("--g", default="fp32,bf16", help="g's (and the training kernels' beta's) dtypes")
     args = ap.parse_args()
     bf16 = {n: "*bf16" for n in ("q", "k", "v", "o", "DO", "DV", "DQO", "DKO", "HS", "DH", "QG", "KD", "W")}
     ints = {n: "*i32" for n in ("cu", "chunk_info", "FLAGS")}

@@ -176,3 +176,37 @@ def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, fa
     assert STAGE2_KERNEL not in factored_runs.launched, "stage 2 runs in the Gluon domain"
     if decay == "pair":
         assert any(int(o["FLAGS"].sum()) > 0 for n, _, o in factored_runs if n == "_kda_bwd_intra_fused_kernel")
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_bf16_g_and_beta_read_as_given(l2, monkeypatch):
+    """bf16 g and beta reach the Gluon training kernels (intra-chunk forward and backward) as given, widened on chip:
+    o and every gradient equal, bit for bit, those of the same call with g and beta widened to float32 first (dg and
+    dbeta rounded to bf16 as the bf16 call returns them); a chunk past FACTOR_MAX (redone by Triton) included."""
+    import delta_attn as da
+    from delta_attn.ops import _launch
+    seen, real = [], _launch._run
+
+    def spy(p):
+        if C.kernel_name(p.kernel) in ("_kda_train_intra_fused_kernel", "_kda_bwd_intra_fused_kernel"):
+            args = dict(zip(p.kernel.arg_names, p.args))
+            seen.append((C.kernel_name(p.kernel), args["g"].dtype, args["beta"].dtype))
+        return real(p)
+
+    monkeypatch.setattr(_launch, "_run", spy)
+    q, k, v, g, beta, do, _, cu_t = _inputs(1, 300, 2, 2, "pair", (0, 100, 300), l2)
+    g16, b16 = g.bfloat16(), beta.bfloat16()
+
+    def run(gg, bb):
+        xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, gg, bb)]
+        o, _ = da.kda(*xs, cu_seqlens=cu_t, use_qk_l2norm=l2, backend="triton")
+        o.backward(do)
+        return [o] + [x.grad for x in xs]
+
+    got, ref = run(g16, b16), run(g16.float(), b16.float())
+    assert seen == [("_kda_train_intra_fused_kernel", torch.bfloat16, torch.bfloat16),
+                    ("_kda_bwd_intra_fused_kernel", torch.bfloat16, torch.bfloat16),
+                    ("_kda_train_intra_fused_kernel", torch.float32, torch.float32),
+                    ("_kda_bwd_intra_fused_kernel", torch.float32, torch.float32)], seen
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref):
+        assert torch.equal(a, b.to(a.dtype)), name

@@ -68,3 +68,8 @@ def test_backward_against_triton(B, T, H, HV, decay, cu, l2, cpu):
 @pytest.mark.parametrize("B,T,cu,H,HV,l2,decay,fp32_gb", C.WHOLE)
 def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, cpu):
     BWD.test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, BWD.spy_factored(cpu))
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_bf16_g_and_beta_read_as_given(l2, cpu):
+    BWD.test_bf16_g_and_beta_read_as_given(l2, cpu)

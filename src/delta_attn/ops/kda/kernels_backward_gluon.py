@@ -1,8 +1,8 @@
 """Factored intra-chunk backward of KDA training (Gluon, Hopper sm_90), with the per-chunk gradients of the scan's
 operands folded in: ``kernels_backward._kda_bwd_chunk_grads_kernel`` followed by the ``EXACT=False`` launch of
-``kernels_backward._kda_bwd_intra_kernel``, for bf16 q, k, v, fp32 g (raw log decays, no gate parameters) and beta,
-K = V = 128, 64-token chunks. It reads the chunk-start states S and the chunk-end state gradients dS (bf16 [K, V]
-per chunk and value head), u (v_new), dO and du itself and forms dqg = dO S^T, dkd = u dS^T, dW = -du S^T,
+``kernels_backward._kda_bwd_intra_kernel``, for bf16 q, k, v, fp32 or bf16 g (raw log decays, no gate parameters)
+and beta, K = V = 128, 64-token chunks. It reads the chunk-start states S and the chunk-end state gradients dS
+(bf16 [K, V] per chunk and value head), u (v_new), dO and du itself and forms dqg = dO S^T, dkd = u dS^T, dW = -du S^T,
 dAqk = dO u^T and dgc = sum_v S dS on chip. Same outputs and flags as the two Triton launches: a (chunk, value head)
 with a 16-channel group whose |G - G_mid| exceeds FACTOR_MAX (or is NaN throughout) is flagged, and the Triton
 EXACT launch redoes it from DQG, DKD, DW, DAQK, DGC, which this kernel writes (fp32, the layout of
@@ -154,7 +154,7 @@ if gluon is not None:
                                     DQ, DK, DQO, DKO, DV, DB, DG, FLAGS, scale, H, HV,
                                     K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                                     BV: gl.constexpr, L2NORM: gl.constexpr, FLOOR: gl.constexpr,
-                                    FACTOR_MAX: gl.constexpr, W: gl.constexpr):
+                                    FACTOR_MAX: gl.constexpr, W: gl.constexpr, GBITS: gl.constexpr):
         gl.static_assert(BK % W == 0 and BK // W <= 32 and K % BK == 0 and V % BV == 0, "K, V: whole slices")
         NV: gl.constexpr = V // BV      # V slices of the state tiles and of dO, u, du
         c, hv, h, row0, L = _chunk_program(chunk_info, H, HV)
@@ -194,7 +194,8 @@ if gluon is not None:
         LC: gl.constexpr = BK // W                  # lanes per warp along the channels
         LT: gl.constexpr = 32 // LC                 # lanes per warp along the tokens
         CL: gl.constexpr = gl.BlockedLayout([BT // LT, 1], [LT, LC], [1, W], [0, 1])
-        CF: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BK, BK // 4], [W, 1], [1, 0])    # 16-byte cp.async
+        GVEC: gl.constexpr = 128 // GBITS           # g values per 16-byte cp.async (GBITS: 32, or 16 for a bf16 g)
+        CF: gl.constexpr = gl.BlockedLayout([1, GVEC], [32 * GVEC // BK, BK // GVEC], [W, 1], [1, 0])
         CH: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [W, 1], [1, 0])
         CB: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])    # bf16 rows of BV
         RA: gl.constexpr = gl.SliceLayout(1, MA)
@@ -210,6 +211,8 @@ if gluon is not None:
         # bf16) and state rows S, dS (bf16 by V slices); dAqk bf16
         F32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         FK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(4 * BK, 128), element_bitwidth=32, rank=2)
+        GK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(GBITS // 8 * BK, 128), element_bitwidth=GBITS,
+                                                rank=2)               # g's K slices (FK for a float32 g)
         HK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * BK, 128), element_bitwidth=16, rank=2)
         HB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * BV, 128), element_bitwidth=16, rank=2)
         H64: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -246,7 +249,7 @@ if gluon is not None:
 
         # the raw tiles of a K slice (g, k, the S rows; step 4 adds q and the dS rows) come by cp.async one slice
         # ahead: step 2's first slice is in flight while step 1 runs
-        rg_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        rg_s = gl.allocate_shared_memory(g.dtype.element_ty, [1, BT, BK], GK)
         rk_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
         rs_s = gl.allocate_shared_memory(gl.bfloat16, [NV, BK, BV], HB)
         _fetch(rg_s.index(0), g, HV * K, L, BT, BK, CF)
@@ -317,7 +320,7 @@ if gluon is not None:
             dw = zeroh
             for vh in gl.static_range(NV):
                 dw = warpgroup_mma(duh_s.index(z + vh), rs_s.index(z + vh).permute((1, 0)), dw, is_async=True)
-            d = rg.load(MA)
+            d = rg.load(MA).to(gl.float32)
             kr = rkb.load(MA).to(gl.float32)
             gl.thread_barrier()                     # every thread has read g, k: the next slice's may come
             if k0 + BK < K:
@@ -377,7 +380,7 @@ if gluon is not None:
         #    wgmma still reads)
         rq_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
         rd_s = gl.allocate_shared_memory(gl.bfloat16, [NV, BK, BV], HB)
-        rg_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
+        rg_s = gl.allocate_shared_memory(g.dtype.element_ty, [1, BT, BK], GK)
         rk_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BK], HK)
         rs_s = gl.allocate_shared_memory(gl.bfloat16, [NV, BK, BV], HB)
         _fetch(rg_s.index(0), g, HV * K, L, BT, BK, CF)          # step 4's first slice, while step 3 runs
@@ -439,7 +442,7 @@ if gluon is not None:
             async_copy.wait_group(0)
             fence_async_shared()                    # the S, dS rows are read by the wgmmas
             gl.thread_barrier()
-            d = rg.load(MA)
+            d = rg.load(MA).to(gl.float32)
             qs = rqb.load(MA).to(gl.float32) * rq[:, None]
             ks = rkb.load(MA).to(gl.float32) * rk[:, None]
             gl.thread_barrier()                     # every thread has read them: the next slice's may come

@@ -1,15 +1,15 @@
 """Intra-chunk stage of KDA training (Gluon, Hopper sm_90): the fast path of ``kernels_intra._kda_train_intra_kernel``
-for bf16 q, k, v, fp32 g (raw log decays, no gate parameters) and beta, K = V = 128, 64-token chunks. Same inputs and
-outputs (W, U, QG, KD, AQK, GC, TM), and FLAGS[c, hv] written for every pair: 1 when one of the chunk's 32-channel
-K slices fails the Triton kernel's factored range test ``max |G - G_mid| <= FACTOR_MAX`` (the same NaN-ignoring
-maximum: a slice fails when a channel exceeds FACTOR_MAX or every entry is NaN), else 0. The Triton kernel's
-``ONLY_FLAGGED`` launch then redoes the flagged pairs (what this kernel wrote for them is overwritten).
+for bf16 q, k, v, fp32 or bf16 g (raw log decays, no gate parameters) and beta, K = V = 128, 64-token chunks.
+Same inputs and outputs (W, U, QG, KD, AQK, GC, TM), and FLAGS[c, hv] written for every pair: 1 when one of the
+chunk's 32-channel K slices fails the Triton kernel's factored range test ``max |G - G_mid| <= FACTOR_MAX`` (the
+same NaN-ignoring maximum: a slice fails when a channel exceeds FACTOR_MAX or every entry is NaN), else 0. The
+Triton kernel's ``ONLY_FLAGGED`` launch then redoes the flagged pairs (what this kernel wrote for them is overwritten).
 
 One warpgroup per (chunk, value head); every product is a wgmma with M = the chunk's 64 tokens. Steps (G = the
 cumulative floored log decay per channel, Gm = G - G[BT / 2 - 1], b = beta, qs = scale q / |q|, ks = k / |k|):
 
-0. cp.async of the chunk's q, k (bf16) and g (fp32), by K slices of 32, into shared memory (rows past the chunk's
-   end zero-filled); the row norms of q and k from there;
+0. cp.async of the chunk's q, k (bf16) and g (as given; widened to fp32 when read), by K slices of 32, into shared
+   memory (rows past the chunk's end zero-filled); the row norms of q and k from there;
 1. per K slice: G (a channel's 64 tokens in one warp: ``CL``), the range test, QG = qs e^G, KD = ks e^(G_last - G),
    GC = e^G_last; the bf16 factors ks e^Gm, qs e^Gm, ks e^-Gm to shared memory and Akk += (ks e^Gm)(ks e^-Gm)^T,
    Aqk += (qs e^Gm)(ks e^-Gm)^T (bf16 wgmmas, fp32 accumulators); ks e^G (bf16) kept for W;
@@ -56,7 +56,7 @@ if gluon is not None:
     def _kda_train_intra_fused_kernel(q, k, v, g, beta, chunk_info, W, U, QG, KD, AQK, GC, TM, FLAGS, scale, H,
                                       HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                                       BC: gl.constexpr, L2NORM: gl.constexpr, FLOOR: gl.constexpr,
-                                      FACTOR_MAX: gl.constexpr, NW: gl.constexpr):
+                                      FACTOR_MAX: gl.constexpr, NW: gl.constexpr, GBITS: gl.constexpr):
         gl.static_assert(BT == 64 and BC == 16 and BK == 32 and NW == 4, "a warpgroup, 64 tokens, 4 blocks of 16")
         gl.static_assert(K % BK == 0 and V % 64 == 0, "K, V: whole slices")
         NS: gl.constexpr = K // BK                  # K slices
@@ -87,7 +87,8 @@ if gluon is not None:
         MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
         MK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BK, 16])
         L3: gl.constexpr = gl.BlockedLayout([1, BC, 2], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
-        CPF: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        GVEC: gl.constexpr = 128 // GBITS           # g values per 16-byte copy (GBITS: 32, or 16 for a bf16 g)
+        CPF: gl.constexpr = gl.BlockedLayout([1, GVEC], [32 * GVEC // BK, BK // GVEC], [NW, 1], [1, 0])
         CPV: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         # shared memory: the raw slices (q, k: wgmma-style swizzle, conflict-free 16-byte reads; g: swizzled so that
         # CL's four token groups read four different banks); the factors (bf16 wgmma operands)
@@ -100,7 +101,7 @@ if gluon is not None:
         # 0. the raw slices by cp.async (q and k first: the row norms wait for them only)
         q_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BT, BK], HK)
         k_s = gl.allocate_shared_memory(gl.bfloat16, [NS, BT, BK], HK)
-        g_s = gl.allocate_shared_memory(gl.float32, [NS, BT, BK], GSW)
+        g_s = gl.allocate_shared_memory(g.dtype.element_ty, [NS, BT, BK], GSW)
         for s in gl.static_range(NS):
             _fetch(q_s.index(s), q + s * BK, H * K, L, BT, BK, VL)
             _fetch(k_s.index(s), k + s * BK, H * K, L, BT, BK, VL)
@@ -112,7 +113,7 @@ if gluon is not None:
         iV = gl.arange(0, BT, layout=RV)
         jV = gl.arange(0, BK, layout=gl.SliceLayout(0, VL))
         mrV = iV < L
-        bV = gl.load(beta + iV * HV, mask=mrV, other=0.0)
+        bV = gl.load(beta + iV * HV, mask=mrV, other=0.0).to(gl.float32)
         if L2NORM:
             async_copy.wait_group(1)
             gl.thread_barrier()
@@ -145,7 +146,7 @@ if gluon is not None:
         qk = gl.zeros([BT], gl.float32, RV)         # Aqk's diagonal q_i . k_i (D_ii = 1) in fp32
         bad = gl.to_tensor(0)
         for s in range(NS):
-            graw = g_s.index(s).load(CL)
+            graw = g_s.index(s).load(CL).to(gl.float32)
             G = _cum_decay(graw, mrC, CL, FLOOR)
             Gl = _row_at(G, iC, L - 1)
             Gr = _row_at(G, iC, BT // 2 - 1)
@@ -191,7 +192,7 @@ if gluon is not None:
         i64 = gl.arange(0, BT, layout=R64)
         j64 = gl.arange(0, BT, layout=C64)
         mr64 = i64 < L
-        bR = gl.load(beta + i64 * HV, mask=mr64, other=0.0)
+        bR = gl.load(beta + i64 * HV, mask=mr64, other=0.0).to(gl.float32)
         akk = gl.where(i64[:, None] > j64[None, :], bR[:, None] * akk, 0.0)
         qk64 = gl.convert_layout(qk, R64)[:, None]
         aqk = gl.where(i64[:, None] > j64[None, :], aqk, gl.where(i64[:, None] == j64[None, :], qk64, 0.0))
@@ -247,7 +248,7 @@ if gluon is not None:
         #    copies: no barrier between)
         Tb = gl.convert_layout(T.to(gl.bfloat16), gl.DotOperandLayout(0, MV, 2))
         async_copy.wait_group(0)
-        bP = gl.load(beta + iP * HV, mask=iP < L, other=0.0)[:, None]
+        bP = gl.load(beta + iP * HV, mask=iP < L, other=0.0).to(gl.float32)[:, None]
         for s in gl.static_range(V // 64):
             v_s.index(s).store((bP * v_s.index(s).load(CPV).to(gl.float32)).to(gl.bfloat16))
         fence_async_shared()                        # b v visible to the wgmmas

@@ -267,7 +267,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
     gluon_first = NC > 0 and train and _train_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec,
                                                                       compile_device(q.device)) is None
-    g, beta = _train_decays(g, beta, gluon_first)
+    if gluon_first:
+        g, beta = _gluon_float(g), _gluon_float(beta)
     gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
     common = (q, k, v, g, beta) + gate_ptrs + (ch.chunk_t,)
     fixed = dict(K=K, V=V, BT=bt, L2NORM=use_qk_l2norm, FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX,
@@ -282,7 +283,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
                 launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
                        (q, k, v, g, beta, ch.chunk_t) + out + (flags, float(scale), H, HV),
                        dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
-                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS),
+                            FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS,
+                            GBITS=8 * g.element_size()),
                        (INTRA_FUSED_TILES,))
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
                    common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
@@ -365,8 +367,8 @@ def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
 def _train_gluon_unsupported(kernel, q, v, A_log, dt_bias, lower_bound, prec: Precision,
                              device: torch.device) -> Optional[str]:
     """Why a Gluon kernel of the training pipeline does not run this call: :func:`_gluon_unsupported`, then the
-    training kernels' own conditions (no gate parameters, one-float decays; they read g and beta in float32, which
-    :func:`_train_decays` makes them). ``device``: the device the call runs on (or, compiled ahead on meta tensors,
+    training kernels' own conditions (no gate parameters, one-float decays; they read g and beta as
+    :func:`_gluon_float` gives them). ``device``: the device the call runs on (or, compiled ahead on meta tensors,
     compiles for: ``_launch.compile_device``)."""
     why = _gluon_unsupported(kernel, q, v, device)
     if why is not None:
@@ -385,15 +387,16 @@ _bwd_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kda_
 _train_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kda_train_intra_fused_kernel)
 
 
-def _train_decays(g, beta, gluon: bool):
-    """g and beta as a training pass reads them: float32 (an exact widening of bf16 / fp16) where its Gluon kernels
-    run (``gluon``), which read float32; else as given."""
-    return (g.float(), beta.float()) if gluon else (g, beta)
+def _gluon_float(t):
+    """A float tensor as the Gluon kernels read it: as given in float32, bfloat16 or float16 (they widen 16-bit values
+    to float32 on chip, exactly, with no cast pass), else cast to float32."""
+    return t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32."""
-    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
+    """The fused Gluon inference forward: (o, final_state or None); g read in its dtype (:func:`_gluon_float`),
+    beta in float32."""
+    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(_gluon_float(g)),
                                        param(beta, torch.float32), param(initial_state, torch.float32))
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -407,7 +410,7 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
             T, H, HV, HV // H, float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX,
             L2NORM=bool(use_qk_l2norm), VARLEN=cu is not None, HAS_H0=initial_state is not None,
             STORE_FINAL=final is not None, TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0,
-            num_warps=FUSED_WARPS)
+            GBITS=8 * g.element_size(), num_warps=FUSED_WARPS)
     return o, final
 
 
@@ -476,7 +479,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     g_dtype, beta_dtype = g.dtype, beta.dtype
     gluon_first = NC > 0 and _bwd_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec,
                                                           compile_device(dev)) is None
-    g, beta = _train_decays(g, beta, gluon_first)
+    if gluon_first:
+        g, beta = _gluon_float(g), _gluon_float(beta)
     DU = torch.empty(R, HV, V, dtype=f32, device=dev)
     DH = torch.empty(HS.shape, dtype=prec.work, device=dev)
     DQG = torch.empty(R, HV, K, dtype=f32, device=dev)
@@ -521,7 +525,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                            (q, k, v, g, beta, ch.chunk_t, TM, DU, HS, DH, VNEW, do.to(prec.work), DQG, DKD, DW, DAQK,
                             DGC, dq_h, dk_h, dq_o, dk_o, dv, db, dg, flags, float(scale), H, HV),
                            dict(K=K, V=V, BT=bt, BK=FUSED_BWD_BK, BV=FUSED_BWD_BV, L2NORM=bool(use_qk_l2norm),
-                                FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, W=FUSED_BWD_WARPS),
+                                FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, W=FUSED_BWD_WARPS,
+                                GBITS=8 * g.element_size()),
                            (BWD_INTRA_FUSED_TILES,))
                     continue
                 launch(_kda_bwd_intra_kernel, lambda t: (NC, HV),
