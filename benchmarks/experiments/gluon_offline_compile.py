@@ -51,10 +51,14 @@ def main():
     for gty in args.g.split(","):
         bits = 16 if gty in ("bf16", "fp16") else 32
         for l2 in (True, False):
+            # the fused forward reads g in float32 (launch.fused_forward widens a 16-bit one); the training
+            # kernels read g and beta in their dtype
             rows = [
-                ("fused forward", kernels_fused._kda_fused_fwd_kernel, dict(g=f"*{gty}", beta="*fp32"),
+                ("fused forward", kernels_fused._kda_fused_fwd_kernel, dict(g="*fp32", beta="*fp32"),
                  dict(common, BT=launch.FUSED_CHUNK, W=launch.FUSED_WARPS, L2NORM=l2, VARLEN=False, HAS_H0=False,
-                      STORE_FINAL=False, TAIL=False, GBITS=bits), launch.FUSED_WARPS),
+                      STORE_FINAL=False, TAIL=False), launch.FUSED_WARPS),
+            ] if bits == 32 else []
+            rows += [
                 ("training intra", kernels_intra_gluon._kda_train_intra_fused_kernel,
                  dict(g=f"*{gty}", beta=f"*{gty}"),
                  dict(common, V=128, BT=launch.TRAIN_CHUNK, BK=launch.FUSED_INTRA_BK, BC=launch.FUSED_INTRA_BC,

@@ -83,36 +83,6 @@ def test_exact_chunks_between_factored_ones(T, cu, fused_runs):
     assert fused_runs
 
 
-@pytest.mark.parametrize("cu", [None, (0, 37, 37, 300)])
-def test_g_read_in_its_dtype(cu, fused_runs, monkeypatch):
-    """A bf16 g (q's dtype) reaches the kernel as given, widened on chip: o and the final state equal, bit for bit,
-    those of the same call with g widened to float32 first (chunks that go token by token included, and a partial
-    last chunk)."""
-    import delta_attn as da
-    from delta_attn.ops.kda import launch
-    g_dtypes, kernel = [], launch._kda_fused_fwd_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (g_dtypes.append(a[3].dtype), kernel[grid](*a, **kw))[1]
-
-    monkeypatch.setattr(launch, "_kda_fused_fwd_kernel", Spy())
-    B, T = (2, 150) if cu is None else (1, cu[-1])
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    q, k, v = (torch.randn(B, T, 2, 128, device=DEV, generator=gen).bfloat16() for _ in range(3))
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, 4, 128, device=DEV, generator=gen) + 3).bfloat16()
-    g[:, 20, 1, :64] = -80.0
-    v = torch.randn(B, T, 4, 128, device=DEV, generator=gen).bfloat16()
-    beta = torch.rand(B, T, 4, device=DEV, generator=gen)
-    h0 = torch.randn(B if cu is None else len(cu) - 1, 4, 128, 128, device=DEV, generator=gen)
-    cu_t = None if cu is None else torch.tensor(cu, device=DEV, dtype=torch.int32)
-    run = lambda gg: da.kda(q, k, v, gg, beta, initial_state=h0, output_final_state=True,  # noqa: E731
-                            use_qk_l2norm=True, cu_seqlens=cu_t, backend="triton")
-    (o16, s16), (o32, s32) = run(g), run(g.float())
-    assert len(fused_runs) == 2 and g_dtypes == [torch.bfloat16, torch.float32]
-    assert torch.equal(o16, o32) and torch.equal(s16, s32)
-
-
 @pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("cosine", ["0.5", "0.85", "0.99"])
 def test_correlated_keys(path, cosine, fused_runs, monkeypatch):

@@ -33,11 +33,6 @@ def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
     FUSED.test_exact_chunks_between_factored_ones(T, cu, FUSED.spy_fused(cpu))
 
 
-@pytest.mark.parametrize("cu", [None, (0, 37, 37, 300)])
-def test_fused_forward_reads_g_in_its_dtype(cu, cpu):
-    FUSED.test_g_read_in_its_dtype(cu, FUSED.spy_fused(cpu), cpu)
-
-
 @pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("cosine", ["0.5", "0.85", "0.99"])
 def test_inference_forward_with_correlated_keys(path, cosine, cpu):

@@ -22,8 +22,7 @@ leave the state as it was) and is then redone exactly, token by token from the r
 (:func:`_exact_chunk`), its o rows overwriting the ones step 4 wrote.
 
 Scope (``launch.fused_forward_unsupported`` says what is outside it): bf16 q, k, v, K = V = 128, log decays g
-(no gate parameters) read in their dtype (fp32, or bf16 like q: widened to fp32 on chip, exactly), dense or packed
-sequences of any length, GVA, initial and final states.
+(no gate parameters), dense or packed sequences of any length, GVA, initial and final states.
 """
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ if gluon is not None:
     @gluon.jit
     def _issue_chunk(q, k, v, g, beta, q_s, k_s, v_s, g_s, b_s, row, eos, HQ, HV, hq, h, K: gl.constexpr,
                      BT: gl.constexpr, CP: gl.constexpr, CG: gl.constexpr, CB: gl.constexpr, TAIL: gl.constexpr):
-        """cp.async of one chunk's raw q, k, v (bf16), g (as given) [BT, K] and beta [BT] into one stage of the ring;
+        """cp.async of one chunk's raw q, k, v (bf16), g (fp32) [BT, K] and beta [BT] into one stage of the ring;
         rows at or past the sequence end ``eos`` are zero-filled (a zero row adds nothing: beta 0, decay 1)."""
         r = row + gl.arange(0, BT, layout=gl.SliceLayout(1, CP))
         c = gl.arange(0, K, layout=gl.SliceLayout(0, CP))
@@ -89,13 +88,13 @@ if gluon is not None:
         Returns 1 when the chunk is redone exactly (its factors zeroed: T = I, e^Gl = 1), else 0."""
         # 0. the chunk's decay from in-thread column sums (a thread per channel); the factored form holds while
         #    every channel's summed |g| is within FACTOR_MAX (a NaN fails the test)
-        gcol = gr.load(CL).to(gl.float32)
+        gcol = gr.load(CL)
         exact = gl.max(gl.where(gl.sum(gl.abs(gcol), 0) <= FACTOR_MAX, 0, 1), 0)
         fast = exact == 0
         gl_s.store(gl.where(fast, _ex2(gl.sum(gcol, 0) * 1.4426950408889634), 1.0))
         qc = qr.load(BL).to(gl.float32)
         kc = kr.load(BL).to(gl.float32)
-        gc = gl.where(fast, gr.load(BL).to(gl.float32) * 1.4426950408889634, 0.0)     # decays in powers of two
+        gc = gl.where(fast, gr.load(BL) * 1.4426950408889634, 0.0)     # the decays in powers of two
         bc = br.load(gl.SliceLayout(1, BL))
         # 1. L2 norm of q and k, scale into q (both zero when the chunk is redone exactly)
         if L2NORM:
@@ -191,7 +190,7 @@ if gluon is not None:
     def _kda_fused_fwd_kernel(q, k, v, g, beta, o, cu, h0, ht, T, HQ, HV, GROUP, scale, K: gl.constexpr,
                               BT: gl.constexpr, W: gl.constexpr, FACTOR_MAX: gl.constexpr, L2NORM: gl.constexpr,
                               VARLEN: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
-                              TAIL: gl.constexpr, GBITS: gl.constexpr):
+                              TAIL: gl.constexpr):
         h = gl.program_id(0)
         hq = h // GROUP
         n = gl.program_id(1).to(gl.int64)
@@ -206,15 +205,14 @@ if gluon is not None:
         # layouts: BL the [BT, K] decay-work tiles (a warp holds all BT tokens of K / W channels: the cumulative
         # sum over tokens stays in the warp); SL the two halves S^T[:, :K/2], S^T[:, K/2:] (wgmma accumulators
         # [V, K/2]: a half at a time goes to bf16 for the A operand, which keeps the register peak down); PL the
-        # [V, BT] products; M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies (CG: GVEC
-        # values of g's dtype each); CL a thread per channel with all BT tokens
+        # [V, BT] products; M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies; CL a
+        # thread per channel with all BT tokens
         BL: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [1, W], [1, 0])
         SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, KH, 16])
         PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
         M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
         CP: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-        GVEC: gl.constexpr = 128 // GBITS               # g values per 16-byte copy (GBITS: 32, or 16 for a bf16 g)
-        CG: gl.constexpr = gl.BlockedLayout([1, GVEC], [32 * GVEC // K, K // GVEC], [W, 1], [1, 0])
+        CG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         CB: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
         CL: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, W], [0, 1])
         PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)      # register A operand of the [V, *] x [*, BT] wgmmas
@@ -223,13 +221,13 @@ if gluon is not None:
         # operands [BT, K], B operands of the wgmmas read transposed and by halves of K, and the bf16 operands of
         # Akk / Aqk; the [BT, BT] B operands; exp(Gl)); o, written transposed from o^T
         KSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        GSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=GBITS, rank=2)
+        GSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
         VSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         qr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
         kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
         vr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        gr_s = gl.allocate_shared_memory(g.dtype.element_ty, [2, BT, K], GSH)
+        gr_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], GSH)
         br_s = gl.allocate_shared_memory(gl.float32, [2, BT], VSH)
         kb_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # -(beta e^G k)
         qg_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # q e^G

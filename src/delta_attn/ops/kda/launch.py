@@ -394,9 +394,8 @@ def _gluon_float(t):
 
 
 def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-    """The fused Gluon inference forward: (o, final_state or None); g read in its dtype (:func:`_gluon_float`),
-    beta in float32."""
-    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(_gluon_float(g)),
+    """The fused Gluon inference forward: (o, final_state or None); g in float32, beta in float32."""
+    q, k, v, g, beta, initial_state = (param(q), param(k), param(v), param(g, torch.float32),
                                        param(beta, torch.float32), param(initial_state, torch.float32))
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -410,7 +409,7 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
             T, H, HV, HV // H, float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX,
             L2NORM=bool(use_qk_l2norm), VARLEN=cu is not None, HAS_H0=initial_state is not None,
             STORE_FINAL=final is not None, TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0,
-            GBITS=8 * g.element_size(), num_warps=FUSED_WARPS)
+            num_warps=FUSED_WARPS)
     return o, final
 
 
