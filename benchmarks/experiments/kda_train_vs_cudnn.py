@@ -3,15 +3,19 @@ native KDA (the form its backward takes: q, k pre-normalised, fp32 g and beta, T
 timed call) in one process: bf16, H 16, K = V = 128, long-memory (logsigmoid(N(4, 1))) and strong (logsigmoid(N(0, 1)))
 decays; ``triton.testing.do_bench`` medians. Prints | B x T | decays | ours ms | cuDNN-FE ms | cuDNN / ours |.
 
-python benchmarks/experiments/kda_train_vs_cudnn.py [CHECKOUT] [--shapes 8x4096,64x1024] [--profile]
+python benchmarks/experiments/kda_train_vs_cudnn.py [CHECKOUT] [--shapes 8x4096,64x1024] [--profile] [--unchecked]
 CHECKOUT: a checkout whose ``src`` is imported instead of the installed delta-attn; ``--profile``: each kernel's GPU
-time per step of ours (torch.profiler, 10 steps, long decays) instead of the timings."""
+time per step of ours (torch.profiler, 10 steps, long decays) instead of the timings; ``--unchecked``: a second row
+per shape and regime, ours without the g <= 0 value check (DELTA_ATTN_SKIP_VALUE_CHECKS=1), against the same
+cuDNN-FE time."""
 import argparse
+import os
 import sys
 ap = argparse.ArgumentParser()
 ap.add_argument("checkout", nargs="?")
 ap.add_argument("--shapes", default="8x4096,64x1024,16x2048,2x16384,1x32768,1x131072")
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--unchecked", action="store_true")
 args = ap.parse_args()
 if args.checkout:
     sys.path.insert(0, args.checkout + "/src")
@@ -71,4 +75,9 @@ for B, T in [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]:
     for regime, mean in (("long", 4.0), ("strong", 0.0)):
         t_o, t_c = times(B, T, mean)
         print(f"| {B} x {T} | {regime} | {t_o:.3f} | {t_c:.3f} | {t_c / t_o:.2f} |", flush=True)
+        if args.unchecked:
+            os.environ["DELTA_ATTN_SKIP_VALUE_CHECKS"] = "1"
+            t_u = times(B, T, mean)[0]
+            os.environ["DELTA_ATTN_SKIP_VALUE_CHECKS"] = ""
+            print(f"| {B} x {T} | {regime}, unchecked | {t_u:.3f} | {t_c:.3f} | {t_c / t_u:.2f} |", flush=True)
         torch.cuda.empty_cache()
