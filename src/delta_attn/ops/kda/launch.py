@@ -388,8 +388,8 @@ _train_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kd
 
 
 def _gluon_float(t):
-    """A float tensor as the Gluon kernels read it: as given in float32, bfloat16 or float16 (they widen 16-bit values
-    to float32 on chip, exactly, with no cast pass), else cast to float32."""
+    """g or beta as the Gluon training kernels read it: as given in float32, bfloat16 or float16 (they widen 16-bit
+    values to float32 on chip, exactly, with no cast pass), else cast to float32."""
     return t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()
 
 
