@@ -55,3 +55,18 @@ def test_a_runner_row_is_a_bench_row_and_its_json_is_complete():
     assert list(rec) == ["record"] + _keys(BenchRow) and rec["record"] == "row" and rec["ms"] == row.ms
     assert rec["case"] == {"B": 1, "S": 9, "H": 2, "D": 4}
     assert rec["kernels"] is None and rec["kernels_note"]          # the resource report says why there are none
+
+
+def test_the_kda_table_says_what_each_cudnn_row_and_ours_include():
+    """With the native cuDNN-FE row in a KDA table, the report explains the adapter rows against it and what our
+    own rows run that it does not (inputs as drawn, the widening of g in the forward, the g <= 0 check)."""
+    from delta_attn.bench import report
+    base = dict(suite="kernels", op="kda", status="ok", label="B=8 S=4096", dtype="bf16", direction="fwd",
+                ms=1.0, ms_p20=0.9, ms_p80=1.1, tokens_per_s=1e9, peak_mem_mb=1.0)
+    rows = [dict(base, provider="delta-attn", impl="delta-attn triton"),
+            dict(base, provider="cudnn", impl=impls.CUDNN_KDA_NATIVE, ms=0.5)]
+    text = report.rows_section(rows, h200=False)
+    assert "0.50x" in text
+    assert "The native row is the peer to beat" in text
+    assert "widens g to float32" in text and "g <= 0 check" in text
+    assert "g <= 0 check" not in report.rows_section(rows[:1], h200=False)
