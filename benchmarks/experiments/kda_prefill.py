@@ -66,14 +66,16 @@ def ours_fn(q, k, v, g, beta):
 
 
 def _stats():
-    """Registers, spills and shared memory of the inference intra-chunk kernel compiled last."""
-    try:
-        caches = launch._kda_infer_intra_kernel.device_caches
-        cache = next(iter(caches.values()))[0]
-        k = list(cache.values())[-1]
-        return dict(regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
-    except Exception as e:  # noqa: BLE001
-        return repr(e)[:80]
+    """Registers, spills and shared memory of the forward kernel compiled last: the fused one, else the split
+    intra-chunk one ("-" where neither has compiled in this process)."""
+    for name in ("_kda_fused_fwd_kernel", "_kda_infer_intra_kernel"):
+        try:
+            cache = next(iter(getattr(launch, name).device_caches.values()))[0]
+            k = list(cache.values())[-1]
+        except (AttributeError, StopIteration, IndexError, TypeError):
+            continue
+        return dict(kernel=name, regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
+    return "-"
 
 
 def main():

@@ -5,7 +5,8 @@ decays; ``triton.testing.do_bench`` medians. Prints | B x T | decays | ours ms |
 
 python benchmarks/experiments/kda_train_vs_cudnn.py [CHECKOUT] [--shapes 8x4096,64x1024] [--profile] [--unchecked]
 CHECKOUT: a checkout whose ``src`` is imported instead of the installed delta-attn; ``--profile``: each kernel's GPU
-time per step of ours (torch.profiler, 10 steps, long decays) instead of the timings; ``--unchecked``: a second row
+time per step (torch.profiler, 10 steps) instead of the timings: ours (long decays; its kernels do not depend on them)
+and cuDNN-FE's with each regime; ``--unchecked``: a second row
 per shape and regime, ours without the g <= 0 value check (DELTA_ATTN_SKIP_VALUE_CHECKS=1), against the same
 cuDNN-FE time."""
 import argparse
@@ -26,9 +27,9 @@ from cudnn.linear_attention import kimi_delta_attention  # noqa: E402
 H, D = 16, 128
 
 
-def times(B: int, T: int, mean: float, profile: bool = False, peer: bool = True):
-    """(ours ms, cuDNN-FE ms or None without ``peer``) of one forward+backward; with ``profile`` the per-kernel table
-    of ours instead."""
+def times(B: int, T: int, mean: float, profile: str = "", peer: bool = True):
+    """(ours ms, cuDNN-FE ms or None without ``peer``) of one forward+backward; with ``profile`` ("ours" or "peer")
+    that implementation's per-kernel table instead."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def r(*shape):
@@ -56,13 +57,14 @@ def times(B: int, T: int, mean: float, profile: bool = False, peer: bool = True)
         torch.autograd.grad(o, (qt, kt, vt, gt, bt), dot)
 
     if profile:
-        from torch.profiler import ProfilerActivity, profile
-        ours()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        from torch.profiler import ProfilerActivity
+        step = ours if profile == "ours" else cudnn
+        step()
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                ours()
+                step()
             torch.cuda.synchronize()
-        print(f"## {B} x {T}: GPU time of 10 steps")
+        print(f"## {profile} {B} x {T} (g ~ logsigmoid(N({mean:g}, 1))): GPU time of 10 steps")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
         return None
     return (triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median"),
@@ -71,7 +73,9 @@ def times(B: int, T: int, mean: float, profile: bool = False, peer: bool = True)
 
 for B, T in [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]:
     if args.profile:
-        times(B, T, 4.0, profile=True)
+        times(B, T, 4.0, profile="ours")
+        times(B, T, 4.0, profile="peer")
+        times(B, T, 0.0, profile="peer")
         continue
     for regime, mean in (("long", 4.0), ("strong", 0.0)):
         t_o, t_c = times(B, T, mean)
