@@ -1,4 +1,5 @@
-"""Compile the shipped Gluon KDA kernels for sm_90a without a GPU and print what ptxas reports for each
+"""Compile the shipped Gluon KDA kernels (the fused forward, the training intra-chunk forward and backward, the two
+training scans) for sm_90a without a GPU and print what ptxas reports for each
 specialisation: registers, spill, shared memory. Needs Triton 3.6 (the Gluon API the kernels are written for; e.g.
 in a separate virtual environment with `pip install triton==3.6.0`), which bundles the ptxas it runs.
 
@@ -17,7 +18,7 @@ import triton.backends.nvidia as nvidia  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from delta_attn.ops.kda import kernels_backward_gluon, kernels_fused, kernels_intra_gluon  # noqa: E402
+from delta_attn.ops.kda import kernels_backward_gluon, kernels_fused, kernels_intra_gluon, kernels_scan_gluon  # noqa: E402,E501
 from delta_attn.ops.kda import launch  # noqa: E402
 
 
@@ -45,8 +46,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--g", default="fp32,bf16", help="g's (and the training kernels' beta's) dtypes")
     args = ap.parse_args()
-    bf16 = {n: "*bf16" for n in ("q", "k", "v", "o", "DO", "DV", "DQO", "DKO", "HS", "DH", "QG", "KD", "W")}
-    ints = {n: "*i32" for n in ("cu", "chunk_info", "FLAGS")}
+    bf16 = {n: "*bf16" for n in ("q", "k", "v", "o", "DO", "DV", "DQO", "DKO", "HS", "DH", "QG", "KD", "W", "U",
+                                 "AQK", "O", "VNEW", "DU")}
+    ints = {n: "*i32" for n in ("cu", "chunk_info", "FLAGS", "seq_info")}
     common = dict(K=128, FACTOR_MAX=launch.FACTOR_MAX)
     for gty in args.g.split(","):
         bits = 16 if gty in ("bf16", "fp16") else 32
@@ -73,6 +75,16 @@ def main():
             for name, kernel, ptrs, cx, warps in rows:
                 shared, report = ptxas_report(kernel, {**bf16, **ints, **ptrs}, cx, warps)
                 print(f"{name:18} g {gty} l2 {l2!s:5} shared {shared / 1024:6.1f} KB | {report}", flush=True)
+    # the training scans read neither g nor q, k: one specialisation per operand ring depth
+    scan = dict(K=128, V=128, BT=launch.TRAIN_CHUNK, BV=64, NW=launch.FUSED_SCAN_WARPS)
+    for st in (1, 2):
+        for name, kernel, cx in (
+                ("forward scan", kernels_scan_gluon._kda_fwd_scan_fused_kernel,
+                 dict(scan, USE_H0=False, STORE_FINAL=False, STORE_H=True, STAGES=st)),
+                ("reverse scan", kernels_scan_gluon._kda_bwd_scan_fused_kernel,
+                 dict(scan, USE_DHT=False, STORE_DH0=False, STAGES=st))):
+            shared, report = ptxas_report(kernel, {**bf16, **ints}, cx, launch.FUSED_SCAN_WARPS)
+            print(f"{name:18} stages {st}        shared {shared / 1024:6.1f} KB | {report}", flush=True)
 
 
 if __name__ == "__main__":
