@@ -18,6 +18,12 @@ results; Triton's type promotion (a scalar tensor promotes a block like any tens
 Layouts are not modelled: a sequential program cannot show a race inside one barrier interval, so the hazards
 above are the ordering rules the kernels follow, checked conservatively.
 
+Warp specialisation (``gl.warp_specialize``): each partition runs in its own thread with its own cp.async groups and
+wgmmas, one partition at a time, switching only where one waits on an mbarrier whose phase has not completed (a
+deterministic interleaving); every partition blocked is a deadlock (a :class:`GluonHazard`). mbarriers count
+arrivals and complete phases as the hardware does (a fresh barrier's wait on parity 1 passes). A store over shared
+memory that any partition's outstanding wgmma reads is a hazard.
+
 Usage: ``with emulated_gluon(): ...`` runs every Gluon launch made inside on the emulator (CPU tensors).
 """
 from __future__ import annotations
@@ -215,13 +221,21 @@ def store(ptr, value, mask=None, **_):
 
 
 class _Machine:
-    """The program's asynchronous state: cp.async groups and outstanding asynchronous wgmmas."""
+    """The program's (or a partition's) asynchronous state: cp.async groups and outstanding asynchronous wgmmas;
+    the shared-memory allocations (shared by a program's partitions), the machines of its partitions."""
 
-    def __init__(self):
+    def __init__(self, allocs=None, partitions=None):
         self.open_group: List[tuple] = []
         self.groups: List[List[tuple]] = []
         self.wgmmas: List["AsyncAcc"] = []
-        self.allocs: List["Smem"] = []
+        self.allocs: List["Smem"] = [] if allocs is None else allocs
+        self.partitions: List["_Machine"] = [self] if partitions is None else partitions
+
+    def check_end(self, what: str):
+        if self.groups or self.open_group:
+            raise GluonHazard(f"{what} ended with cp.async groups not waited for")
+        if self.wgmmas:
+            raise GluonHazard(f"{what} ended with asynchronous wgmmas not waited for")
 
 
 _M: Optional[_Machine] = None
@@ -288,7 +302,7 @@ class Smem:
         if (self.read & ((self.read_by != access) | (access == 0))).any():
             raise GluonHazard(f"{what}: shared memory overwritten after other threads read it, no thread_barrier "
                               f"between")
-        for w in _M.wgmmas:
+        for w in [w for m in _M.partitions for w in m.wgmmas]:
             for r in w.reads:
                 if _overlaps(r, self):
                     raise GluonHazard(f"{what}: shared memory overwritten while an asynchronous wgmma reads it")
@@ -697,7 +711,7 @@ gl_emu = types.SimpleNamespace(
     permute=lambda x, dims: _wrap(_plain(x).permute(*[int(d) for d in dims])),
     cdiv=lambda a, b: (a + b - 1) // b,
     to_tensor=_t, static_range=_static_range, static_assert=_static_assert,
-    inline_asm_elementwise=inline_asm_elementwise,
+    inline_asm_elementwise=inline_asm_elementwise, warp_specialize=lambda *a, **k: warp_specialize(*a, **k),
 )
 
 async_copy_emu = types.SimpleNamespace(async_copy_global_to_shared=async_copy_global_to_shared,
@@ -705,6 +719,162 @@ async_copy_emu = types.SimpleNamespace(async_copy_global_to_shared=async_copy_gl
 
 _HOPPER = {"warpgroup_mma": warpgroup_mma, "warpgroup_mma_wait": warpgroup_mma_wait,
            "fence_async_shared": fence_async_shared, "mma_v2": mma_v2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mbarriers and warp specialisation
+
+
+class _MBarrier:
+    def __init__(self, count: int):
+        self.count, self.pending, self.completed = count, count, 0
+
+
+_MBARRIERS: dict = {}
+
+
+def _mbar(bar: Smem) -> _MBarrier:
+    key = (bar.data.untyped_storage().data_ptr(), bar.data.storage_offset())
+    if key not in _MBARRIERS:
+        raise GluonHazard("mbarrier used before mbarrier.init")
+    return _MBARRIERS[key]
+
+
+def mbarrier_init(bar: Smem, count):
+    _MBARRIERS[(bar.data.untyped_storage().data_ptr(), bar.data.storage_offset())] = _MBarrier(int(count))
+
+
+def mbarrier_arrive(bar: Smem, *, count=1, pred=True):
+    if not bool(pred):
+        return
+    b = _mbar(bar)
+    b.pending -= int(count)
+    if b.pending < 0:
+        raise GluonHazard("mbarrier: more arrivals than its count")
+    if b.pending == 0:
+        b.completed += 1
+        b.pending = b.count
+
+
+def mbarrier_wait(bar: Smem, phase, pred=True, deps=()):
+    """Returns once the phase of parity ``phase`` has completed (the current phase's parity differs from it)."""
+    b = _mbar(bar)
+    parity = int(phase) & 1
+    if _SCHED is None:
+        if b.completed % 2 == parity:
+            raise GluonHazard("mbarrier.wait on a phase that never completes (no other partition)")
+        return
+    _SCHED.block_until(lambda: b.completed % 2 != parity)
+
+
+class _Scheduler:
+    """Runs a program's partitions one at a time in threads; a partition gives way only while it waits on an
+    mbarrier (then the next runnable partition in order runs)."""
+
+    def __init__(self, n: int):
+        import threading
+        self.cv = threading.Condition()
+        self.turn = 0
+        self.done = [False] * n
+        self.waiting = [None] * n     # the predicate a blocked partition waits for
+        self.machines: List[_Machine] = []
+        self.error = None
+
+    def _next(self, me: int):
+        n = len(self.done)
+        for step in range(1, n + 1):
+            j = (me + step) % n
+            if not self.done[j] and (self.waiting[j] is None or self.waiting[j]()):
+                return j
+        return None
+
+    def block_until(self, ready):
+        global _M
+        me = self.turn
+        with self.cv:
+            while not ready():
+                self.waiting[me] = ready
+                nxt = self._next(me)
+                if nxt is None or nxt == me and not ready():
+                    self.error = GluonHazard("mbarrier deadlock: every partition waits")
+                    self.turn = -1
+                    self.cv.notify_all()
+                    raise self.error
+                self.turn = nxt
+                self.cv.notify_all()
+                while self.turn != me:
+                    if self.error is not None:
+                        raise self.error
+                    self.cv.wait()
+                _M = self.machines[me]
+            self.waiting[me] = None
+
+    def run(self, me: int, fn, args):
+        global _M
+        with self.cv:
+            while self.turn != me:
+                if self.error is not None:
+                    return
+                self.cv.wait()
+            _M = self.machines[me]
+        try:
+            fn(*args)
+            _M.check_end(f"partition {me}")
+        except BaseException as e:  # noqa: BLE001 - the first error of any partition is the program's
+            with self.cv:
+                if self.error is None:
+                    self.error = e
+                self.turn = -1
+                self.cv.notify_all()
+            return
+        with self.cv:
+            self.done[me] = True
+            self.waiting[me] = None
+            nxt = self._next(me)
+            if nxt is not None:
+                self.turn = nxt
+            elif not all(self.done):
+                self.error = GluonHazard("mbarrier deadlock: every partition left waits")
+                self.turn = -1
+            self.cv.notify_all()
+
+
+_SCHED: Optional[_Scheduler] = None
+
+
+def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
+    """The default partition and the workers, interleaved at their mbarrier waits (see the module's docstring)."""
+    global _M, _SCHED
+    import threading
+    if _SCHED is not None:
+        raise GluonHazard("warp_specialize inside a partition")
+    if len(worker_num_warps) != len(functions_and_args) - 1 or len(worker_num_regs) != len(worker_num_warps):
+        raise GluonHazard("warp_specialize: one warp count and one register count per worker partition")
+    parent = _M
+    if parent.groups or parent.open_group or parent.wgmmas:
+        raise GluonHazard("warp_specialize with cp.async groups or wgmmas of the parent outstanding")
+    sched = _Scheduler(len(functions_and_args))
+    partitions: List[_Machine] = []
+    sched.machines = [_Machine(parent.allocs, partitions) for _ in functions_and_args]
+    partitions.extend(sched.machines)
+    _SCHED = sched
+    threads = [threading.Thread(target=sched.run, args=(i, fn, tuple(args)))
+               for i, (fn, args) in enumerate(functions_and_args)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _SCHED = None
+        _M = parent
+    if sched.error is not None:
+        raise sched.error
+
+
+mbarrier_emu = types.SimpleNamespace(init=mbarrier_init, arrive=mbarrier_arrive, wait=mbarrier_wait,
+                                     expect=lambda *a, **k: None, invalidate=lambda bar: None,
+                                     MBarrierLayout=lambda *a, **k: _Layout("MBarrierLayout"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -734,6 +904,8 @@ def _translate(name, val):
     if mod.startswith("triton.experimental.gluon.language"):
         if mod.endswith("async_copy"):
             return async_copy_emu
+        if mod.endswith("mbarrier"):
+            return mbarrier_emu
         if mod == "triton.experimental.gluon.language":
             return gl_emu
         return val
@@ -785,10 +957,7 @@ def run_kernel(kernel, grid, *args, **kwargs):
                 _PROGRAM[:] = [x, y, z]
                 _M = _Machine()
                 body(**call)
-                if _M.groups or _M.open_group:
-                    raise GluonHazard("program ended with cp.async groups not waited for")
-                if _M.wgmmas:
-                    raise GluonHazard("program ended with asynchronous wgmmas not waited for")
+                _M.check_end("program")
     _M = None
 
 

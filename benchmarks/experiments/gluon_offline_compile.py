@@ -1,5 +1,5 @@
-"""Compile the shipped Gluon KDA kernels (the fused forward, the training intra-chunk forward and backward, the two
-training scans) for sm_90a without a GPU and print what ptxas reports for each
+"""Compile the shipped Gluon KDA kernels (the fused forward in both forms, the training intra-chunk forward and
+backward, the two training scans) for sm_90a without a GPU and print what ptxas reports for each
 specialisation: registers, spill, shared memory. Needs Triton 3.6 (the Gluon API the kernels are written for; e.g.
 in a separate virtual environment with `pip install triton==3.6.0`), which bundles the ptxas it runs.
 
@@ -55,10 +55,13 @@ def main():
         for l2 in (True, False):
             # the fused forward reads g in float32 (launch.fused_forward widens a 16-bit one); the training
             # kernels read g and beta in their dtype
+            fused = dict(common, BT=launch.FUSED_CHUNK, W=launch.FUSED_WARPS, L2NORM=l2, VARLEN=False, HAS_H0=False,
+                         STORE_FINAL=False, TAIL=False)
             rows = [
-                ("fused forward", kernels_fused._kda_fused_fwd_kernel, dict(g="*fp32", beta="*fp32"),
-                 dict(common, BT=launch.FUSED_CHUNK, W=launch.FUSED_WARPS, L2NORM=l2, VARLEN=False, HAS_H0=False,
-                      STORE_FINAL=False, TAIL=False), launch.FUSED_WARPS),
+                ("fused forward", kernels_fused._kda_fused_fwd_kernel, dict(g="*fp32", beta="*fp32"), fused,
+                 launch.FUSED_WARPS),
+                ("fused forward ws", kernels_fused._kda_fused_ws_kernel, dict(g="*fp32", beta="*fp32"),
+                 dict(fused, FACTOR_REGS=kernels_fused.FACTOR_REGS), launch.FUSED_WARPS),
             ] if bits == 32 else []
             rows += [
                 ("training intra", kernels_intra_gluon._kda_train_intra_fused_kernel,

@@ -25,20 +25,28 @@ def _in_domain(case) -> bool:
 SEEDS = [s for s in range(2000) if _in_domain(P.draw("kda", SEED0 + s, "gpu"))][:60]
 
 
-@pytest.fixture
-def fused_runs(monkeypatch):
+FORMS = ("one warpgroup", "warp-specialised")
+
+
+@pytest.fixture(params=FORMS)
+def fused_runs(monkeypatch, request):
     from delta_attn.ops.kda import launch
     if launch.fused_forward_unsupported(torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16),
                                         torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16), None,
                                         launch.FUSED_MIN_PROGRAMS) is not None:
         pytest.skip("the fused KDA forward does not run on this GPU / Triton")
-    return spy_fused(monkeypatch)
+    return spy_fused(monkeypatch, request.param)
 
 
-def spy_fused(monkeypatch):
-    """Every (sequence, value head) count takes the fused kernel; the list of its calls."""
+def spy_fused(monkeypatch, form: str):
+    """Every (sequence, value head) count takes the fused kernel in ``form`` (one of FORMS, whatever the count);
+    the list of its calls."""
     from delta_attn.ops.kda import launch
     monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
+    ws = form == FORMS[1]
+    monkeypatch.setattr(launch, "fused_kernel", lambda pairs, device: (
+        (launch._kda_fused_ws_kernel, dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS)) if ws
+        else (launch._kda_fused_fwd_kernel, {})))
     runs = []
     real = launch.fused_forward
 

@@ -1,7 +1,8 @@
 """The Gluon kernels on the CPU emulator (``tests/gluon_emulator.py``): the fused KDA inference forward
-(``ops/kda/kernels_fused.py``) by the GPU suite's checks (tests/gpu/test_kda_fused_gpu.py loaded again with the CPU as
-device: its 60 property configurations, planted exact chunks) against the float64 reference with the error rule,
-and the emulator's own hazard checks on kernels that break each rule."""
+(``ops/kda/kernels_fused.py``, both forms: one warpgroup, and warp-specialised) by the GPU suite's checks
+(tests/gpu/test_kda_fused_gpu.py loaded again with the CPU as device: its 60 property configurations, planted exact
+chunks) against the float64 reference with the error rule, and the emulator's own hazard checks on kernels that
+break each rule."""
 from __future__ import annotations
 
 import pytest
@@ -23,25 +24,32 @@ def cpu(monkeypatch):
         yield monkeypatch
 
 
+FORMS = FUSED.FORMS if FUSED else ()
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("seed", FUSED.SEEDS if FUSED else [])
-def test_fused_forward_property_configuration(seed, cpu):
-    FUSED.test_property_configuration(seed, FUSED.spy_fused(cpu))
+def test_fused_forward_property_configuration(seed, form, cpu):
+    FUSED.test_property_configuration(seed, FUSED.spy_fused(cpu, form))
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("T,cu", [(1100, None), (0, (0, 300, 300, 317, 1024))])
-def test_fused_forward_exact_chunks_between_factored_ones(T, cu, cpu):
-    FUSED.test_exact_chunks_between_factored_ones(T, cu, FUSED.spy_fused(cpu))
+def test_fused_forward_exact_chunks_between_factored_ones(T, cu, form, cpu):
+    FUSED.test_exact_chunks_between_factored_ones(T, cu, FUSED.spy_fused(cpu, form))
 
 
 @pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("cosine", ["0.5", "0.85", "0.99"])
 def test_inference_forward_with_correlated_keys(path, cosine, cpu):
-    FUSED.test_correlated_keys(path, cosine, FUSED.spy_fused(cpu), cpu)
+    FUSED.test_correlated_keys(path, cosine, FUSED.spy_fused(cpu, FORMS[0]), cpu)
 
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("T", [1, 16])
 @pytest.mark.parametrize("along", [1.0, 0.03])
-def test_fused_forward_nearly_orthogonal_qk(T, along, cpu):
-    FUSED.test_nearly_orthogonal_qk(T, along, FUSED.spy_fused(cpu))
+def test_fused_forward_nearly_orthogonal_qk(T, along, form, cpu):
+    FUSED.test_nearly_orthogonal_qk(T, along, FUSED.spy_fused(cpu, form))
 
 
 def test_split_inference_one_token_bf16(cpu):
@@ -54,7 +62,7 @@ def test_split_inference_one_token_bf16(cpu):
 
 @pytest.mark.parametrize("nan", [False, True])
 def test_fused_forward_positive_decay_reduced_first(nan, cpu):
-    FUSED.test_positive_decay_raises_after_the_launch("kda", nan, FUSED.spy_fused(cpu), cpu)
+    FUSED.test_positive_decay_raises_after_the_launch("kda", nan, FUSED.spy_fused(cpu, FORMS[0]), cpu)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,3 +119,62 @@ def test_emulator_hazards(broken):
               5: "out of bounds"}[broken]
     with pytest.raises(E.GluonHazard, match=expect):
         E.run_kernel(_rules_kernel, (1,), x, y, N=N, BREAK=broken, num_warps=4)
+
+
+if _gluon.gluon is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    @gluon.jit
+    def _ws_consumer(x_s, y, ready, empty, n, N: gl.constexpr, BREAK: gl.constexpr):
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        i = gl.arange(0, N, layout=L)
+        for c in range(0, n):
+            st = c % 2
+            if BREAK != 1:
+                mbarrier.wait(ready.index(st), (c // 2) & 1)   # 1: the stage read before it is ready
+            gl.store(y + c * N + i, x_s.index(st).load(L))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(st), count=1)
+
+    @gluon.jit
+    def _ws_producer(x, x_s, ready, empty, n, N: gl.constexpr, BREAK: gl.constexpr):
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        i = gl.arange(0, N, layout=L)
+        for c in range(0, n):
+            st = c % 2
+            if BREAK == 2:
+                mbarrier.wait(empty.index(st), (c // 2) & 1)   # 2: the fresh barrier's phase 0 never completes
+            else:
+                mbarrier.wait(empty.index(st), ((c // 2) & 1) ^ 1)
+            x_s.index(st).store(gl.load(x + c * N + i) * 2.0)
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(st), count=1)
+
+    @gluon.jit
+    def _ws_rules_kernel(x, y, n, N: gl.constexpr, BREAK: gl.constexpr):
+        """y = 2 x, row by row through a two-stage ring from a producer partition to the default one."""
+        x_s = gl.allocate_shared_memory(gl.float32, [2, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize([(_ws_consumer, (x_s, y, ready, empty, n, N, BREAK)),
+                            (_ws_producer, (x, x_s, ready, empty, n, N, BREAK))], [4], [64])
+
+
+@pytest.mark.parametrize("broken", [0, 1, 2])
+def test_emulator_warp_specialisation(broken):
+    """The emulator's partitions meet at their mbarriers: correct; a stage read without waiting for it (the default
+    partition runs first: uninitialised shared memory, NaN, and its arrivals then run the producer's phases out of
+    step: a deadlock); a wait on a phase that never completes (a deadlock)."""
+    n, N = 7, 128
+    x = torch.randn(n, N)
+    y = torch.zeros(n, N)
+    if broken == 0:
+        E.run_kernel(_ws_rules_kernel, (1,), x, y, n, N=N, BREAK=0, num_warps=4)
+        torch.testing.assert_close(y, 2 * x, rtol=0, atol=0)
+        return
+    with pytest.raises(E.GluonHazard, match="deadlock"):
+        E.run_kernel(_ws_rules_kernel, (1,), x, y, n, N=N, BREAK=broken, num_warps=4)
+    assert y[0].isnan().all() if broken == 1 else (y == 0).all()

@@ -56,3 +56,13 @@ def test_architecture_and_triton_release(hopper, monkeypatch):
 def test_cpu_calls_take_the_split_kernels():
     q, v = _qv()
     assert "CUDA" in launch.fused_forward_unsupported(q, v, None, num_seqs=8)
+
+
+@pytest.mark.parametrize("pairs,ws", [(1, True), (132, True), (133, False), (1024, False)])
+def test_form_by_program_count(hopper, monkeypatch, pairs, ws):
+    """The warp-specialised form where the (sequence, value head) programs number no more than the SMs (one per SM:
+    a second warpgroup hides the chunk's latency), else two one-warpgroup programs per SM."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    kernel, extra = launch.fused_kernel(pairs, torch.device("cuda"))
+    assert (kernel is launch._kda_fused_ws_kernel) == ws
+    assert extra == (dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS) if ws else {})

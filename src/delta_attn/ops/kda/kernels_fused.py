@@ -30,10 +30,11 @@ from .._gluon import gl, gluon
 
 BT = 16          # tokens per chunk
 WARPS = 4        # one warpgroup (8 warps: cross-warp sums and register spills, measured 2.2x slower)
+FACTOR_REGS = 232  # the warp-specialised form's factor warpgroup (measured: 128 and 168 slower)
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
     @gluon.jit
@@ -187,36 +188,151 @@ if gluon is not None:
         return S0, S1
 
     @gluon.jit
+    def _state_products(S0, S1, x, kb, qg, kn, tt, aq, o_s, K: gl.constexpr, BT: gl.constexpr, PL: gl.constexpr,
+                        SL: gl.constexpr):
+        """Steps 3-5 of one chunk from its factor stage (kb, qg, kn, tt, aq) and x = (beta v)^T [V, BT]: o^T to
+        ``o_s`` (transposed), and the state update S^T + u^T (k e^-G) issued asynchronously (returned: nothing may
+        touch the state until the caller's wait)."""
+        KH: gl.constexpr = K // 2
+        PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)      # register A operand of the [V, *] x [*, BT] wgmmas
+        SA: gl.constexpr = gl.DotOperandLayout(0, SL, 2)      # register A operand of the state update
+        # 3. the state products on the old state, by halves of K:
+        #    X^T = (beta v)^T - S^T (beta e^G k)^T and (q e^G S)^T = S^T (q e^G)^T
+        #    a half at a time (its bf16 copy pinned before the issue by an empty wait: ptxas serialises every
+        #    wgmma of the kernel if a non-wgmma instruction touches wgmma registers while one is in flight)
+        sa = gl.convert_layout(S0.to(gl.bfloat16), PA)
+        sa = warpgroup_mma_wait(0, deps=[sa])
+        x = warpgroup_mma(sa, kb.slice(0, KH, dim=1).permute((1, 0)), x, is_async=True)
+        qs = warpgroup_mma(sa, qg.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL),
+                           is_async=True)
+        x, qs, sa = warpgroup_mma_wait(0, deps=[x, qs, sa])
+        sa = gl.convert_layout(S1.to(gl.bfloat16), PA)
+        sa = warpgroup_mma_wait(0, deps=[sa])
+        x = warpgroup_mma(sa, kb.slice(KH, KH, dim=1).permute((1, 0)), x, is_async=True)
+        qs = warpgroup_mma(sa, qg.slice(KH, KH, dim=1).permute((1, 0)), qs, is_async=True)
+        x, qs, sa = warpgroup_mma_wait(0, deps=[x, qs, sa])
+        # 4. u^T = X^T T^T; o^T = (q e^G S)^T + u^T Aqk^T, to shared memory transposed
+        u = warpgroup_mma(gl.convert_layout(x.to(gl.bfloat16), PA), tt.permute((1, 0)),
+                          gl.zeros([K, BT], gl.float32, PL))
+        ub = u.to(gl.bfloat16)
+        ot = warpgroup_mma(gl.convert_layout(ub, PA), aq.permute((1, 0)), qs)
+        o_s.permute((1, 0)).store(ot.to(gl.bfloat16))
+        # 5. S^T + u^T (k e^-G) issued asynchronously, by halves of K
+        #    (pinning ua by an empty wait here, as sa above, makes ptxas serialise every wgmma)
+        ua = gl.convert_layout(ub, SA)
+        S0 = warpgroup_mma(ua, kn.slice(0, KH, dim=1), S0, is_async=True)
+        S1 = warpgroup_mma(ua, kn.slice(KH, KH, dim=1), S1, is_async=True)
+        return S0, S1
+
+    @gluon.jit
+    def _store_o(o, o_s, row, eos, HV, h, K: gl.constexpr, BT: gl.constexpr, CP: gl.constexpr, TAIL: gl.constexpr):
+        """The chunk's o rows from ``o_s`` with 16-byte stores (rows at or past ``eos`` skipped)."""
+        orow = row + gl.arange(0, BT, layout=gl.SliceLayout(1, CP))
+        ocol = gl.arange(0, K, layout=gl.SliceLayout(0, CP))
+        if TAIL:
+            gl.store(o + (orow[:, None] * HV + h) * K + ocol[None, :], o_s.load(CP),
+                     mask=(orow < eos)[:, None] & (ocol < K)[None, :])
+        else:
+            gl.store(o + (orow[:, None] * HV + h) * K + ocol[None, :], o_s.load(CP))
+
+    @gluon.jit
+    def _decayed(S0, S1, eGl, K: gl.constexpr, SL: gl.constexpr):
+        """S^T e^Gl (the K columns of both halves), once the update has landed."""
+        KH: gl.constexpr = K // 2
+        S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
+        S0 = S0 * eGl.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :]
+        S1 = S1 * eGl.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :]
+        return S0, S1
+
+    # layouts (W warps): BL the [BT, K] decay-work tiles (a warp holds all BT tokens of K / W channels: the cumulative
+    # sum over tokens stays in the warp); SL the two halves S^T[:, :K/2], S^T[:, K/2:] (wgmma accumulators [V, K/2]:
+    # a half at a time goes to bf16 for the A operand, which keeps the register peak down); PL the [V, BT] products;
+    # M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies; CL a thread per channel with all BT
+    # tokens
+    @gluon.constexpr_function
+    def _bl(W):
+        return gl.BlockedLayout([2, 8], [8, 4], [1, W], [1, 0])
+
+    @gluon.constexpr_function
+    def _sl(W, K):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K // 2, 16])
+
+    @gluon.constexpr_function
+    def _pl(W, BT):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
+
+    @gluon.constexpr_function
+    def _m2(W):
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
+    def _cp(W):
+        return gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _cg(W):
+        return gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _cb(W):
+        return gl.BlockedLayout([1], [32], [W], [0])
+
+    @gluon.constexpr_function
+    def _cl(W, BT):
+        return gl.BlockedLayout([BT, 1], [1, 32], [1, W], [0, 1])
+
+    @gluon.jit
+    def _sequence(cu, T, VARLEN: gl.constexpr):
+        """The program's sequence n and its token rows [bos, eos)."""
+        n = gl.program_id(1).to(gl.int64)
+        if VARLEN:
+            bos = gl.load(cu + n).to(gl.int64)
+            eos = gl.load(cu + n + 1).to(gl.int64)
+        else:
+            bos = n * T
+            eos = bos + T
+        return n, bos, eos
+
+    @gluon.jit
+    def _start_state(h0, n, HV, h, K: gl.constexpr, SL: gl.constexpr, HAS_H0: gl.constexpr):
+        """S^T [V, K] as two halves (h0's or zeros) and their offsets in the (N, HV, K, V) fp32 states: S^T[v, c]
+        at ((n HV + h) K + c) V + v."""
+        KH: gl.constexpr = K // 2
+        sv = gl.arange(0, K, layout=gl.SliceLayout(1, SL))
+        sc = gl.arange(0, KH, layout=gl.SliceLayout(0, SL))
+        s_off = (n * HV + h) * K * K + sc[None, :] * K + sv[:, None]
+        if HAS_H0:
+            S0 = gl.load(h0 + s_off)
+            S1 = gl.load(h0 + s_off + KH * K)
+            S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])          # pinned before the first wgmma (as below)
+        else:
+            S0 = gl.zeros([K, KH], gl.float32, SL)
+            S1 = gl.zeros([K, KH], gl.float32, SL)
+        return S0, S1, s_off
+
+    @gluon.jit
+    def _store_final(ht, S0, S1, s_off, K: gl.constexpr):
+        S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
+        gl.store(ht + s_off, S0)
+        gl.store(ht + s_off + (K // 2) * K, S1)
+
+    @gluon.jit
     def _kda_fused_fwd_kernel(q, k, v, g, beta, o, cu, h0, ht, T, HQ, HV, GROUP, scale, K: gl.constexpr,
                               BT: gl.constexpr, W: gl.constexpr, FACTOR_MAX: gl.constexpr, L2NORM: gl.constexpr,
                               VARLEN: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
                               TAIL: gl.constexpr):
         h = gl.program_id(0)
         hq = h // GROUP
-        n = gl.program_id(1).to(gl.int64)
-        if VARLEN:                                  # the sequence's token rows [bos, eos)
-            bos = gl.load(cu + n).to(gl.int64)
-            eos = gl.load(cu + n + 1).to(gl.int64)
-        else:
-            bos = n * T
-            eos = bos + T
+        n, bos, eos = _sequence(cu, T, VARLEN)
         L = eos - bos
-        KH: gl.constexpr = K // 2
-        # layouts: BL the [BT, K] decay-work tiles (a warp holds all BT tokens of K / W channels: the cumulative
-        # sum over tokens stays in the warp); SL the two halves S^T[:, :K/2], S^T[:, K/2:] (wgmma accumulators
-        # [V, K/2]: a half at a time goes to bf16 for the A operand, which keeps the register peak down); PL the
-        # [V, BT] products; M2 the mma_v2 [BT, BT] products; CP / CG / CB the 16-byte cp.async copies; CL a
-        # thread per channel with all BT tokens
-        BL: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [1, W], [1, 0])
-        SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, KH, 16])
-        PL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
-        M2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
-        CP: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-        CG: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
-        CB: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-        CL: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, W], [0, 1])
-        PA: gl.constexpr = gl.DotOperandLayout(0, PL, 2)      # register A operand of the [V, *] x [*, BT] wgmmas
-        SA: gl.constexpr = gl.DotOperandLayout(0, SL, 2)      # register A operand of the state update
+        BL: gl.constexpr = _bl(W)
+        SL: gl.constexpr = _sl(W, K)
+        PL: gl.constexpr = _pl(W, BT)
+        M2: gl.constexpr = _m2(W)
+        CP: gl.constexpr = _cp(W)
+        CG: gl.constexpr = _cg(W)
+        CB: gl.constexpr = _cb(W)
+        CL: gl.constexpr = _cl(W, BT)
         # shared memory: the two-stage ring of raw chunk inputs (cp.async); the two-stage factor ring (K-wide
         # operands [BT, K], B operands of the wgmmas read transposed and by halves of K, and the bf16 operands of
         # Akk / Aqk; the [BT, BT] B operands; exp(Gl)); o, written transposed from o^T
@@ -240,17 +356,7 @@ if gluon is not None:
         mi = gl.arange(0, BT, layout=gl.SliceLayout(1, M2))
         mj = gl.arange(0, BT, layout=gl.SliceLayout(0, M2))
         eye = gl.where(mi[:, None] == mj[None, :], 1.0, 0.0)
-        # S^T [V, K] as two halves; states (N, HV, K, V) fp32: S^T[v, c] at ((n HV + h) K + c) V + v
-        sv = gl.arange(0, K, layout=gl.SliceLayout(1, SL))
-        sc = gl.arange(0, KH, layout=gl.SliceLayout(0, SL))
-        s_off = (n * HV + h) * K * K + sc[None, :] * K + sv[:, None]
-        if HAS_H0:
-            S0 = gl.load(h0 + s_off)
-            S1 = gl.load(h0 + s_off + KH * K)
-            S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])          # pinned before the first wgmma (as below)
-        else:
-            S0 = gl.zeros([K, KH], gl.float32, SL)
-            S1 = gl.zeros([K, KH], gl.float32, SL)
+        S0, S1, s_off = _start_state(h0, n, HV, h, K, SL, HAS_H0)
         last = gl.maximum(((L - 1) // BT) * BT, 0)                  # the last chunk's first token
         # prologue: raw chunks 0 and 1 in flight, chunk 0's factors built
         _issue_chunk(q, k, v, g, beta, qr_s.index(0), kr_s.index(0), vr_s.index(0), gr_s.index(0), br_s.index(0),
@@ -268,34 +374,10 @@ if gluon is not None:
             kb = kb_s.index(st)
             qg = qg_s.index(st)
             kn = kn_s.index(st)
-            # 3. the state products on the old state, by halves of K:
-            #    X^T = (beta v)^T - S^T (beta e^G k)^T and (q e^G S)^T = S^T (q e^G)^T
+            # 3-5. the state products, o^T to o_s, the state update issued
             vT = vr_s.index(st).permute((1, 0)).load(PL).to(gl.float32)                   # v^T [V, BT]
             x = vT * br_s.index(st).load(gl.SliceLayout(0, PL))[None, :]
-            # a half at a time (its bf16 copy pinned before the issue by an empty wait: ptxas serialises every
-            # wgmma of the kernel if a non-wgmma instruction touches wgmma registers while one is in flight)
-            sa = gl.convert_layout(S0.to(gl.bfloat16), PA)
-            sa = warpgroup_mma_wait(0, deps=[sa])
-            x = warpgroup_mma(sa, kb.slice(0, KH, dim=1).permute((1, 0)), x, is_async=True)
-            qs = warpgroup_mma(sa, qg.slice(0, KH, dim=1).permute((1, 0)), gl.zeros([K, BT], gl.float32, PL),
-                               is_async=True)
-            x, qs, sa = warpgroup_mma_wait(0, deps=[x, qs, sa])
-            sa = gl.convert_layout(S1.to(gl.bfloat16), PA)
-            sa = warpgroup_mma_wait(0, deps=[sa])
-            x = warpgroup_mma(sa, kb.slice(KH, KH, dim=1).permute((1, 0)), x, is_async=True)
-            qs = warpgroup_mma(sa, qg.slice(KH, KH, dim=1).permute((1, 0)), qs, is_async=True)
-            x, qs, sa = warpgroup_mma_wait(0, deps=[x, qs, sa])
-            # 4. u^T = X^T T^T; o^T = (q e^G S)^T + u^T Aqk^T, to shared memory transposed
-            u = warpgroup_mma(gl.convert_layout(x.to(gl.bfloat16), PA), tt_s.index(st).permute((1, 0)),
-                              gl.zeros([K, BT], gl.float32, PL))
-            ub = u.to(gl.bfloat16)
-            ot = warpgroup_mma(gl.convert_layout(ub, PA), aq_s.index(st).permute((1, 0)), qs)
-            o_s.permute((1, 0)).store(ot.to(gl.bfloat16))
-            # 5. S^T + u^T (k e^-G) issued asynchronously, by halves of K; nothing below touches S until the wait
-            #    (pinning ua by an empty wait here, as sa above, makes ptxas serialise every wgmma)
-            ua = gl.convert_layout(ub, SA)
-            S0 = warpgroup_mma(ua, kn.slice(0, KH, dim=1), S0, is_async=True)
-            S1 = warpgroup_mma(ua, kn.slice(KH, KH, dim=1), S1, is_async=True)
+            S0, S1 = _state_products(S0, S1, x, kb, qg, kn, tt_s.index(st), aq_s.index(st), o_s, K, BT, PL, SL)
             # 0. chunk c's raw stage is free: chunk c + 2 into it; chunk c + 1's raw tiles have landed
             gl.thread_barrier()
             _issue_chunk(q, k, v, g, beta, qr_s.index(st), kr_s.index(st), vr_s.index(st), gr_s.index(st),
@@ -303,24 +385,14 @@ if gluon is not None:
                          TAIL)
             async_copy.wait_group(1)
             gl.thread_barrier()
-            # o rows with 16-byte stores
-            orow = bos + t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, CP))
-            ocol = gl.arange(0, K, layout=gl.SliceLayout(0, CP))
-            if TAIL:
-                gl.store(o + (orow[:, None] * HV + h) * K + ocol[None, :], o_s.load(CP),
-                         mask=(orow < eos)[:, None] & (ocol < K)[None, :])
-            else:
-                gl.store(o + (orow[:, None] * HV + h) * K + ocol[None, :], o_s.load(CP))
+            _store_o(o, o_s, bos + t0, eos, HV, h, K, BT, CP, TAIL)
             # 1-2. chunk c + 1's factors while the state update runs
             exact_next = _prep(qr_s.index(1 - st), kr_s.index(1 - st), gr_s.index(1 - st), br_s.index(1 - st),
                                kb_s.index(1 - st), qg_s.index(1 - st), kn_s.index(1 - st), tt_s.index(1 - st),
                                aq_s.index(1 - st), gl_s.index(1 - st), scale, mi, mj, eye, FACTOR_MAX, L2NORM,
                                BT, BL, CL, M2)
             # 5. S^T = (S^T + u^T (k e^-G)) e^Gl
-            S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
-            eGl = gl_s.index(st)
-            S0 = S0 * eGl.slice(0, KH).load(gl.SliceLayout(0, SL))[None, :]
-            S1 = S1 * eGl.slice(KH, KH).load(gl.SliceLayout(0, SL))[None, :]
+            S0, S1 = _decayed(S0, S1, gl_s.index(st), K, SL)
             gl.thread_barrier()                     # chunk c + 1's factors complete; o_s read; o rows stored
             if exact != 0:                          # the chunk's state and o rows, exactly
                 S0, S1 = _exact_chunk(S0, S1, q, k, v, g, beta, o, bos + t0, eos, HQ, HV, hq, h, scale, K, BT, W,
@@ -328,8 +400,123 @@ if gluon is not None:
             exact = exact_next
         async_copy.wait_group(0)                    # the last prefetch (a repeat of the last chunk) lands
         if STORE_FINAL:
-            S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
-            gl.store(ht + s_off, S0)
-            gl.store(ht + s_off + KH * K, S1)
+            _store_final(ht, S0, S1, s_off, K)
+
+    @gluon.jit
+    def _ws_producer(q, k, v, g, beta, qr_s, kr_s, vr_s, gr_s, br_s, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s, x_s, ex_s,
+                     ready, empty, bos, eos, HQ, HV, hq, h, scale, K: gl.constexpr, BT: gl.constexpr,
+                     W: gl.constexpr, FACTOR_MAX: gl.constexpr, L2NORM: gl.constexpr, TAIL: gl.constexpr):
+        """The factor warpgroup: raw chunks two ahead (cp.async), then per chunk: wait until its factor stage is
+        empty, build its factors (steps 1-2), (beta v) in fp32 and the exact-chunk flag into it, signal it ready."""
+        BL: gl.constexpr = _bl(W)
+        M2: gl.constexpr = _m2(W)
+        CP: gl.constexpr = _cp(W)
+        CG: gl.constexpr = _cg(W)
+        CB: gl.constexpr = _cb(W)
+        CL: gl.constexpr = _cl(W, BT)
+        mi = gl.arange(0, BT, layout=gl.SliceLayout(1, M2))
+        mj = gl.arange(0, BT, layout=gl.SliceLayout(0, M2))
+        eye = gl.where(mi[:, None] == mj[None, :], 1.0, 0.0)
+        last = gl.maximum(((eos - bos - 1) // BT) * BT, 0)          # the last chunk's first token
+        _issue_chunk(q, k, v, g, beta, qr_s.index(0), kr_s.index(0), vr_s.index(0), gr_s.index(0), br_s.index(0),
+                     bos, eos, HQ, HV, hq, h, K, BT, CP, CG, CB, TAIL)
+        _issue_chunk(q, k, v, g, beta, qr_s.index(1), kr_s.index(1), vr_s.index(1), gr_s.index(1), br_s.index(1),
+                     bos + gl.minimum(BT, last), eos, HQ, HV, hq, h, K, BT, CP, CG, CB, TAIL)
+        for t0 in range(0, eos - bos, BT):
+            c = (t0 // BT).to(gl.int32)
+            st = c % 2
+            async_copy.wait_group(1)                # chunk c's raw tiles have landed
+            gl.thread_barrier()
+            mbarrier.wait(empty.index(st), ((c // 2) & 1) ^ 1)      # (a fresh barrier's phase 1 counts as done)
+            ex = _prep(qr_s.index(st), kr_s.index(st), gr_s.index(st), br_s.index(st), kb_s.index(st),
+                       qg_s.index(st), kn_s.index(st), tt_s.index(st), aq_s.index(st), gl_s.index(st), scale, mi,
+                       mj, eye, FACTOR_MAX, L2NORM, BT, BL, CL, M2)
+            x_s.index(st).store(vr_s.index(st).load(BL).to(gl.float32) *
+                                br_s.index(st).load(gl.SliceLayout(1, BL))[:, None])
+            ex_s.index(st).store(gl.full([BT], 0, gl.int32, CB) + ex)
+            fence_async_shared()
+            gl.thread_barrier()                     # the stage complete; chunk c's raw stage read
+            mbarrier.arrive(ready.index(st), count=1)
+            _issue_chunk(q, k, v, g, beta, qr_s.index(st), kr_s.index(st), vr_s.index(st), gr_s.index(st),
+                         br_s.index(st), bos + gl.minimum(t0 + 2 * BT, last), eos, HQ, HV, hq, h, K, BT, CP, CG, CB,
+                         TAIL)
+        async_copy.wait_group(0)                    # the last prefetches (repeats of the last chunk) land
+
+    @gluon.jit
+    def _ws_state(q, k, v, g, beta, o, h0, ht, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s, x_s, ex_s, o_s, ready, empty, n,
+                  bos, eos, HQ, HV, hq, h, scale, K: gl.constexpr, BT: gl.constexpr, W: gl.constexpr,
+                  L2NORM: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr, TAIL: gl.constexpr):
+        """The state's warpgroup: per chunk, wait for its factor stage, steps 3-5, o rows stored, the stage
+        signalled empty; a flagged chunk then redone exactly."""
+        SL: gl.constexpr = _sl(W, K)
+        PL: gl.constexpr = _pl(W, BT)
+        CP: gl.constexpr = _cp(W)
+        CB: gl.constexpr = _cb(W)
+        S0, S1, s_off = _start_state(h0, n, HV, h, K, SL, HAS_H0)
+        for t0 in range(0, eos - bos, BT):
+            c = (t0 // BT).to(gl.int32)
+            st = c % 2
+            mbarrier.wait(ready.index(st), (c // 2) & 1)
+            S0, S1 = _state_products(S0, S1, x_s.index(st).permute((1, 0)).load(PL), kb_s.index(st),
+                                     qg_s.index(st), kn_s.index(st), tt_s.index(st), aq_s.index(st), o_s, K, BT,
+                                     PL, SL)
+            gl.thread_barrier()                     # o_s written by every thread
+            _store_o(o, o_s, bos + t0, eos, HV, h, K, BT, CP, TAIL)
+            S0, S1 = _decayed(S0, S1, gl_s.index(st), K, SL)
+            exact = gl.max(ex_s.index(st).load(CB), 0)
+            gl.thread_barrier()                     # the stage and o_s read by every thread
+            mbarrier.arrive(empty.index(st), count=1)
+            if exact != 0:                          # the chunk's state and o rows, exactly
+                S0, S1 = _exact_chunk(S0, S1, q, k, v, g, beta, o, bos + t0, eos, HQ, HV, hq, h, scale, K, BT, W,
+                                      SL, L2NORM)
+        if STORE_FINAL:
+            _store_final(ht, S0, S1, s_off, K)
+
+    @gluon.jit
+    def _kda_fused_ws_kernel(q, k, v, g, beta, o, cu, h0, ht, T, HQ, HV, GROUP, scale, K: gl.constexpr,
+                             BT: gl.constexpr, W: gl.constexpr, FACTOR_MAX: gl.constexpr, L2NORM: gl.constexpr,
+                             VARLEN: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
+                             TAIL: gl.constexpr, FACTOR_REGS: gl.constexpr):
+        """The same forward with a second warpgroup building the factors: its warp-specialised form, for grids of
+        at most one (sequence, head) per SM, where one warpgroup alone cannot hide its chunk's latency
+        (``launch.fused_forward``). The factor warpgroup (``_ws_producer``, FACTOR_REGS registers) and the state's
+        (``_ws_state``) pass each chunk's factors through a two-stage ring in shared memory, signalled by mbarriers
+        (ready: factors built; empty: consumed); (beta v) goes with them in fp32, so the state's warpgroup reads
+        no raw input."""
+        h = gl.program_id(0)
+        hq = h // GROUP
+        n, bos, eos = _sequence(cu, T, VARLEN)
+        KSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        GSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+        VSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        XSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
+        kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
+        vr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
+        gr_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], GSH)
+        br_s = gl.allocate_shared_memory(gl.float32, [2, BT], VSH)
+        kb_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # -(beta e^G k)
+        qg_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # q e^G
+        kn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # k e^-G
+        tt_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # T
+        aq_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # Aqk
+        gl_s = gl.allocate_shared_memory(gl.float32, [2, K], VSH)       # exp(Gl)
+        x_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], XSH)    # beta v
+        ex_s = gl.allocate_shared_memory(gl.int32, [2, BT], VSH)        # the exact-chunk flag
+        o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_ws_state, (q, k, v, g, beta, o, h0, ht, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s, x_s, ex_s, o_s, ready,
+                         empty, n, bos, eos, HQ, HV, hq, h, scale, K, BT, W, L2NORM, HAS_H0, STORE_FINAL, TAIL)),
+            (_ws_producer, (q, k, v, g, beta, qr_s, kr_s, vr_s, gr_s, br_s, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s, x_s,
+                            ex_s, ready, empty, bos, eos, HQ, HV, hq, h, scale, K, BT, W, FACTOR_MAX, L2NORM,
+                            TAIL)),
+        ], [W], [FACTOR_REGS])
 else:
     _kda_fused_fwd_kernel = None
+    _kda_fused_ws_kernel = None

@@ -33,7 +33,8 @@ from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WAR
                                      _kda_bwd_intra_fused_kernel)
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .kernels_scan_gluon import WARPS as FUSED_SCAN_WARPS, _kda_bwd_scan_fused_kernel, _kda_fwd_scan_fused_kernel
-from .kernels_fused import BT as FUSED_CHUNK, WARPS as FUSED_WARPS, _kda_fused_fwd_kernel
+from .kernels_fused import (BT as FUSED_CHUNK, FACTOR_REGS as FUSED_FACTOR_REGS, WARPS as FUSED_WARPS,
+                            _kda_fused_fwd_kernel, _kda_fused_ws_kernel)
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
 from .kernels_intra_gluon import (BC as FUSED_INTRA_BC, BK as FUSED_INTRA_BK, WARPS as FUSED_INTRA_WARPS,
@@ -404,13 +405,23 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
     final = empty((N, HV, K, K), torch.float32, q.device) if output_final_state else None
     if N > 0:
         cu = index(cu_seqlens) if cu_seqlens is not None else None
-        _kda_fused_fwd_kernel[(HV, N)](
+        kernel, extra = fused_kernel(N * HV, q.device)
+        kernel[(HV, N)](
             q, k, v, g, beta, o, optional(cu, q), optional(initial_state, g), optional(final, g),
             T, H, HV, HV // H, float(scale), K=K, BT=FUSED_CHUNK, W=FUSED_WARPS, FACTOR_MAX=FACTOR_MAX,
             L2NORM=bool(use_qk_l2norm), VARLEN=cu is not None, HAS_H0=initial_state is not None,
             STORE_FINAL=final is not None, TAIL=cu is not None or T % FUSED_CHUNK != 0 or T == 0,
-            num_warps=FUSED_WARPS)
+            num_warps=FUSED_WARPS, **extra)
     return o, final
+
+
+def fused_kernel(pairs: int, device: torch.device):
+    """The fused forward's form for ``pairs`` (sequence, value head) programs: the warp-specialised one (a second
+    warpgroup builds the factors; one program per SM) where they number no more than the SMs, else the one-warpgroup
+    kernel, two of whose programs share an SM (measured, docs/PERFORMANCE.md)."""
+    if pairs <= sm_count(device):
+        return _kda_fused_ws_kernel, dict(FACTOR_REGS=FUSED_FACTOR_REGS)
+    return _kda_fused_fwd_kernel, {}
 
 
 def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
