@@ -58,11 +58,15 @@ def test_cpu_calls_take_the_split_kernels():
     assert "CUDA" in launch.fused_forward_unsupported(q, v, None, num_seqs=8)
 
 
-@pytest.mark.parametrize("pairs,ws", [(1, True), (132, True), (133, False), (1024, False)])
-def test_form_by_program_count(hopper, monkeypatch, pairs, ws):
-    """The warp-specialised form where the (sequence, value head) programs number no more than the SMs (one per SM:
-    a second warpgroup hides the chunk's latency), else two one-warpgroup programs per SM."""
+@pytest.mark.parametrize("checked", [True, False])
+@pytest.mark.parametrize("pairs", [1, 66, 67, 132, 133, 1024])
+def test_form_by_program_count(hopper, monkeypatch, pairs, checked):
+    """The warp-specialised form (one program per SM, its registers all taken) where the (sequence, value head)
+    programs leave half the SMs free, or fill no more than the SMs with no g check to run beside them; else two
+    one-warpgroup programs per SM."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "value_checks_enabled", lambda: checked)
     kernel, extra = launch.fused_kernel(pairs, torch.device("cuda"))
+    ws = pairs <= 66 or (pairs <= 132 and not checked)
     assert (kernel is launch._kda_fused_ws_kernel) == ws
     assert extra == (dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS) if ws else {})

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..._outputs import empty
+from ..._checks import value_checks_enabled
 from ...backends import device_capability
 from .._gluon import KERNELS_TRITON, available as gluon_available, version as gluon_version
 from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, index, launch, next_pow2,
@@ -416,10 +417,13 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
 
 
 def fused_kernel(pairs: int, device: torch.device):
-    """The fused forward's form for ``pairs`` (sequence, value head) programs: the warp-specialised one (a second
-    warpgroup builds the factors; one program per SM) where they number no more than the SMs, else the one-warpgroup
-    kernel, two of whose programs share an SM (measured, docs/PERFORMANCE.md)."""
-    if pairs <= sm_count(device):
+    """The fused forward's form for ``pairs`` (sequence, value head) programs (measured, docs/PERFORMANCE.md): the
+    warp-specialised one (a second warpgroup builds the factors; one program per SM, its registers all taken) where
+    they leave half the SMs free, or fill no more than the SMs and no g check runs beside them (the check's
+    reduction then finds no room on the SMs they hold); else the one-warpgroup kernel, two of whose programs can
+    share an SM."""
+    sms = sm_count(device)
+    if pairs <= sms // 2 or (pairs <= sms and not value_checks_enabled()):
         return _kda_fused_ws_kernel, dict(FACTOR_REGS=FUSED_FACTOR_REGS)
     return _kda_fused_fwd_kernel, {}
 
