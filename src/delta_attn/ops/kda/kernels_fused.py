@@ -281,6 +281,29 @@ if gluon is not None:
     def _cl(W, BT):
         return gl.BlockedLayout([BT, 1], [1, 32], [1, W], [0, 1])
 
+    _KSH = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _VSH = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _rings(BT: gl.constexpr, K: gl.constexpr):
+        """Both forms' shared memory: the two-stage ring of raw chunk inputs (cp.async) and the two-stage factor ring
+        (K-wide operands [BT, K], B operands of the wgmmas read transposed and by halves of K, and the bf16 operands
+        of Akk / Aqk; the [BT, BT] B operands; exp(Gl))."""
+        GSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _KSH)
+        kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _KSH)
+        vr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _KSH)
+        gr_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], GSH)
+        br_s = gl.allocate_shared_memory(gl.float32, [2, BT], _VSH)
+        kb_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _KSH)  # -(beta e^G k)
+        qg_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _KSH)  # q e^G
+        kn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], _KSH)  # k e^-G
+        tt_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # T
+        aq_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # Aqk
+        gl_s = gl.allocate_shared_memory(gl.float32, [2, K], _VSH)       # exp(Gl)
+        return qr_s, kr_s, vr_s, gr_s, br_s, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s
+
     @gluon.jit
     def _sequence(cu, T, VARLEN: gl.constexpr):
         """The program's sequence n and its token rows [bos, eos)."""
@@ -333,25 +356,9 @@ if gluon is not None:
         CG: gl.constexpr = _cg(W)
         CB: gl.constexpr = _cb(W)
         CL: gl.constexpr = _cl(W, BT)
-        # shared memory: the two-stage ring of raw chunk inputs (cp.async); the two-stage factor ring (K-wide
-        # operands [BT, K], B operands of the wgmmas read transposed and by halves of K, and the bf16 operands of
-        # Akk / Aqk; the [BT, BT] B operands; exp(Gl)); o, written transposed from o^T
-        KSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        GSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-        VSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        qr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        vr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        gr_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], GSH)
-        br_s = gl.allocate_shared_memory(gl.float32, [2, BT], VSH)
-        kb_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # -(beta e^G k)
-        qg_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # q e^G
-        kn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # k e^-G
-        tt_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # T
-        aq_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # Aqk
-        gl_s = gl.allocate_shared_memory(gl.float32, [2, K], VSH)       # exp(Gl)
-        o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)
+        # shared memory: the rings (_rings); o, written transposed from o^T
+        qr_s, kr_s, vr_s, gr_s, br_s, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s = _rings(BT, K)
+        o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], _KSH)
 
         mi = gl.arange(0, BT, layout=gl.SliceLayout(1, M2))
         mj = gl.arange(0, BT, layout=gl.SliceLayout(0, M2))
@@ -486,25 +493,10 @@ if gluon is not None:
         h = gl.program_id(0)
         hq = h // GROUP
         n, bos, eos = _sequence(cu, T, VARLEN)
-        KSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        GSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        TSH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-        VSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        XSH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        qr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        vr_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)
-        gr_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], GSH)
-        br_s = gl.allocate_shared_memory(gl.float32, [2, BT], VSH)
-        kb_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # -(beta e^G k)
-        qg_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # q e^G
-        kn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, K], KSH)  # k e^-G
-        tt_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # T
-        aq_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], TSH)  # Aqk
-        gl_s = gl.allocate_shared_memory(gl.float32, [2, K], VSH)       # exp(Gl)
-        x_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], XSH)    # beta v
-        ex_s = gl.allocate_shared_memory(gl.int32, [2, BT], VSH)        # the exact-chunk flag
-        o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], KSH)
+        qr_s, kr_s, vr_s, gr_s, br_s, kb_s, qg_s, kn_s, tt_s, aq_s, gl_s = _rings(BT, K)
+        x_s = gl.allocate_shared_memory(gl.float32, [2, BT, K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # beta v
+        ex_s = gl.allocate_shared_memory(gl.int32, [2, BT], _VSH)       # the exact-chunk flag
+        o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], _KSH)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
