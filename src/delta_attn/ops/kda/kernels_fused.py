@@ -21,6 +21,11 @@ exceeds it (strong or -inf decays) or is not finite (a NaN gate) has its factors
 leave the state as it was) and is then redone exactly, token by token from the recurrence in fp32
 (:func:`_exact_chunk`), its o rows overwriting the ones step 4 wrote.
 
+Two forms, the same arithmetic bit for bit (``launch.fused_kernel`` chooses): :func:`_kda_fused_fwd_kernel`, one
+warpgroup doing all of the above (two programs share an SM), and :func:`_kda_fused_ws_kernel`, warp-specialised: a
+factor warpgroup runs steps 0-2 into the factor ring and the state's warpgroup steps 3-5, meeting at mbarriers (one
+program per SM; for grids that leave SMs idle, where one warpgroup alone cannot hide a chunk's latency).
+
 Scope (``launch.fused_forward_unsupported`` says what is outside it): bf16 q, k, v, K = V = 128, log decays g
 (no gate parameters), dense or packed sequences of any length, GVA, initial and final states.
 """
