@@ -65,17 +65,19 @@ def ours_fn(q, k, v, g, beta):
     return fn
 
 
-def _stats():
-    """Registers, spills and shared memory of the forward kernel compiled last: the fused one, else the split
-    intra-chunk one ("-" where neither has compiled in this process)."""
-    for name in ("_kda_fused_fwd_kernel", "_kda_infer_intra_kernel"):
-        try:
-            cache = next(iter(getattr(launch, name).device_caches.values()))[0]
-            k = list(cache.values())[-1]
-        except (AttributeError, StopIteration, IndexError, TypeError):
-            continue
-        return dict(kernel=name, regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
-    return "-"
+def _stats(q, v, num_seqs):
+    """Registers, spills and shared memory of the forward kernel this call runs (the fused one in the form
+    ``launch.fused_kernel`` picks, else the split intra-chunk one), as compiled last in this process ("-" where it
+    has not compiled)."""
+    if launch.fused_forward_unsupported(q, v, None, num_seqs) is None:
+        kernel = launch.fused_kernel(num_seqs * v.shape[2], q.device)[0]
+    else:
+        kernel = launch._kda_infer_intra_kernel
+    try:
+        k = list(next(iter(kernel.device_caches.values()))[0].values())[-1]
+    except (AttributeError, StopIteration, IndexError, TypeError):
+        return "-"
+    return dict(kernel=kernel.fn.__name__, regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
 
 
 def main():
@@ -141,11 +143,13 @@ def main():
                         dataclasses.replace(t.with_(KS=min(ks, K)), num_warps=w) for t in _s(K, V, bt))
                     launch.infer_chunk = lambda *a, _bt=bt_: _bt
                 diff = float("nan")
+                stats = "-"
                 try:
                     o = ours_fn(*x)()
                     if ref is not None:
                         diff = float((o.float() - ref.reshape(o.shape).float()).abs().max() / ref.float().abs().max())
                     t_o = bench(ours_fn(*x))
+                    stats = _stats(x[0], x[2], B)
                 except Exception as e:  # noqa: BLE001
                     t_o = float("nan")
                     print("ours failed", cfg, type(e).__name__, str(e)[:200])
@@ -156,7 +160,7 @@ def main():
                         launch.precision = orig
                     elif isinstance(cfg, tuple):
                         launch.infer_intra_tiles, launch.infer_chunk = saved
-                row = dict(stats=_stats(), B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
+                row = dict(stats=stats, B=B, T=T, regime=regime, cfg=cfg, ours_ms=t_o, cudnn_ms=t_c, ratio=t_c / t_o,
                            floor_frac=floor_ms / t_o, rel_diff=diff)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
