@@ -794,12 +794,9 @@ class _Scheduler:
         with self.cv:
             while not ready():
                 self.waiting[me] = ready
-                nxt = self._next(me)
-                if nxt is None or nxt == me and not ready():
-                    self.error = GluonHazard("mbarrier deadlock: every partition waits")
-                    self.turn = -1
-                    self.cv.notify_all()
-                    raise self.error
+                nxt = self._next(me)           # never ``me``: its own wait is not ready
+                if nxt is None:
+                    raise self._fail(GluonHazard("mbarrier deadlock: every partition waits"))
                 self.turn = nxt
                 self.cv.notify_all()
                 while self.turn != me:
@@ -822,10 +819,7 @@ class _Scheduler:
             _M.check_end(f"partition {me}")
         except BaseException as e:  # noqa: BLE001 - the first error of any partition is the program's
             with self.cv:
-                if self.error is None:
-                    self.error = e
-                self.turn = -1
-                self.cv.notify_all()
+                self._fail(e)
             return
         with self.cv:
             self.done[me] = True
@@ -833,10 +827,17 @@ class _Scheduler:
             nxt = self._next(me)
             if nxt is not None:
                 self.turn = nxt
+                self.cv.notify_all()
             elif not all(self.done):
-                self.error = GluonHazard("mbarrier deadlock: every partition left waits")
-                self.turn = -1
-            self.cv.notify_all()
+                self._fail(GluonHazard("mbarrier deadlock: every partition left waits"))
+
+    def _fail(self, error):
+        """Records the program's first error and wakes every partition to end (called holding the lock)."""
+        if self.error is None:
+            self.error = error
+        self.turn = -1
+        self.cv.notify_all()
+        return self.error
 
 
 _SCHED: Optional[_Scheduler] = None
