@@ -225,7 +225,8 @@ if gluon is not None:
             if STORE_H:                             # the chunk-start state, bf16, as rows of V
                 hs_s.slice(0, KH, dim=0).permute((1, 0)).store(S0.to(gl.bfloat16))
                 hs_s.slice(KH, KH, dim=0).permute((1, 0)).store(S1.to(gl.bfloat16))
-            # (W S)^T = S^T W^T and (qg S)^T = S^T qg^T, by halves of K (bf16 copies pinned before the issue)
+            # (W S)^T = S^T W^T by halves of K (bf16 copies pinned before the issue), then u, then
+            # o^T = S^T qg^T + u^T Aqk^T: one [BV, BT] accumulator live at a time
             sa0 = gl.convert_layout(S0.to(gl.bfloat16), PA)
             sa1 = gl.convert_layout(S1.to(gl.bfloat16), PA)
             sa0, sa1 = warpgroup_mma_wait(0, deps=[sa0, sa1])
@@ -234,20 +235,20 @@ if gluon is not None:
             zero = gl.zeros([BV, BT], gl.float32, PL)
             x = warpgroup_mma(sa0, w.slice(0, KH, dim=1).permute((1, 0)), zero, is_async=True)
             x = warpgroup_mma(sa1, w.slice(KH, KH, dim=1).permute((1, 0)), x, is_async=True)
-            qs = warpgroup_mma(sa0, qg.slice(0, KH, dim=1).permute((1, 0)), zero, is_async=True)
-            qs = warpgroup_mma(sa1, qg.slice(KH, KH, dim=1).permute((1, 0)), qs, is_async=True)
             hvl = _in_loop(HV, c)                   # the row stride, formed in the loop: no address tile hoisted
             if STORE_H:
                 gl.thread_barrier()                 # hs_s written by every thread
                 gl.store(HS + ((cbase + c) * hvl + hv) * K * V + ks[:, None] * V + v0 + vs[None, :], hs_s.load(CV))
-            x, qs, sa0, sa1 = warpgroup_mma_wait(0, deps=[x, qs, sa0, sa1])
+            x, sa0, sa1 = warpgroup_mma_wait(0, deps=[x, sa0, sa1])
             # u^T = U^T - (W S)^T (u rounded to bf16 where it is stored and enters a product, as the Triton kernel)
             ub = (u_s.index(st).permute((1, 0)).load(PL).to(gl.float32) - x).to(gl.bfloat16)
             if STORE_H:
                 gl.store(VNEW + ((row0 + c * BT + ju)[None, :] * hvl + hv) * V + iu[:, None], ub,
                          mask=(ju < rows)[None, :] & (iu < V)[:, None])
-            # o^T = (qg S)^T + u^T Aqk^T, to shared memory transposed
-            ot = warpgroup_mma(gl.convert_layout(ub, PA), aq_s.index(st).permute((1, 0)), qs)
+            ot = warpgroup_mma(sa0, qg.slice(0, KH, dim=1).permute((1, 0)), zero, is_async=True)
+            ot = warpgroup_mma(sa1, qg.slice(KH, KH, dim=1).permute((1, 0)), ot, is_async=True)
+            ot = warpgroup_mma(gl.convert_layout(ub, PA), aq_s.index(st).permute((1, 0)), ot, is_async=True)
+            ot, sa0, sa1 = warpgroup_mma_wait(0, deps=[ot, sa0, sa1])
             o_s.permute((1, 0)).store(ot.to(gl.bfloat16))
             # S^T <- S^T diag(gc) + u^T kd, issued asynchronously by halves of K
             gcb = GC + ((cbase + c) * HV + hv) * K
