@@ -96,7 +96,7 @@ def force_stages(monkeypatch, stages: int) -> int:
     from delta_attn.ops.kda import launch
     real_tiles = launch.scan_fused_tiles
     monkeypatch.setattr(launch, "scan_fused_tiles",
-                        lambda n, device: tuple(t.with_(STAGES=stages) for t in real_tiles(n, device)))
+                        lambda: tuple(t.with_(STAGES=stages) for t in real_tiles()))
     return stages
 
 

@@ -104,13 +104,12 @@ def test_cpu_reverse_scans_take_the_triton_kernel():
     assert "CUDA" in launch._scan_fused_unsupported(q, v, torch.device("cpu"))
 
 
-def test_reverse_scan_ring_depth_by_grid(monkeypatch):
-    """Two operand stages when each program is alone on its SM (V blocks of 64: 2 per chain), one when two share."""
-    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    (one,) = launch.scan_fused_tiles(16, CUDA)          # 1 x 32768, 16 heads: 32 programs
-    assert one.get("BV") == 64 and one.get("STAGES") == 2
-    (many,) = launch.scan_fused_tiles(128, CUDA)        # 8 x 4096, 16 heads: 256 programs
-    assert many.get("STAGES") == 1
+def test_scans_take_the_whole_v_in_two_warpgroups():
+    """One program per chain (the whole V: two warpgroups of 64 value rows, the kernels' NW their warps), a two-stage
+    operand ring first and one stage as the fallback where shared memory is smaller."""
+    two, one = launch.scan_fused_tiles()
+    assert two.get("BV") == 128 and two.num_warps == two.get("NW") == 8
+    assert (two.get("STAGES"), one.get("STAGES")) == (2, 1) and one.get("BV") == 128
 
 
 def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V=128, decay_dtype=torch.float32):

@@ -1,7 +1,8 @@
 """Reverse state scan of KDA training (Gluon, Hopper sm_90): the ``_kda_bwd_scan_kernel`` of ``kernels_backward.py``
 for bf16 operands, K = V = 128, 64-token chunks, with the transposed state gradient dS^T [BV, K] held in wgmma
 accumulators across the sequence's chunks. Same inputs, same outputs (du per token, every chunk-end dS, dS at the
-sequence start), one program per (V block, sequence, value head).
+sequence start), one program per (V block, sequence, value head); launched with the whole V as its block
+(``launch.scan_fused_tiles``: two warpgroups, 64 value rows each, reading each chunk's operand tiles once).
 
 Per chunk c, from the last to the first (dS the gradient of the state at the chunk's end; kd, qg, W [BT, K], Aqk
 [BT, BT], dO [BT, BV] the chunk's operands, gc = exp(G_last) [K]):
@@ -23,7 +24,7 @@ from __future__ import annotations
 from .._gluon import gl, gluon
 
 BT = 64          # tokens per chunk (the training chunk)
-WARPS = 4        # one warpgroup: M = BV rows of dS^T per wgmma
+WARPS = 8        # two warpgroups: M = BV = 128 rows of dS^T (or S^T) per wgmma, 64 per warpgroup
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy

@@ -307,8 +307,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
             launch(_kda_fwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
                    (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, VNEW, HS, optional(final, q), HV),
                    dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
-                        STORE_H=True, NW=FUSED_SCAN_WARPS),
-                   scan_fused_tiles(N * HV, compile_device(q.device)))
+                        STORE_H=True),
+                   scan_fused_tiles())
         elif N > 0:
             cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
             launch(_kda_fwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
@@ -344,13 +344,13 @@ def _scan_fused_unsupported(q, v, device: torch.device) -> Optional[str]:
     return why if why is not None else _gluon_unsupported(_kda_fwd_scan_fused_kernel, q, v, device)
 
 
-def scan_fused_tiles(chains: int, device) -> Tuple[Tiles, ...]:
-    """The Gluon scans' launch: V blocks of 64 (the wgmma's M: two programs per chain); a two-stage operand ring
-    when the programs are no more than the SMs (each alone on its SM hides its next chunk's loads), else one stage
-    (82-90 KB of shared memory: two programs per SM hide each other's loads)."""
-    stages = 2 if 2 * chains <= sm_count(device) else 1
-    return (tiles("V blocks of 64 (wgmma M); operand ring by grid size", num_warps=FUSED_SCAN_WARPS, BV=64,
-                  STAGES=stages),)
+def scan_fused_tiles() -> Tuple[Tiles, ...]:
+    """The Gluon scans' launch: the whole V in one program per chain, two warpgroups of 64 value rows (the wgmma's M)
+    sharing each chunk's operand tiles, which come once instead of once per V block (8 warps at 248-255 registers:
+    one program per SM); a two-stage operand ring (176-192 KB of shared memory), one stage where that does not fit."""
+    whole = tiles("whole V per program, two warpgroups; two-stage operand ring", num_warps=FUSED_SCAN_WARPS,
+                  BV=128, NW=FUSED_SCAN_WARPS, STAGES=2)
+    return whole, whole.with_("one stage where two do not fit", STAGES=1)
 
 
 def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
@@ -507,8 +507,8 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
         if N > 0 and _scan_fused_unsupported(q, v, compile_device(dev)) is None:
             launch(_kda_bwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV),
-                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, NW=FUSED_SCAN_WARPS),
-                   scan_fused_tiles(N * HV, compile_device(dev)))
+                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None),
+                   scan_fused_tiles())
         elif N > 0:
             launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV, ch.ncmax),
