@@ -104,12 +104,15 @@ def test_cpu_reverse_scans_take_the_triton_kernel():
     assert "CUDA" in launch._scan_fused_unsupported(q, v, torch.device("cpu"))
 
 
-def test_scans_take_the_whole_v_in_two_warpgroups():
-    """One program per chain (the whole V: two warpgroups of 64 value rows, the kernels' NW their warps), a two-stage
-    operand ring first and one stage as the fallback where shared memory is smaller."""
-    two, one = launch.scan_fused_tiles()
-    assert two.get("BV") == 128 and two.num_warps == two.get("NW") == 8
-    assert (two.get("STAGES"), one.get("STAGES")) == (2, 1) and one.get("BV") == 128
+def test_scan_tiles_by_chains(monkeypatch):
+    """V blocks of 64 (one warpgroup, two-stage ring) while two programs per chain fit the SMs; else the whole V in
+    one program per chain (two warpgroups, the kernels' NW their warps), two stages then one as the fallback."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    (blocks,) = launch.scan_fused_tiles(66, CUDA)       # 132 programs: one per SM
+    assert blocks.get("BV") == 64 and blocks.num_warps == blocks.get("NW") == 4 and blocks.get("STAGES") == 2
+    two, one = launch.scan_fused_tiles(67, CUDA)
+    assert two.get("BV") == one.get("BV") == 128 and two.num_warps == two.get("NW") == one.get("NW") == 8
+    assert (two.get("STAGES"), one.get("STAGES")) == (2, 1)
 
 
 def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V=128, decay_dtype=torch.float32):
