@@ -79,7 +79,7 @@ def main():
                 shared, report = ptxas_report(kernel, {**bf16, **ints, **ptrs}, cx, warps)
                 print(f"{name:18} g {gty} l2 {l2!s:5} shared {shared / 1024:6.1f} KB | {report}", flush=True)
     # the training scans read neither g nor q, k: one specialisation per operand ring depth
-    scan = dict(K=128, V=128, BT=launch.TRAIN_CHUNK, BV=64, NW=launch.FUSED_SCAN_WARPS)
+    scan = dict(K=128, V=128, BT=launch.TRAIN_CHUNK, BV=128, NW=launch.FUSED_SCAN_WARPS)
     for st in (1, 2):
         for name, kernel, cx in (
                 ("forward scan", kernels_scan_gluon._kda_fwd_scan_fused_kernel,

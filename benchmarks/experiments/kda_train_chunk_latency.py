@@ -11,7 +11,7 @@ import functools
 import torch
 import triton
 
-from delta_attn.ops._launch import sm_count, tiles
+from delta_attn.ops._launch import sm_count
 from delta_attn.ops.kda import launch as L
 
 B, T, H, D = 8, 4096, 16, 128
@@ -42,12 +42,12 @@ def main():
                  dict(K=D, V=D, BT=bt, BK=L.FUSED_INTRA_BK, BC=L.FUSED_INTRA_BC, L2NORM=False, FLOOR=L.DECAY_FLOOR,
                       FACTOR_MAX=L.FACTOR_MAX, NW=L.FUSED_INTRA_WARPS, GBITS=32), (L.INTRA_FUSED_TILES,))
 
-    def scan(P, stages):   # P programs: P // (2 H) sequences, every head, both V blocks
-        n = P // (2 * H)
-        cand = (tiles("probe", num_warps=L.FUSED_SCAN_WARPS, BV=64, STAGES=stages),)
-        L.launch(L._kda_fwd_scan_fused_kernel, lambda t: (2, n, H),
+    def scan(P, stages):   # P programs of the shipped tiles: P // H sequences, every head
+        n = P // H
+        cand = tuple(t.with_(STAGES=stages) for t in L.scan_fused_tiles()[:1])
+        L.launch(L._kda_fwd_scan_fused_kernel, lambda t: (D // t.get("BV"), n, H),
                  (W, U, QG, KD, AQK, GC, q, ch.seq_t[:n], o, VNEW, HS, q, H),
-                 dict(K=D, V=D, BT=bt, USE_H0=False, STORE_FINAL=False, STORE_H=True, NW=L.FUSED_SCAN_WARPS), cand)
+                 dict(K=D, V=D, BT=bt, USE_H0=False, STORE_FINAL=False, STORE_H=True), cand)
 
     intra(NC * H)
     for P in (sms // 2, sms, 2 * sms, 4 * sms, 8 * sms, NC * H):

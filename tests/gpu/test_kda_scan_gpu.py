@@ -86,17 +86,22 @@ def _inputs(B, T, H, HV, cu, mean):
     return q, k, v, g, beta, do, cu_t, h0, dht
 
 
-@pytest.fixture(params=[1, 2])
+TILINGS = [("V blocks", 2), ("whole V", 2), ("whole V", 1)]
+
+
+@pytest.fixture(params=TILINGS, ids=lambda p: f"{p[0]}-{p[1]}stage")
 def stages(request, monkeypatch):
-    return force_stages(monkeypatch, request.param)
+    return force_tiles(monkeypatch, *request.param)
 
 
-def force_stages(monkeypatch, stages: int) -> int:
-    """The operand ring's depth, forced either way."""
+def force_tiles(monkeypatch, tiling: str, stages: int) -> int:
+    """The scans' tiling (V blocks of 64 or the whole V, as ``scan_fused_tiles`` picks for few or many chains) and
+    the operand ring's depth, forced whatever the case's chains."""
     from delta_attn.ops.kda import launch
     real_tiles = launch.scan_fused_tiles
+    chains = 1 if tiling == "V blocks" else 1 << 20
     monkeypatch.setattr(launch, "scan_fused_tiles",
-                        lambda n, device: tuple(t.with_(STAGES=stages) for t in real_tiles(n, device)))
+                        lambda n, device: tuple(t.with_(STAGES=stages) for t in real_tiles(chains, device)))
     return stages
 
 

@@ -104,13 +104,15 @@ def test_cpu_reverse_scans_take_the_triton_kernel():
     assert "CUDA" in launch._scan_fused_unsupported(q, v, torch.device("cpu"))
 
 
-def test_reverse_scan_ring_depth_by_grid(monkeypatch):
-    """Two operand stages when each program is alone on its SM (V blocks of 64: 2 per chain), one when two share."""
+def test_scan_tiles_by_chains(monkeypatch):
+    """V blocks of 64 (one warpgroup, two-stage ring) while two programs per chain fit the SMs; else the whole V in
+    one program per chain (two warpgroups, the kernels' NW their warps), two stages then one as the fallback."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    (one,) = launch.scan_fused_tiles(16, CUDA)          # 1 x 32768, 16 heads: 32 programs
-    assert one.get("BV") == 64 and one.get("STAGES") == 2
-    (many,) = launch.scan_fused_tiles(128, CUDA)        # 8 x 4096, 16 heads: 256 programs
-    assert many.get("STAGES") == 1
+    (blocks,) = launch.scan_fused_tiles(66, CUDA)       # 132 programs: one per SM
+    assert blocks.get("BV") == 64 and blocks.num_warps == blocks.get("NW") == 4 and blocks.get("STAGES") == 2
+    two, one = launch.scan_fused_tiles(67, CUDA)
+    assert two.get("BV") == one.get("BV") == 128 and two.num_warps == two.get("NW") == one.get("NW") == 8
+    assert (two.get("STAGES"), one.get("STAGES")) == (2, 1)
 
 
 def _backward_launches(monkeypatch, gluon: bool, B=2, T=130, H=2, HV=4, K=128, V=128, decay_dtype=torch.float32):

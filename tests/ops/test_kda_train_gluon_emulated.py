@@ -44,17 +44,17 @@ def test_intra_forward_positive_decay_reduced_first(nan, cpu):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("tiling", SCAN.TILINGS)
 @pytest.mark.parametrize("B,T,H,HV,cu,mean", SCAN.CASES)
-def test_forward_scan_against_triton(B, T, H, HV, cu, mean, stages, cpu):
-    SCAN.test_gluon_forward_scan_against_triton(B, T, H, HV, cu, mean, SCAN.force_stages(cpu, stages), cpu)
+def test_forward_scan_against_triton(B, T, H, HV, cu, mean, tiling, cpu):
+    SCAN.test_gluon_forward_scan_against_triton(B, T, H, HV, cu, mean, SCAN.force_tiles(cpu, *tiling), cpu)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("tiling", SCAN.TILINGS)
 @pytest.mark.parametrize("B,T,H,HV,cu,mean", SCAN.CASES)
-def test_reverse_scan_against_triton(B, T, H, HV, cu, mean, stages, cpu):
-    SCAN.test_gluon_reverse_scan_against_triton(B, T, H, HV, cu, mean, SCAN.force_stages(cpu, stages), cpu,
+def test_reverse_scan_against_triton(B, T, H, HV, cu, mean, tiling, cpu):
+    SCAN.test_gluon_reverse_scan_against_triton(B, T, H, HV, cu, mean, SCAN.force_tiles(cpu, *tiling), cpu,
                                                 SCAN.spy_scans(cpu))
 
 

@@ -1,7 +1,8 @@
 """Reverse state scan of KDA training (Gluon, Hopper sm_90): the ``_kda_bwd_scan_kernel`` of ``kernels_backward.py``
 for bf16 operands, K = V = 128, 64-token chunks, with the transposed state gradient dS^T [BV, K] held in wgmma
 accumulators across the sequence's chunks. Same inputs, same outputs (du per token, every chunk-end dS, dS at the
-sequence start), one program per (V block, sequence, value head).
+sequence start), one program per (V block, sequence, value head), one warpgroup per 64 value rows
+(``launch.scan_fused_tiles`` picks V blocks of 64 or the whole V by the number of chains).
 
 Per chunk c, from the last to the first (dS the gradient of the state at the chunk's end; kd, qg, W [BT, K], Aqk
 [BT, BT], dO [BT, BV] the chunk's operands, gc = exp(G_last) [K]):
@@ -23,7 +24,7 @@ from __future__ import annotations
 from .._gluon import gl, gluon
 
 BT = 64          # tokens per chunk (the training chunk)
-WARPS = 4        # one warpgroup: M = BV rows of dS^T per wgmma
+ROWS = 64        # value rows of dS^T (or S^T) per warpgroup: the wgmma's M
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy

@@ -33,7 +33,7 @@ from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel
 from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WARPS as FUSED_BWD_WARPS,
                                      _kda_bwd_intra_fused_kernel)
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
-from .kernels_scan_gluon import WARPS as FUSED_SCAN_WARPS, _kda_bwd_scan_fused_kernel, _kda_fwd_scan_fused_kernel
+from .kernels_scan_gluon import ROWS as FUSED_SCAN_ROWS, _kda_bwd_scan_fused_kernel, _kda_fwd_scan_fused_kernel
 from .kernels_fused import (BT as FUSED_CHUNK, FACTOR_REGS as FUSED_FACTOR_REGS, WARPS as FUSED_WARPS,
                             _kda_fused_fwd_kernel, _kda_fused_ws_kernel)
 from .kernels_gate import DECAY_FLOOR
@@ -307,7 +307,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
             launch(_kda_fwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
                    (W, U, QG, KD, AQK, GC, optional(initial_state, q), ch.seq_t, o, VNEW, HS, optional(final, q), HV),
                    dict(K=K, V=V, BT=bt, USE_H0=initial_state is not None, STORE_FINAL=final is not None,
-                        STORE_H=True, NW=FUSED_SCAN_WARPS),
+                        STORE_H=True),
                    scan_fused_tiles(N * HV, compile_device(q.device)))
         elif N > 0:
             cand = scan_tiles(K, V, N * HV, bt, 256, 4, 2 if train else 3)
@@ -345,12 +345,18 @@ def _scan_fused_unsupported(q, v, device: torch.device) -> Optional[str]:
 
 
 def scan_fused_tiles(chains: int, device) -> Tuple[Tiles, ...]:
-    """The Gluon scans' launch: V blocks of 64 (the wgmma's M: two programs per chain); a two-stage operand ring
-    when the programs are no more than the SMs (each alone on its SM hides its next chunk's loads), else one stage
-    (82-90 KB of shared memory: two programs per SM hide each other's loads)."""
-    stages = 2 if 2 * chains <= sm_count(device) else 1
-    return (tiles("V blocks of 64 (wgmma M); operand ring by grid size", num_warps=FUSED_SCAN_WARPS, BV=64,
-                  STAGES=stages),)
+    """The Gluon scans' launch, one warpgroup per 64 value rows (the wgmma's M). When two programs per chain are no
+    more than the SMs: V blocks of 64, each program alone on its SM with a two-stage operand ring (the chain's
+    latency is the step's). Else the whole V in one program per chain: two warpgroups share each chunk's operand
+    tiles, read once instead of once per V block (8 warps, one program per SM; two-stage ring of 176-192 KB, one
+    stage where that does not fit). Measured crossover on an H100 (132 SMs): V blocks faster at 16-64 chains, the
+    whole V at 96 and more (docs/PERFORMANCE.md)."""
+    if 2 * chains <= sm_count(device):
+        return (tiles("V blocks of 64, one warpgroup, two-stage ring: the chains do not fill the SMs",
+                      num_warps=4, BV=FUSED_SCAN_ROWS, NW=4, STAGES=2),)
+    whole = tiles("whole V per program, two warpgroups; two-stage operand ring", num_warps=8,
+                  BV=2 * FUSED_SCAN_ROWS, NW=8, STAGES=2)
+    return whole, whole.with_("one stage where two do not fit", STAGES=1)
 
 
 def fused_forward_unsupported(q, v, A_log, num_seqs: int) -> Optional[str]:
@@ -507,7 +513,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
         if N > 0 and _scan_fused_unsupported(q, v, compile_device(dev)) is None:
             launch(_kda_bwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV),
-                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, NW=FUSED_SCAN_WARPS),
+                   dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None),
                    scan_fused_tiles(N * HV, compile_device(dev)))
         elif N > 0:
             launch(_kda_bwd_scan_kernel, lambda t: (triton.cdiv(V, t.get("BV")), N, HV),
