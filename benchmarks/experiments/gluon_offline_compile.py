@@ -78,17 +78,21 @@ def main():
             for name, kernel, ptrs, cx, warps in rows:
                 shared, report = ptxas_report(kernel, {**bf16, **ints, **ptrs}, cx, warps)
                 print(f"{name:18} g {gty} l2 {l2!s:5} shared {shared / 1024:6.1f} KB | {report}", flush=True)
-    # the training scans read neither g nor q, k: one specialisation per operand ring depth
-    scan = dict(K=128, V=128, BT=launch.TRAIN_CHUNK, BV=128, NW=launch.FUSED_SCAN_WARPS)
-    for st in (1, 2):
-        for name, kernel, cx in (
-                ("forward scan", kernels_scan_gluon._kda_fwd_scan_fused_kernel,
-                 dict(scan, USE_H0=False, STORE_FINAL=False, STORE_H=True, STAGES=st)),
-                ("reverse scan", kernels_scan_gluon._kda_bwd_scan_fused_kernel,
-                 dict(scan, USE_DHT=False, STORE_DH0=False, STAGES=st))):
-            shared, report = ptxas_report(kernel, {**bf16, **ints}, cx, launch.FUSED_SCAN_WARPS)
-            print(f"{name:18} stages {st}        shared {shared / 1024:6.1f} KB | {report}", flush=True)
-
+    # the training scans read neither g nor q, k: one specialisation per tiling (V blocks of 64 for few chains, the
+    # whole V for many: launch.scan_fused_tiles) and operand ring depth
+    for chains in (1, 1 << 20):
+        tilings = launch.scan_fused_tiles(chains, "cpu")
+        for bv, nw in sorted({(t.get("BV"), t.get("NW")) for t in tilings}):
+            for st in (1, 2):
+                scan = dict(K=128, V=128, BT=launch.TRAIN_CHUNK, BV=bv, NW=nw, STAGES=st)
+                for name, kernel, cx in (
+                        ("forward scan", kernels_scan_gluon._kda_fwd_scan_fused_kernel,
+                         dict(scan, USE_H0=False, STORE_FINAL=False, STORE_H=True)),
+                        ("reverse scan", kernels_scan_gluon._kda_bwd_scan_fused_kernel,
+                         dict(scan, USE_DHT=False, STORE_DH0=False))):
+                    shared, report = ptxas_report(kernel, {**bf16, **ints}, cx, nw)
+                    print(f"{name:18} BV {bv:3} stages {st} shared {shared / 1024:6.1f} KB | {report}",
+                          flush=True)
 
 if __name__ == "__main__":
     main()
