@@ -38,8 +38,9 @@ qs = scale q / |q|, ks = k / |k|):
 3. dAqk = dO u^T (lower) to bf16 (and, flagged, to DAQK); dA = -T^T dT T^T (strictly lower);
 4. by K slices of 16: fa = qs e^Gm, fb = ks e^-Gm, fc = b ks e^Gm to shared memory; the six products dAqk fb,
    dA fb, dA^T fc + dAqk^T fa, dqg = dO S^T, dkd = u dS^T, and dgc = sum_v S dS (flagged: dqg, dkd, dgc to DQG, DKD,
-   DGC); dq, dk, db and dG; dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc, set to 0 where
-   g < -FLOOR (a select: NaN stays NaN);
+   DGC); dq, dk, db and dG; dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc, formed as
+   sum(dG) + exclusive cumsum(kdd - dG) + e^G_last dgc (one forward scan), set to 0 where g < -FLOOR (a select:
+   NaN stays NaN);
 5. with use_qk_l2norm, the l2-norm backward of dq and dk (re-read where step 4 stored them, by the same threads).
 
 dq and dk go to DQO / DKO in their dtype (q's for one value head per query head: no fp32 round trip); with
@@ -513,7 +514,6 @@ if gluon is not None:
             dG0 = qs * eG * dqg
             dk0 = eL * dkd
             kdd = gl.convert_layout(ks * eL * dkd, CL)
-            dd0 = (gl.associative_scan(kdd, 0, _add) - kdd) + (_ex2(Gl * LOG2E) * dgc)[None, :]
             # 4e. dq, dk, db (the exponentials formed again here: shorter live ranges than holding them)
             eP = _ex2_here(Gm * LOG2E)
             dqs = dq0 + eP * d1
@@ -530,8 +530,13 @@ if gluon is not None:
             else:
                 gl.store(DQO + k0 + og, dqs * rq[:, None], mask=mrA[:, None])
                 gl.store(DKO + k0 + og, dks * rk[:, None], mask=mrA[:, None])
-            # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc (CL); the floor
-            dd = gl.convert_layout(gl.associative_scan(gl.convert_layout(dG, CL), 0, _add, reverse=True) + dd0, MA)
+            # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc, formed by one forward scan (CL):
+            #     sum(dG) + exclusive cumsum(kdd - dG) + e^G_last dgc (a reverse scan would reverse the warp's lanes
+            #     before and after it); the floor
+            dGc = gl.convert_layout(dG, CL)
+            x = kdd - dGc
+            dd = (gl.associative_scan(x, 0, _add) - x) + (gl.sum(dGc, 0) + _ex2(Gl * LOG2E) * dgc)[None, :]
+            dd = gl.convert_layout(dd, MA)
             dd = gl.where(d < -FLOOR, 0.0, dd)     # a select that keeps a NaN gate NaN
             gl.store(DG + k0 + og, dd, mask=mrA[:, None])
         gl.store(DB + (row0 + iA) * HV + hv, db, mask=mrA)
