@@ -636,6 +636,17 @@ def gsum(x, axis=None, keep_dims=False, dtype=None):
     return _t(r, dtype)
 
 
+def greduce(x, axis, combine_fn, keep_dims=False):
+    """``gl.reduce``: the combine folded along ``axis`` in index order (the compiled tree's order differs; the kernels
+    reduce with exact combines: bitwise and / or, max)."""
+    x = _t(x)
+    acc = None
+    for i in range(x.shape[int(axis)]):
+        cur = x.select(int(axis), i)
+        acc = cur if acc is None else _plain(combine_fn(acc, cur))
+    return _wrap(acc.unsqueeze(int(axis)) if keep_dims else acc)
+
+
 def associative_scan(x, axis, combine_fn, reverse=False):
     return _tagged(_associative_scan(x, axis, combine_fn, reverse), _lay(x))
 
@@ -701,7 +712,8 @@ gl_emu = types.SimpleNamespace(
     arange=arange, full=full, zeros=zeros, zeros_like=zeros_like, where=where,
     load=load, store=store, allocate_shared_memory=allocate_shared_memory, thread_barrier=thread_barrier,
     convert_layout=lambda x, layout=None, assert_trivial=False: _tagged(x, layout),
-    sum=_reduced(gsum), max=_reduced(gmax), min=_reduced(gmin), associative_scan=associative_scan,
+    sum=_reduced(gsum), max=_reduced(gmax), min=_reduced(gmin), reduce=_reduced(greduce),
+    associative_scan=associative_scan,
     maximum=_maximum, minimum=_minimum,
     exp=_unary(torch.exp), exp2=_unary(torch.exp2), log=_unary(torch.log), log2=_unary(torch.log2),
     sqrt=_unary(torch.sqrt), rsqrt=_unary(torch.rsqrt), abs=_unary(torch.abs),

@@ -168,6 +168,15 @@ def test_gluon_against_triton_factored_launch(B, T, H, HV, decay, cu, l2, monkey
         assert C.per_head_error(a, b, keep) <= BF16_TOL
 
 
+def test_nan_groups_flagged_as_triton(monkeypatch, factored_runs):
+    """A K slice NaN from row 5 of each chunk on (a 16-channel group NaN throughout, as the range test sees it): the
+    Gluon kernel flags the pairs the Triton kernel flags (the outputs there are NaN by design: not compared)."""
+    out, _ = _backward_twice(monkeypatch, factored_runs, 1, 200, 1, 2, "nan", (0, 120, 200), False)
+    flags = out["gluon"][0]["FLAGS"]
+    assert int(flags.sum()) > 0, "the NaN groups must flag their chunks"
+    assert torch.equal(flags, out["triton"][0]["FLAGS"])
+
+
 @pytest.mark.parametrize("B,T,cu,H,HV,l2,decay,fp32_gb", C.WHOLE)
 def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, factored_runs):
     C.whole_gradients_pass(DEV, B, T, cu, H, HV, l2, decay, fp32_gb)

@@ -73,3 +73,8 @@ def test_whole_gradients_against_float64(B, T, cu, H, HV, l2, decay, fp32_gb, cp
 @pytest.mark.parametrize("l2", [True, False])
 def test_bf16_g_and_beta_read_as_given(l2, cpu):
     BWD.test_bf16_g_and_beta_read_as_given(l2, cpu)
+
+
+@pytest.mark.slow
+def test_backward_nan_groups_flagged_as_triton(cpu):
+    BWD.test_nan_groups_flagged_as_triton(cpu, BWD.spy_factored(cpu))

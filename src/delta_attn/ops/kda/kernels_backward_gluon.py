@@ -33,13 +33,15 @@ qs = scale q / |q|, ks = k / |k|):
 0. row norms of q and k; T (fp32) to shared memory as T and T^T;
 1. by V slices of 64: dv = b (T^T dU), db = v . (T^T dU), dT = dU (b v)^T; du to shared memory as bf16;
 2. by K slices of 16: dW = -du S^T; dT += dW Kb^T, Kb = b ks e^G; dKb = T^T dW, whose terms b e^G dKb (of dk and,
-   times ks, of dG) go to DK, read back by the same threads in step 4, and e^G ks dKb to db; the flag test. A
+   times ks, of dG) go to DK, read back by the same threads in step 4, and e^G ks dKb to db; the range test's
+   marks per channel, reduced to the flag after the last slice (no cross-warp reduction per slice). A
    flagged pair then writes FLAGS and, slice by slice again, DW;
 3. dAqk = dO u^T (lower) to bf16 (and, flagged, to DAQK); dA = -T^T dT T^T (strictly lower);
 4. by K slices of 16: fa = qs e^Gm, fb = ks e^-Gm, fc = b ks e^Gm to shared memory; the six products dAqk fb,
    dA fb, dA^T fc + dAqk^T fa, dqg = dO S^T, dkd = u dS^T, and dgc = sum_v S dS (flagged: dqg, dkd, dgc to DQG, DKD,
-   DGC); dq, dk, db and dG; dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc, set to 0 where
-   g < -FLOOR (a select: NaN stays NaN);
+   DGC); dq, dk, db and dG; dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc, formed as
+   sum(dG) + exclusive cumsum(kdd - dG) + e^G_last dgc (one forward scan), set to 0 where g < -FLOOR (a select:
+   NaN stays NaN);
 5. with use_qk_l2norm, the l2-norm backward of dq and dk (re-read where step 4 stored them, by the same threads).
 
 dq and dk go to DQO / DKO in their dtype (q's for one value head per query head: no fp32 round trip); with
@@ -129,16 +131,24 @@ if gluon is not None:
         return gl.associative_scan(gl.convert_layout(df, CL), 0, _add)
 
     @gluon.jit
-    def _group_flag(mx, j, FACTOR_MAX: gl.constexpr, BK: gl.constexpr):
-        """1 when a 16-channel group fails the factored range test of the Triton kernel, else 0. mx: per channel
-        (j: 0 .. BK - 1) the max |G - G_mid| over the tokens (a NaN-ignoring max: NaN when all are NaN). The Triton
-        kernel's test is ``max <= FACTOR_MAX`` over a slice of 16 channels, its max NaN only when every entry is:
-        a group fails when one of its channels exceeds FACTOR_MAX or all of them are NaN."""
-        flag = gl.max(gl.where(mx > FACTOR_MAX, 1, 0), 0)
-        nan = gl.where(mx != mx, 1, 0)
-        for s in gl.static_range(BK // 16):
-            flag = gl.maximum(flag, gl.min(gl.where(j // 16 == s, nan, 1), 0))
-        return flag
+    def _and(a, b):
+        return a & b
+
+    @gluon.jit
+    def _range_marks(mx, k0, FACTOR_MAX: gl.constexpr, BK: gl.constexpr):
+        """A K slice's marks for the factored range test of the Triton kernel (``_group_flag``), per channel of the
+        slice (one 16-channel group; BK = 16): (1 where its max |G - G_mid| over the tokens exceeds FACTOR_MAX, the
+        group's bit k0 / 16 where that max is NaN, i.e. the channel is NaN throughout: a NaN-ignoring max)."""
+        gl.static_assert(BK == 16, "one K slice is one group of the range test")
+        return gl.where(mx > FACTOR_MAX, 1, 0), gl.where(mx != mx, 1 << (k0 // BK), 0)
+
+    @gluon.jit
+    def _group_flag(over, nans):
+        """1 when a 16-channel group fails the factored range test of the Triton kernel (``max <= FACTOR_MAX`` over
+        the group, its max NaN only when every entry is), else 0: some channel's max exceeds FACTOR_MAX, or every
+        channel of some group is NaN throughout. over, nans: per channel position of the K slices, the maximum and
+        the bitwise or over the slices of ``_range_marks``."""
+        return gl.maximum(gl.max(over, 0), gl.where(gl.reduce(nans, 0, _and) != 0, 1, 0))
 
     @gluon.jit
     def _chunk_program(chunk_info, H, HV):
@@ -304,7 +314,8 @@ if gluon is not None:
         dw_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
         kb_s = gl.allocate_shared_memory(gl.float32, [1, BT, BK], FK)
         dwt_s = gl.allocate_shared_memory(gl.float32, [1, BK, BT], F32)
-        flag = gl.to_tensor(0)
+        over = gl.zeros([BK], gl.int32, CC)         # the slices' range marks (_range_marks), reduced after them
+        nans = gl.zeros([BK], gl.int32, CC)
         for k0 in range(0, K, BK):
             z = _in_loop(0, k0)
             tt = tp_s.index(z + 1)
@@ -333,7 +344,9 @@ if gluon is not None:
             async_copy.commit_group()
             G = _cum_decay(d, mrA, CL, FLOOR)
             Gr = _row_at(G, iC, BT // 2 - 1)
-            flag = gl.maximum(flag, _group_flag(gl.max(gl.abs(G - Gr[None, :]), 0), jC, FACTOR_MAX, BK))
+            o1, n1 = _range_marks(gl.max(gl.abs(G - Gr[None, :]), 0), k0, FACTOR_MAX, BK)
+            over = gl.maximum(over, o1)
+            nans = nans | n1
             eG = gl.convert_layout(_ex2(G * LOG2E), MA)
             ks = kr * rk[:, None]
             kbv = bA[:, None] * ks * eG
@@ -355,6 +368,7 @@ if gluon is not None:
             db += gl.sum(eG * ks * dKb, 1)
             gl.store(DK + k0 + og, bA[:, None] * eG * dKb, mask=mrA[:, None])
         gl.thread_barrier()                         # step 2's reads of the slice buffers are done
+        flag = _group_flag(over, nans)
         if flag != 0:
             # redone by the EXACT launch (whatever is written here but its inputs: dW now, dAqk in step 3, dqg, dkd,
             # dgc in step 4)
@@ -513,7 +527,6 @@ if gluon is not None:
             dG0 = qs * eG * dqg
             dk0 = eL * dkd
             kdd = gl.convert_layout(ks * eL * dkd, CL)
-            dd0 = (gl.associative_scan(kdd, 0, _add) - kdd) + (_ex2(Gl * LOG2E) * dgc)[None, :]
             # 4e. dq, dk, db (the exponentials formed again here: shorter live ranges than holding them)
             eP = _ex2_here(Gm * LOG2E)
             dqs = dq0 + eP * d1
@@ -530,8 +543,13 @@ if gluon is not None:
             else:
                 gl.store(DQO + k0 + og, dqs * rq[:, None], mask=mrA[:, None])
                 gl.store(DKO + k0 + og, dks * rk[:, None], mask=mrA[:, None])
-            # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc (CL); the floor
-            dd = gl.convert_layout(gl.associative_scan(gl.convert_layout(dG, CL), 0, _add, reverse=True) + dd0, MA)
+            # 4f. dd = reverse cumsum(dG) + exclusive cumsum(kdd) + e^G_last dgc, formed by one forward scan (CL):
+            #     sum(dG) + exclusive cumsum(kdd - dG) + e^G_last dgc (a reverse scan would reverse the warp's lanes
+            #     before and after it); the floor
+            dGc = gl.convert_layout(dG, CL)
+            x = kdd - dGc
+            dd = (gl.associative_scan(x, 0, _add) - x) + (gl.sum(dGc, 0) + _ex2(Gl * LOG2E) * dgc)[None, :]
+            dd = gl.convert_layout(dd, MA)
             dd = gl.where(d < -FLOOR, 0.0, dd)     # a select that keeps a NaN gate NaN
             gl.store(DG + k0 + og, dd, mask=mrA[:, None])
         gl.store(DB + (row0 + iA) * HV + hv, db, mask=mrA)
