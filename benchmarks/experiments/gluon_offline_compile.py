@@ -94,5 +94,6 @@ def main():
                     print(f"{name:18} BV {bv:3} stages {st} shared {shared / 1024:6.1f} KB | {report}",
                           flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -351,11 +351,14 @@ def scan_fused_tiles(chains: int, device) -> Tuple[Tiles, ...]:
     tiles, read once instead of once per V block (8 warps, one program per SM; two-stage ring of 176-192 KB, one
     stage where that does not fit). Measured crossover on an H100 (132 SMs): V blocks faster at 16-64 chains, the
     whole V at 96 and more (docs/PERFORMANCE.md)."""
+    def block(why: str, bv: int) -> Tiles:
+        warps = 4 * bv // FUSED_SCAN_ROWS           # one warpgroup per 64 value rows; the kernels' NW
+        return tiles(why, num_warps=warps, BV=bv, NW=warps, STAGES=2)
+
     if 2 * chains <= sm_count(device):
-        return (tiles("V blocks of 64, one warpgroup, two-stage ring: the chains do not fill the SMs",
-                      num_warps=4, BV=FUSED_SCAN_ROWS, NW=4, STAGES=2),)
-    whole = tiles("whole V per program, two warpgroups; two-stage operand ring", num_warps=8,
-                  BV=2 * FUSED_SCAN_ROWS, NW=8, STAGES=2)
+        return (block("V blocks of 64, one warpgroup, two-stage ring: the chains do not fill the SMs",
+                      FUSED_SCAN_ROWS),)
+    whole = block("whole V per program, two warpgroups; two-stage operand ring", 2 * FUSED_SCAN_ROWS)
     return whole, whole.with_("one stage where two do not fit", STAGES=1)
 
 
