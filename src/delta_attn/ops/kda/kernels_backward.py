@@ -328,7 +328,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, A_log, dt_bias, chunk_info, TM,
         vc = v0 + tl.arange(0, BV)
         m = ch.mr[:, None] & (vc[None, :] < V)
         vs = tl.load(v + ch.v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
-        du = tl.load(DU + ch.v_off + vc[None, :], mask=m, other=0.0)
+        du = tl.load(DU + ch.v_off + vc[None, :], mask=m, other=0.0).to(tl.float32)
         dbv = tl.dot(tl.trans(T), du, input_precision=DOT_PREC)
         tl.store(DV + ch.v_off + vc[None, :], (ch.b[:, None] * dbv).to(DV.dtype.element_ty), mask=m)
         db += tl.sum(vs * dbv, 1)
