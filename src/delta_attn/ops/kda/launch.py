@@ -504,9 +504,9 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                                                           compile_device(dev)) is None
     if gluon_first:
         g, beta = _gluon_float(g), _gluon_float(beta)
-    # du in the work dtype where the Gluon kernels run (as FLA keeps it: half the reverse scan's largest store and
-    # the intra-chunk backward's read); fp32 for the Triton kernels' tf32 / IEEE products
-    DU = torch.empty(R, HV, V, dtype=prec.work if gluon_first else f32, device=dev)
+    # du in the work dtype, as FLA keeps it (bf16: half the reverse scan's largest store and the intra-chunk
+    # backward's read; the error rule holds with dv's error about twice the fp32 du's, docs/PERFORMANCE.md)
+    DU = torch.empty(R, HV, V, dtype=prec.work, device=dev)
     DH = torch.empty(HS.shape, dtype=prec.work, device=dev)
     DQG = torch.empty(R, HV, K, dtype=f32, device=dev)
     DKD, DW = (torch.empty(R, HV, K, dtype=f32, device=dev) for _ in range(2))
