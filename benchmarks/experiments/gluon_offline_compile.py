@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--g", default="fp32,bf16", help="g's (and the training kernels' beta's) dtypes")
     args = ap.parse_args()
     bf16 = {n: "*bf16" for n in ("q", "k", "v", "o", "DO", "DV", "DQO", "DKO", "HS", "DH", "QG", "KD", "W", "U",
-                                 "AQK", "O", "VNEW")}
+                                 "AQK", "O", "VNEW", "DU")}
     ints = {n: "*i32" for n in ("cu", "chunk_info", "FLAGS", "seq_info")}
     common = dict(K=128, FACTOR_MAX=launch.FACTOR_MAX)
     for gty in args.g.split(","):

@@ -106,3 +106,33 @@ def test_kvcache_memoized_checks_still_refuse_bad_input():
         with pytest.raises(TypeError, match="causal must be a bool"):
             run(cache_seqlens=lens, causal=1)
     run(cache_seqlens=7)
+
+
+def test_fitted_tiles_follow_the_triton_specialisation(monkeypatch):
+    """The tiles fitted to the shared memory are cached per specialisation Triton compiles: an int argument that is
+    a multiple of 16 in one call and not in the next (or a tensor address aligned or not) compiles another kernel,
+    whose need may differ; the cached fit of the first must not launch the second past the limit."""
+    from delta_attn.ops import _launch
+
+    class Kernel:                      # needs twice the shared memory where its int argument is not a multiple of 16
+        def __init__(self):
+            self.launched = []
+
+        def warmup(self, x, n, grid, BLOCK, num_warps, num_stages):
+            shared = BLOCK * 1024 * (1 if n % 16 == 0 else 2)
+            return type("Compiled", (), {"metadata": type("M", (), {"shared": shared})(),
+                                         "_init_handles": lambda self: None})()
+
+        def __getitem__(self, grid):
+            return lambda x, n, BLOCK, num_warps, num_stages: self.launched.append((n, BLOCK))
+
+    monkeypatch.setattr(_launch, "shared_memory", lambda device: 160 * 1024)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    kernel, x, cuda = Kernel(), torch.zeros(4), torch.device("cuda", 0)
+    candidates = (tiles("big", BLOCK=128), tiles("small", BLOCK=64))
+    for n in (256, 300, 512, 301):
+        _launch._run(_launch._Launch(kernel, lambda t: (1,), (x, n), {}, candidates, cuda))
+    assert kernel.launched == [(256, 128), (300, 64), (512, 128), (301, 64)]
+    unaligned = torch.zeros(5)[1:]      # 4 bytes past an aligned address
+    assert _launch._specialisation(x) != _launch._specialisation(unaligned)
+    assert _launch._specialisation(1) != _launch._specialisation(17) != _launch._specialisation(32)

@@ -115,11 +115,22 @@ def halving(first: Tiles, names: Tuple[str, ...], floor: int = 16) -> Tuple[Tile
 _FITTED: Dict[tuple, Tiles] = {}
 
 
+def _specialisation(a) -> tuple:
+    """What Triton compiles a separate kernel for, per argument: a tensor's dtype and whether its address is
+    16-byte aligned, an int's being 1 or a multiple of 16, another scalar's type. The same tiles can need more
+    shared memory in one specialisation than in another (a fit cached across them let a launch exceed it)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, int) and not isinstance(a, bool):
+        return (int, a == 1, a % 16 == 0)
+    return (type(a),)
+
+
 def _fitted_key(kernel, args, fixed: dict, candidates: Sequence[Tiles], device_index) -> tuple:
-    """The specialisation whose fitted tiles :func:`launch` caches: kernel, argument dtypes (tensors) or
-    types (scalars), constexprs, device and candidates."""
-    dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args)
-    return (kernel, dtypes, tuple(sorted(fixed.items())), device_index, tuple(candidates))
+    """The specialisation whose fitted tiles :func:`launch` caches: kernel, each argument's
+    :func:`_specialisation`, constexprs, device and candidates."""
+    spec = tuple(_specialisation(a) for a in args)
+    return (kernel, spec, tuple(sorted(fixed.items())), device_index, tuple(candidates))
 
 
 def fit(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict, candidates: Sequence[Tiles],
