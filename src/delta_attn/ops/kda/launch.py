@@ -68,18 +68,18 @@ class Precision:
 
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
-    """bf16: the scans' dots take the bf16-stored intermediates as they are (bf16 tensor-core products); the forward
-    intra-chunk products (inference and training) on bf16 operands (bf16 tensor-core rate; their results are stored
-    in bf16); the UT transform's U and W on fp32 operands in tf32, every K (with T as a bf16 register operand both
-    came out wrong on the GPU: kernels_intra._kda_apply_ut); tf32 for the fp32 tiles of the triangular inverse and
-    of the backward's per-chunk products. fp16: exact per-chunk dots (fp16's range is too narrow for the
-    UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles fp16's rounding (H200 property seeds: output
-    8 % over the rule with a tf32 forward scan, dbeta 60 % over with tf32 backward scans), so fp16 scans run 3xTF32
-    or IEEE: the inference forward scan in 3xTF32 for K <= 128; the training forward scan in 3xTF32 for K <= 64 and
-    IEEE above (3xTF32 training scans with a 128-wide state tile read out of bounds on the H200); the backward scans
-    in IEEE. fp32: exact (IEEE) everywhere unless ``allow_tf32``. With exact dots (fp32) the cumulative log decays
-    are kept in two floats (``kernels_gate._kda_cumsum``: one fp32 loses too much of an exponent G_i - G_j formed
-    near the end of a strongly decaying 64-token chunk).
+    """bf16: the scans' dots take the bf16-stored intermediates as they are (bf16 tensor-core products; the training
+    backward's du is one of them); the forward intra-chunk products (inference and training) on bf16 operands (bf16
+    tensor-core rate; their results are stored in bf16); the UT transform's U and W on fp32 operands in tf32, every K
+    (with T as a bf16 register operand both came out wrong on the GPU: kernels_intra._kda_apply_ut); tf32 for the fp32
+    tiles of the triangular inverse and of the backward's per-chunk products. fp16: exact per-chunk dots (fp16's range
+    is too narrow for the UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles fp16's rounding (H200
+    property seeds: output 8 % over the rule with a tf32 forward scan, dbeta 60 % over with tf32 backward scans), so
+    fp16 scans run 3xTF32 or IEEE: the inference forward scan in 3xTF32 for K <= 128; the training forward scan in
+    3xTF32 for K <= 64 and IEEE above (3xTF32 training scans with a 128-wide state tile read out of bounds on the H200);
+    the backward scans in IEEE. fp32: exact (IEEE) everywhere unless ``allow_tf32``. With exact dots (fp32) the
+    cumulative log decays are kept in two floats (``kernels_gate._kda_cumsum``: one fp32 loses too much of an exponent
+    G_i - G_j formed near the end of a strongly decaying 64-token chunk).
 
     fp16 and fp32 inputs take tf32 dots on fp32 tiles only for K <= 128: with K > 128 (a 256-wide padded state
     tile) Triton 3.6's tf32 kernels read out of bounds on the H200 (illegal address in the fp16 training backward,
