@@ -118,7 +118,7 @@ _FITTED: Dict[tuple, Tiles] = {}
 def _specialisation(a) -> tuple:
     """What Triton compiles a separate kernel for, per argument: a tensor's dtype and whether its address is
     16-byte aligned, an int's being 1 or a multiple of 16, another scalar's type. The same tiles can need more
-    shared memory in one specialisation than in another (a fit cached across them let a launch exceed it)."""
+    shared memory in one specialisation than in another, so each is fitted on its own."""
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
     if isinstance(a, int) and not isinstance(a, bool):
