@@ -134,5 +134,9 @@ def test_fitted_tiles_follow_the_triton_specialisation(monkeypatch):
         _launch._run(_launch._Launch(kernel, lambda t: (1,), (x, n), {}, candidates, cuda))
     assert kernel.launched == [(256, 128), (300, 64), (512, 128), (301, 64)]
     unaligned = torch.zeros(5)[1:]      # 4 bytes past an aligned address
-    assert _launch._specialisation(x) != _launch._specialisation(unaligned)
-    assert _launch._specialisation(1) != _launch._specialisation(17) != _launch._specialisation(32)
+
+    def key(*args):
+        return _launch._fitted_key(kernel, args, {}, candidates, 0)
+    assert key(x, 7) != key(unaligned, 7)
+    assert len({key(x, 1), key(x, 17), key(x, 32)}) == 3
+    assert key(x, 17) == key(x, 19) and key(x, True) != key(x, 1)

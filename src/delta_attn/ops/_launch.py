@@ -115,21 +115,14 @@ def halving(first: Tiles, names: Tuple[str, ...], floor: int = 16) -> Tuple[Tile
 _FITTED: Dict[tuple, Tiles] = {}
 
 
-def _specialisation(a) -> tuple:
-    """What Triton compiles a separate kernel for, per argument: a tensor's dtype and whether its address is
-    16-byte aligned, an int's being 1 or a multiple of 16, another scalar's type. The same tiles can need more
-    shared memory in one specialisation than in another, so each is fitted on its own."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, int) and not isinstance(a, bool):
-        return (int, a == 1, a % 16 == 0)
-    return (type(a),)
-
-
 def _fitted_key(kernel, args, fixed: dict, candidates: Sequence[Tiles], device_index) -> tuple:
-    """The specialisation whose fitted tiles :func:`launch` caches: kernel, each argument's
-    :func:`_specialisation`, constexprs, device and candidates."""
-    spec = tuple(_specialisation(a) for a in args)
+    """The specialisation whose fitted tiles :func:`launch` caches: kernel; per argument what Triton compiles a
+    separate kernel for (a tensor's dtype and whether its address is 16-byte aligned, an int's being 1 or a
+    multiple of 16, another scalar's type: the same tiles can need more shared memory in one specialisation than
+    in another, so each is fitted on its own); constexprs, device and candidates. One pass over the arguments, on
+    every launch."""
+    spec = tuple((a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                 else (a == 1, not a & 15) if type(a) is int else type(a) for a in args)
     return (kernel, spec, tuple(sorted(fixed.items())), device_index, tuple(candidates))
 
 
