@@ -1,5 +1,8 @@
-"""The host-side caches of an eager call: the dispatcher's cache of choices and the memoized static checks of the
-decode steps (``_checks.memoized``). Neither may change what a call chooses or which input it refuses."""
+"""The host-side caches of an eager call: the dispatcher's cache of choices, the memoized static checks of the
+decode steps (``_checks.memoized``) and the launch layer's fitted tiles. None may change what a call chooses or
+which input it refuses, nor launch a kernel past the device's shared memory."""
+import contextlib
+
 import pytest
 import torch
 
@@ -127,7 +130,7 @@ def test_fitted_tiles_follow_the_triton_specialisation(monkeypatch):
             return lambda x, n, BLOCK, num_warps, num_stages: self.launched.append((n, BLOCK))
 
     monkeypatch.setattr(_launch, "shared_memory", lambda device: 160 * 1024)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     kernel, x, cuda = Kernel(), torch.zeros(4), torch.device("cuda", 0)
     candidates = (tiles("big", BLOCK=128), tiles("small", BLOCK=64))
     for n in (256, 300, 512, 301):
