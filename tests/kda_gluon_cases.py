@@ -101,13 +101,21 @@ def whole_gradients_pass(dev, B, T, cu, H, HV, l2, decay, fp32_gb, planted=slice
 
 def spy_check_order(monkeypatch):
     """The order in which a call enqueues its work: ("reduce", numel, stream, requires_grad) for every
-    ``Tensor.amax`` (the current CUDA stream then, None on the CPU), ("kernel", name) for every Triton / Gluon
-    launch through ``_launch._run`` and ("kernel", "fused_forward") for the fused forward (launched directly). The
-    g <= 0 check's reduction of g must come before the call's first kernel."""
-    from delta_attn.ops import _launch
+    ``Tensor.amax`` (the current CUDA stream then, None on the CPU) and every reduction of ``ops/_decay_max.py``
+    (the stream it is enqueued on), ("kernel", name) for every Triton / Gluon launch through ``_launch._run`` and
+    ("kernel", "fused_forward") for the fused forward (launched directly). The g <= 0 check's reduction of g must
+    come before the call's first kernel."""
+    from delta_attn.ops import _decay_max, _launch
     from delta_attn.ops.kda import launch
     events = []
     real_run, real_fused, real_amax = _launch._run, launch.fused_forward, torch.Tensor.amax
+    real_small = _decay_max.start_positive_max
+
+    def small(x, stream):
+        read = real_small(x, stream)
+        if read is not None:
+            events.append(("reduce", x.numel(), stream, x.requires_grad))
+        return read
 
     def run(p):
         events.append(("kernel", kernel_name(p.kernel)))
@@ -125,6 +133,7 @@ def spy_check_order(monkeypatch):
     monkeypatch.setattr(_launch, "_run", run)
     monkeypatch.setattr(launch, "fused_forward", fused)
     monkeypatch.setattr(torch.Tensor, "amax", amax)
+    monkeypatch.setattr(_decay_max, "start_positive_max", small)
     return events
 
 

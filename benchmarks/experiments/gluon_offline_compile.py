@@ -18,17 +18,19 @@ import triton.backends.nvidia as nvidia  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from delta_attn.ops import _decay_max  # noqa: E402
 from delta_attn.ops.kda import kernels_backward_gluon, kernels_fused, kernels_intra_gluon, kernels_scan_gluon  # noqa: E402,E501
 from delta_attn.ops.kda import launch  # noqa: E402
 
 
-def ptxas_report(kernel, pointers, constexprs, warps):
+def ptxas_report(kernel, pointers, constexprs, warps, divisible=()):
     """(shared bytes, ptxas's register / spill lines) of one specialisation; every pointer 16-byte aligned, as the
-    launcher specialises them."""
+    launcher specialises them, and the ints named in ``divisible`` multiples of 16."""
     names = kernel.arg_names
     sig = {n: ("constexpr" if n in constexprs else "fp32" if n == "scale" else
                "i32" if n in ("T", "H", "HQ", "HV", "GROUP") else pointers.get(n, "*fp32")) for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in divisible}
     src = GluonASTSource(kernel, sig, {(names.index(n),): v for n, v in constexprs.items()}, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as d:
@@ -50,7 +52,7 @@ def main():
                                  "AQK", "O", "VNEW", "DU")}
     ints = {n: "*i32" for n in ("cu", "chunk_info", "FLAGS", "seq_info")}
     common = dict(K=128, FACTOR_MAX=launch.FACTOR_MAX)
-    for gty in args.g.split(","):
+    for gty in [t for t in args.g.split(",") if t]:
         bits = 16 if gty in ("bf16", "fp16") else 32
         for l2 in (True, False):
             # the fused forward reads g in float32 (launch.fused_forward widens a 16-bit one); the training
@@ -93,6 +95,13 @@ def main():
                     shared, report = ptxas_report(kernel, {**bf16, **ints}, cx, nw)
                     print(f"{name:18} BV {bv:3} stages {st} shared {shared / 1024:6.1f} KB | {report}",
                           flush=True)
+    # the g check's reduction for training calls: one program per SM beside two of the training intra-chunk kernel
+    for xty in ("fp32", "bf16"):
+        shared, report = ptxas_report(_decay_max._positive_max_kernel,
+                                      dict(x=f"*{xty}", partial="*fp32", n="i32", per_program="i32"),
+                                      dict(BLOCK=_decay_max.BLOCK, STAGES=_decay_max.STAGES), _decay_max.WARPS,
+                                      divisible=("n", "per_program"))
+        print(f"{'g check max':18} x {xty}  shared {shared / 1024:6.1f} KB | {report}", flush=True)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,7 @@ class PendingChecks:
 
     def __init__(self):
         self.decays: List[_DecayCheck] = []
+        self.device_max: Optional[Callable[[torch.Tensor, Any], Optional[Callable[[], float]]]] = None
 
     @contextlib.contextmanager
     def routing(self):
@@ -205,11 +206,14 @@ class PendingChecks:
         finally:
             _ROUTING.reset(token)
 
-    def run(self, route: Callable[[], Callable[[Any], Any]], args: Any) -> Any:
+    def run(self, route: Callable[[], Callable[[Any], Any]], args: Any, device_max=None) -> Any:
         """``route()(args)`` with the checks in their places: ``route`` (which chooses the backend) inside
-        :meth:`routing`, then :meth:`start`, the chosen implementation, :meth:`finish`."""
+        :meth:`routing`, then :meth:`start`, the chosen implementation, :meth:`finish`. ``device_max(g, stream)``:
+        a reduction of the operators' layer that :meth:`start` enqueues instead of torch's ``amax`` where it returns
+        a reader (``ops/_prepare.positive_max_on_gpu``: for calls whose kernels leave room on every SM)."""
         with self.routing():
             impl = route()
+        self.device_max = device_max
         self.start()
         try:
             out = impl(args)
@@ -223,7 +227,7 @@ class PendingChecks:
         """Each unsettled check's reduction and host copy, enqueued now (before the call's kernels)."""
         for d in self.decays:
             if d.top is None:
-                d.top = _start_max_read(d.g)
+                d.top = _start_max_read(d.g, self.device_max)
 
     def finish(self) -> None:
         """Each deferred check's verdict (each raises on a bad value): the host read :meth:`start` enqueued, or
@@ -262,16 +266,20 @@ def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[float], None]]:
     return None
 
 
-def _start_max_read(x: torch.Tensor) -> Callable[[], float]:
-    """A function returning ``x.amax().item()``. On CUDA the reduction and its copy to pinned memory run on a
-    high-priority side stream that first waits for the work enqueued so far on the current one (x's producers);
-    work enqueued after it on the current stream does not wait for it, and the function waits for the copy's event
-    alone. The caller keeps x alive until it has called the function."""
+def _start_max_read(x: torch.Tensor, device_max=None) -> Callable[[], float]:
+    """A function returning ``x.amax().item()``, or max(0, x) with NaN read as 0 where ``device_max`` (see
+    :meth:`PendingChecks.run`) reads x: the same verdict of :func:`_decay_verdict`. On CUDA the reduction and its
+    copy to pinned memory run on a high-priority side stream that first waits for the work enqueued so far on the
+    current one (x's producers); work enqueued after it on the current stream does not wait for it, and the
+    function waits for the copy's event alone. The caller keeps x alive until it has called the function."""
     if x.device.type != "cuda":
         value = x.detach().amax().item()
         return lambda: value
     side = _side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
+    read = device_max(x.detach(), side) if device_max is not None else None
+    if read is not None:
+        return read
     with torch.cuda.stream(side):
         top = x.detach().amax()     # no autograd node on this stream (x's AccumulateGrad would run on it)
         host = torch.empty((), dtype=top.dtype, pin_memory=True)

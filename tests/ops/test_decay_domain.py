@@ -153,6 +153,23 @@ def test_triton_kda_reduces_g_before_its_kernels(grad, nan, monkeypatch):
     assert torch.isfinite(o[1]).all()
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_training_calls_take_the_small_reduction(grad, monkeypatch):
+    """``da.kda`` hands the check the small reduction of ``ops/_decay_max.py`` (``_prepare.positive_max_on_gpu``)
+    when the call trains (its kernels leave room on every SM) and torch's amax otherwise (the fused inference
+    forward takes every register); gated_diag_attn always takes amax."""
+    from delta_attn.ops._prepare import positive_max_on_gpu
+    seen, real_run = [], _checks.PendingChecks.run
+    monkeypatch.setattr(_checks.PendingChecks, "run",
+                        lambda self, route, args, device_max=None: seen.append(device_max)
+                        or real_run(self, route, args, device_max))
+    q, k, v = (torch.randn(2, 40, H, D) for _ in range(3))
+    q.requires_grad_(grad)
+    da.kda(q, k, v, -torch.rand(2, 40, H, D), torch.rand(2, 40, H), backend="triton")
+    da.gated_diag_attn(q, k, v, -torch.rand(2, 40, H, D), backend="triton")
+    assert seen == [positive_max_on_gpu if grad else None, None]
+
+
 def test_a_call_failing_after_the_reduction_raises_its_own_error(monkeypatch):
     """A call whose implementation fails after the check's reduction was started raises that failure (not the
     check's verdict, even for a positive g), having waited for the reduction (``PendingChecks.settle``)."""

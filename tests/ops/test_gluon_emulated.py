@@ -65,6 +65,29 @@ def test_fused_forward_positive_decay_reduced_first(nan, cpu):
     FUSED.test_positive_decay_raises_after_the_launch("kda", nan, FUSED.spy_fused(cpu, FORMS[0]), cpu)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plant", [None, "first", "last"])
+def test_positive_max_kernel(dtype, plant):
+    """ops/_decay_max.py's reduction for the g <= 0 check: each program's max(0, its share), NaN read as 0, shares
+    of whole stages with a partial last one and programs past the end, against torch."""
+    from delta_attn.ops import _decay_max
+    n, programs, block = 512 * 9 + 48, 4, 512
+    per = -(-n // (programs * block)) * block
+    gen = torch.Generator().manual_seed(3)
+    x = (-torch.rand(n, generator=gen)).to(dtype)
+    x[100] = float("nan")
+    if plant == "first":
+        x[0] = 0.5
+    elif plant == "last":
+        x[-1] = 0.25
+    partial = torch.full((programs,), float("nan"))
+    E.run_kernel(_decay_max._positive_max_kernel, (programs,), x, partial, n, per, BLOCK=block, STAGES=4,
+                 num_warps=4)
+    want = [x[i * per:(i + 1) * per].float().nan_to_num(0.0).clamp_min(0.0).max().item() if i * per < n else 0.0
+            for i in range(programs)]
+    assert partial.tolist() == want
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the emulator's hazard checks: one small kernel per rule, run correct and broken
 

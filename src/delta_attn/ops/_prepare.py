@@ -62,3 +62,10 @@ def shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one program may use on a CUDA device (Triton's driver query)."""
     from triton.runtime import driver
     return int(driver.active.utils.get_device_properties(device.index)["max_shared_mem"])
+
+
+def positive_max_on_gpu(x: torch.Tensor, stream):
+    """``ops/_decay_max.start_positive_max``, the g <= 0 check's reduction for ``_checks.PendingChecks``, imported
+    on the first call (it holds a Gluon kernel: importing the operators imports no Triton)."""
+    from ._decay_max import start_positive_max
+    return start_positive_max(x, stream)

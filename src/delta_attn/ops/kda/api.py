@@ -14,6 +14,7 @@ import torch
 from ... import _checks as C
 from ...backends import Call, explain_call, select
 from ...reference import ACCUMULATION_DTYPES
+from .._prepare import positive_max_on_gpu
 from . import cudnn, register
 from .args import KDAArgs
 
@@ -188,7 +189,10 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     pending = C.PendingChecks()      # g's range: reduced before the kernels, read after (outputs are new)
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32, pending)
-    return pending.run(lambda: select(_call(args, "kda", backend), backend), args)
+    # a training call's kernels leave room on every SM for the small reduction (ops/_decay_max.py); the fused
+    # inference forward takes every register, where torch's amax finishes sooner (docs/PERFORMANCE.md)
+    return pending.run(lambda: select(_call(args, "kda", backend), backend), args,
+                       positive_max_on_gpu if args.needs_grad() else None)
 
 
 def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_tokens=None, scale=None,
