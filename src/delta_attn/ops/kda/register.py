@@ -32,21 +32,17 @@ _TRITON = dict(device_types=("cuda", "cpu"), dtypes=(torch.float16, torch.bfloat
                features=FEATURES, requires=("triton",), install_hint=_install.TRITON, head_dims=_triton_head_dims)
 
 
-# auto: cuDNN's KDA first for training calls on dense batches of sequences up to these lengths (tokens per sequence):
-# where Triton's training runs on its Triton kernels, and where it runs on its Gluon ones (sm_90, Triton 3.6)
+# auto: cuDNN's KDA first for training calls on dense batches of sequences up to this length (tokens per sequence),
+# where Triton's training runs its Triton kernels; never where it runs its Gluon ones (sm_90, Triton 3.6)
 CUDNN_TRAINING_MAX_SEQLEN = 32768
-CUDNN_OVER_GLUON_MAX_SEQLEN = 2048
 CUDNN_WHY = ("training on dense sequences of <= 32768 tokens where Triton's training runs its Triton kernels (not "
              "its sm_90 Gluon ones: Triton is not 3.6): cuDNN's KDA measured 1.45-2.2x faster forward+backward "
              "(H100, 65536 tokens per batch, sequences of 512-32768; docs/DISPATCH.md)")
-CUDNN_OVER_GLUON_WHY = ("training on dense sequences of <= 2048 tokens: cuDNN's KDA measured 1.07-1.12x faster "
-                        "forward+backward than Triton's Gluon training kernels (H200, 64 x 1024 and 16 x 2048, 16 "
-                        "heads; docs/DISPATCH.md)")
 TRITON_WHY = {
-    "gluon": ("training on dense sequences longer than 2048 tokens, where Triton's training runs its sm_90 Gluon "
-              "kernels: with long-memory decays (trained gates) they measured 1.02x cuDNN at 4096 tokens and "
-              "1.55-1.75x on sequences of 16384-131072; with strong decays cuDNN's shortened warm-up makes it "
-              "1.1-1.8x faster (H200; docs/DISPATCH.md)"),
+    "gluon": ("training where Triton's training runs its sm_90 Gluon kernels: through the two backends, each with "
+              "its g check, they measured 1.06-1.19x faster forward+backward than cuDNN's KDA on batches of 1024-4096-"
+              "token sequences with long-memory decays (H100; cuDNN's engine refuses strong decays, g < -5) and "
+              "1.55-1.75x on sequences of 16384-131072 (H200); shorter sequences not measured (docs/DISPATCH.md)"),
     "grad": "training on sequences longer than 32768 tokens: Triton and cuDNN measured even (1.05x at 65536)",
     "varlen": "packed (varlen) batch: each new token total builds a cuDNN graph (about 40 ms), so Triton",
     "forward": ("forward only: Triton, whose fused Gluon kernel runs bf16, K = V = 128 calls without gate parameters "
@@ -66,21 +62,17 @@ def _triton_trains_on_gluon(call: Call) -> bool:
     return _gluon.kernels_release(call.device)
 
 
-def _cudnn_max_seqlen(call: Call) -> int:
-    """The longest dense sequence for which ``auto`` tries cuDNN first."""
-    return CUDNN_OVER_GLUON_MAX_SEQLEN if _triton_trains_on_gluon(call) else CUDNN_TRAINING_MAX_SEQLEN
-
-
 def prefers_cudnn(call: Call) -> bool:
     """Whether ``auto`` tries cuDNN first for a ``kda`` call: a training call on a dense batch of sequences of at
-    most :func:`_cudnn_max_seqlen` tokens, on the sm_90 GPU cuDNN's engine runs, that cuDNN declares it can run
-    (decay range aside: ``api.py`` reads it only when this holds)."""
+    most CUDNN_TRAINING_MAX_SEQLEN tokens, on the sm_90 GPU cuDNN's engine runs, that cuDNN declares it can run
+    (decay range aside: ``api.py`` reads it only when this holds) and Triton's training would run on its Triton
+    kernels (its Gluon ones measured faster)."""
     if call.op != "kda" or not call.needs_grad or call.device.type != "cuda" or not call.seqlen \
             or "varlen" in call.features:
         return False
-    if call.seqlen > _cudnn_max_seqlen(call) or B.device_capability(call.device) != cudnn.SM90:
+    if call.seqlen > CUDNN_TRAINING_MAX_SEQLEN or B.device_capability(call.device) != cudnn.SM90:
         return False
-    return not B.BACKENDS["cudnn"].not_supported_reasons(call)
+    return not B.BACKENDS["cudnn"].not_supported_reasons(call) and not _triton_trains_on_gluon(call)
 
 
 def auto_policy(call: Call):
@@ -90,7 +82,7 @@ def auto_policy(call: Call):
 
 def _auto_note(call: Call) -> str:
     if prefers_cudnn(call):
-        return CUDNN_OVER_GLUON_WHY if _triton_trains_on_gluon(call) else CUDNN_WHY
+        return CUDNN_WHY
     if call.device.type != "cuda":
         return "not a CUDA call: Triton (the interpreter on CPU), then the reference"
     if not call.needs_grad:
@@ -99,8 +91,8 @@ def _auto_note(call: Call) -> str:
         return TRITON_WHY["varlen"]
     if call.seqlen > CUDNN_TRAINING_MAX_SEQLEN:
         return TRITON_WHY["grad"]
-    if call.seqlen > _cudnn_max_seqlen(call):
-        return TRITON_WHY["gluon"]
+    if B.device_capability(call.device) == cudnn.SM90 and not B.BACKENDS["cudnn"].not_supported_reasons(call):
+        return TRITON_WHY["gluon"]         # cuDNN could run it: not first only because of the Gluon kernels
     return "Triton first: cuDNN cannot run this call (its reasons are listed)"
 
 
