@@ -67,7 +67,8 @@ def main():
                         row[backend] = float("nan")
                         row[backend + "_error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 if len(outs) == 2:
-                    row["rel_diff"] = float((outs["triton"] - outs["cudnn"]).abs().max() / outs["triton"].abs().max())
+                    a, b = outs["triton"].detach(), outs["cudnn"].detach()
+                    row["rel_diff"] = float((a - b).abs().max() / a.abs().max())
                 row["cudnn_speedup"] = row["triton"] / row["cudnn"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
