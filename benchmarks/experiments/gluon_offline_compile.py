@@ -23,16 +23,17 @@ from delta_attn.ops.kda import kernels_backward_gluon, kernels_fused, kernels_in
 from delta_attn.ops.kda import launch  # noqa: E402
 
 
-def ptxas_report(kernel, pointers, constexprs, warps, divisible=()):
+def ptxas_report(kernel, pointers, constexprs, warps, divisible=(), options=None):
     """(shared bytes, ptxas's register / spill lines) of one specialisation; every pointer 16-byte aligned, as the
-    launcher specialises them, and the ints named in ``divisible`` multiples of 16."""
+    launcher specialises them, and the ints named in ``divisible`` multiples of 16; ``options``: the launch's
+    compile options beyond num_warps (maxnreg)."""
     names = kernel.arg_names
     sig = {n: ("constexpr" if n in constexprs else "fp32" if n == "scale" else
                "i32" if n in ("T", "H", "HQ", "HV", "GROUP") else pointers.get(n, "*fp32")) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in divisible}
     src = GluonASTSource(kernel, sig, {(names.index(n),): v for n, v in constexprs.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **(options or {})})
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
@@ -78,7 +79,9 @@ def main():
                  launch.FUSED_BWD_WARPS),
             ]
             for name, kernel, ptrs, cx, warps in rows:
-                shared, report = ptxas_report(kernel, {**bf16, **ints, **ptrs}, cx, warps)
+                ws = kernel is kernels_fused._kda_fused_ws_kernel      # launched at WS_MAXNREG
+                shared, report = ptxas_report(kernel, {**bf16, **ints, **ptrs}, cx, warps,
+                                              options=dict(maxnreg=kernels_fused.WS_MAXNREG) if ws else None)
                 print(f"{name:18} g {gty} l2 {l2!s:5} shared {shared / 1024:6.1f} KB | {report}", flush=True)
     # the training scans read neither g nor q, k: one specialisation per tiling (V blocks of 64 for few chains, the
     # whole V for many: launch.scan_fused_tiles) and operand ring depth

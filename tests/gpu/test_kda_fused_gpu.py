@@ -45,7 +45,8 @@ def spy_fused(monkeypatch, form: str):
     monkeypatch.setattr(launch, "FUSED_MIN_PROGRAMS", 1)
     ws = form == FORMS[1]
     monkeypatch.setattr(launch, "fused_kernel", lambda pairs, device: (
-        (launch._kda_fused_ws_kernel, dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS)) if ws
+        (launch._kda_fused_ws_kernel, dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS, maxnreg=launch.FUSED_WS_MAXNREG))
+        if ws
         else (launch._kda_fused_fwd_kernel, {})))
     runs = []
     real = launch.fused_forward

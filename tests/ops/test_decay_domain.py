@@ -170,6 +170,19 @@ def test_training_calls_take_the_small_reduction(grad, monkeypatch):
     assert seen == [positive_max_on_gpu if grad else None, None]
 
 
+@pytest.mark.parametrize("fits", [False, True])
+def test_inference_calls_take_the_small_reduction_where_it_fits(fits, monkeypatch):
+    """A CUDA inference call takes the small reduction where its kernels leave it room
+    (``launch.check_fits_beside``: the fused forward's warp-specialised form), torch's amax elsewhere."""
+    import types
+    from delta_attn.ops._prepare import positive_max_on_gpu
+    from delta_attn.ops.kda import api, launch
+    monkeypatch.setattr(launch, "check_fits_beside", lambda q, v, A_log, num_seqs: fits)
+    args = types.SimpleNamespace(q=types.SimpleNamespace(is_cuda=True), v=None, A_log=None, num_seqs=8,
+                                 needs_grad=lambda: False)
+    assert api._check_reduction(args) is (positive_max_on_gpu if fits else None)
+
+
 def test_a_call_failing_after_the_reduction_raises_its_own_error(monkeypatch):
     """A call whose implementation fails after the check's reduction was started raises that failure (not the
     check's verdict, even for a positive g), having waited for the reduction (``PendingChecks.settle``)."""

@@ -58,15 +58,23 @@ def test_cpu_calls_take_the_split_kernels():
     assert "CUDA" in launch.fused_forward_unsupported(q, v, None, num_seqs=8)
 
 
-@pytest.mark.parametrize("checked", [True, False])
 @pytest.mark.parametrize("pairs", [1, 66, 67, 132, 133, 1024])
-def test_form_by_program_count(hopper, monkeypatch, pairs, checked):
-    """The warp-specialised form (one program per SM, its registers all taken) where the (sequence, value head)
-    programs leave half the SMs free, or fill no more than the SMs with no g check to run beside them; else two
-    one-warpgroup programs per SM."""
+def test_form_by_program_count(hopper, monkeypatch, pairs):
+    """The warp-specialised form (one program per SM, launched at WS_MAXNREG registers per thread) where the
+    (sequence, value head) programs fill no more than the SMs; else two one-warpgroup programs per SM."""
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launch, "value_checks_enabled", lambda: checked)
     kernel, extra = launch.fused_kernel(pairs, torch.device("cuda"))
-    ws = pairs <= 66 or (pairs <= 132 and not checked)
+    ws = pairs <= 132
     assert (kernel is launch._kda_fused_ws_kernel) == ws
-    assert extra == (dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS) if ws else {})
+    assert extra == (dict(FACTOR_REGS=launch.FUSED_FACTOR_REGS, maxnreg=launch.FUSED_WS_MAXNREG) if ws else {})
+
+
+@pytest.mark.parametrize("num_seqs,gate,fits", [(8, False, True), (8, True, False), (9, False, False),
+                                                (1, False, False)])
+def test_the_check_fits_beside_the_warp_specialised_form_only(hopper, monkeypatch, num_seqs, gate, fits):
+    """The g check's small reduction goes beside an inference call's kernels only where the fused forward runs its
+    warp-specialised form (8 x 16 = 128 programs on 132 SMs); 144 programs take the one-warpgroup form, a gate or
+    too few programs the split kernels."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    q, v = _qv()
+    assert launch.check_fits_beside(q, v, torch.zeros(16) if gate else None, num_seqs) is fits

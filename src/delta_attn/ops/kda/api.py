@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ... import _checks as C
-from ...backends import Call, explain_call, select
+from ...backends import Call, explain_call, package_available, select
 from ...reference import ACCUMULATION_DTYPES
 from .._prepare import positive_max_on_gpu
 from . import cudnn, register
@@ -189,10 +189,21 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     pending = C.PendingChecks()      # g's range: reduced before the kernels, read after (outputs are new)
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32, pending)
-    # a training call's kernels leave room on every SM for the small reduction (ops/_decay_max.py); the fused
-    # inference forward takes every register, where torch's amax finishes sooner (docs/PERFORMANCE.md)
     return pending.run(lambda: select(_call(args, "kda", backend), backend), args,
-                       positive_max_on_gpu if args.needs_grad() else None)
+                       _check_reduction(args) if pending.decays else None)
+
+
+def _check_reduction(args: KDAArgs):
+    """The g check's reduction for ``PendingChecks.run``: the small kernel of ``ops/_decay_max.py`` where the call's
+    Triton kernels leave it room on every SM (training; the fused forward's warp-specialised form), else None
+    (torch's amax, which finishes sooner beside kernels that take every register; docs/PERFORMANCE.md)."""
+    if args.needs_grad():
+        return positive_max_on_gpu
+    if args.q.is_cuda and package_available("triton"):
+        from .launch import check_fits_beside      # imports Triton: only for a CUDA call
+        if check_fits_beside(args.q, args.v, args.A_log, args.num_seqs):
+            return positive_max_on_gpu
+    return None
 
 
 def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_tokens=None, scale=None,

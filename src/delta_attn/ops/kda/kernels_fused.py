@@ -24,7 +24,8 @@ leave the state as it was) and is then redone exactly, token by token from the r
 Two forms, the same arithmetic bit for bit (``launch.fused_kernel`` chooses): :func:`_kda_fused_fwd_kernel`, one
 warpgroup doing all of the above (two programs share an SM), and :func:`_kda_fused_ws_kernel`, warp-specialised: a
 factor warpgroup runs steps 0-2 into the factor ring and the state's warpgroup steps 3-5, meeting at mbarriers (one
-program per SM; for grids that leave SMs idle, where one warpgroup alone cannot hide a chunk's latency).
+program per SM; for grids that leave SMs idle, where one warpgroup alone cannot hide a chunk's latency; launched at
+WS_MAXNREG registers per thread, so that the g check's small reduction fits beside it).
 
 Scope (``launch.fused_forward_unsupported`` says what is outside it): bf16 q, k, v, K = V = 128, log decays g
 (no gate parameters), dense or packed sequences of any length, GVA, initial and final states.
@@ -35,7 +36,9 @@ from .._gluon import gl, gluon
 
 BT = 16          # tokens per chunk
 WARPS = 4        # one warpgroup (8 warps: cross-warp sums and register spills, measured 2.2x slower)
-FACTOR_REGS = 232  # the warp-specialised form's factor warpgroup (measured: 128 and 168 slower)
+FACTOR_REGS = 224  # the warp-specialised form's factor warpgroup (measured: 128 and 168 slower than 232)
+WS_MAXNREG = 240   # its registers per thread at launch: 240 x 256 threads leave 4,096 of an SM's 65,536 for the g
+                   # check's reduction beside it (ops/_decay_max.py); the state's warpgroup then takes 256
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2

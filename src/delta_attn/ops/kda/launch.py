@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from ..._outputs import empty
-from ..._checks import value_checks_enabled
 from ...backends import device_capability
 from .._gluon import KERNELS_TRITON, available as gluon_available, version as gluon_version
 from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, index, launch, next_pow2,
@@ -35,7 +34,7 @@ from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WAR
 from .kernels_decode import _kda_step_kernel, _kda_step_kernel_gluon, step_layout
 from .kernels_scan_gluon import ROWS as FUSED_SCAN_ROWS, _kda_bwd_scan_fused_kernel, _kda_fwd_scan_fused_kernel
 from .kernels_fused import (BT as FUSED_CHUNK, FACTOR_REGS as FUSED_FACTOR_REGS, WARPS as FUSED_WARPS,
-                            _kda_fused_fwd_kernel, _kda_fused_ws_kernel)
+                            WS_MAXNREG as FUSED_WS_MAXNREG, _kda_fused_fwd_kernel, _kda_fused_ws_kernel)
 from .kernels_gate import DECAY_FLOOR
 from .kernels_intra import _kda_infer_intra_kernel, _kda_train_intra_kernel
 from .kernels_intra_gluon import (BC as FUSED_INTRA_BC, BK as FUSED_INTRA_BK, WARPS as FUSED_INTRA_WARPS,
@@ -427,14 +426,20 @@ def fused_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2n
 
 def fused_kernel(pairs: int, device: torch.device):
     """The fused forward's form for ``pairs`` (sequence, value head) programs (measured, docs/PERFORMANCE.md): the
-    warp-specialised one (a second warpgroup builds the factors; one program per SM, its registers all taken) where
-    they leave half the SMs free, or fill no more than the SMs and no g check runs beside them (the check's
-    reduction then finds no room on the SMs they hold); else the one-warpgroup kernel, two of whose programs can
-    share an SM."""
-    sms = sm_count(device)
-    if pairs <= sms // 2 or (pairs <= sms and not value_checks_enabled()):
-        return _kda_fused_ws_kernel, dict(FACTOR_REGS=FUSED_FACTOR_REGS)
+    warp-specialised one (a second warpgroup builds the factors; one program per SM, launched at WS_MAXNREG
+    registers per thread, which leaves room for the g check's small reduction beside it) where they fill no more
+    than the SMs; else the one-warpgroup kernel, two of whose programs share an SM."""
+    if pairs <= sm_count(device):
+        return _kda_fused_ws_kernel, dict(FACTOR_REGS=FUSED_FACTOR_REGS, maxnreg=FUSED_WS_MAXNREG)
     return _kda_fused_fwd_kernel, {}
+
+
+def check_fits_beside(q, v, A_log, num_seqs: int) -> bool:
+    """Whether an inference call's kernels leave room on every SM for the g check's small reduction
+    (``ops/_decay_max.py``): the fused forward's warp-specialised form does; its one-warpgroup form (two programs
+    per SM) takes every register, and the split kernels fill the SMs, where torch's amax finishes sooner."""
+    return (fused_forward_unsupported(q, v, A_log, num_seqs) is None
+            and fused_kernel(num_seqs * v.shape[2], q.device)[0] is _kda_fused_ws_kernel)
 
 
 def infer_forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_bound, use_qk_l2norm,
