@@ -67,11 +67,12 @@ def main():
                  dict(fused, FACTOR_REGS=kernels_fused.FACTOR_REGS), launch.FUSED_WARPS),
             ] if bits == 32 else []
             rows += [
-                ("training intra", kernels_intra_gluon._kda_train_intra_fused_kernel,
-                 dict(g=f"*{gty}", beta=f"*{gty}"),
+                (f"training intra{' gtop' if gtop else ''}", kernels_intra_gluon._kda_train_intra_fused_kernel,
+                 dict(g=f"*{gty}", beta=f"*{gty}", GMAX="*fp32"),
                  dict(common, V=128, BT=launch.TRAIN_CHUNK, BK=launch.FUSED_INTRA_BK, BC=launch.FUSED_INTRA_BC,
-                      L2NORM=l2, FLOOR=launch.DECAY_FLOOR, NW=launch.FUSED_INTRA_WARPS, GBITS=bits),
-                 launch.FUSED_INTRA_WARPS),
+                      L2NORM=l2, FLOOR=launch.DECAY_FLOOR, NW=launch.FUSED_INTRA_WARPS, GBITS=bits, GTOP=gtop),
+                 launch.FUSED_INTRA_WARPS) for gtop in (False, True)
+            ] + [
                 ("training backward", kernels_backward_gluon._kda_bwd_intra_fused_kernel,
                  dict(g=f"*{gty}", beta=f"*{gty}"),
                  dict(common, V=128, BT=launch.TRAIN_CHUNK, BK=launch.FUSED_BWD_BK, BV=launch.FUSED_BWD_BV,

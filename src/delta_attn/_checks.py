@@ -187,7 +187,9 @@ class PendingChecks:
     reduction and its copy to the host on a side stream (:func:`_start_max_read`), before the call's kernels;
     :meth:`finish`, after them, waits for those copies alone and raises on a bad value. The kernels do not wait for
     the reduction (it runs beside them) and the host waits for the reduction alone, so its next work overlaps the
-    kernels; a read after the kernels would wait for the kernels too."""
+    kernels; a read after the kernels would wait for the kernels too. A call whose first kernel reads g whole and
+    writes its maximum (``kernels_report``) starts no reduction: that kernel reports through
+    :func:`decay_report_sink`, and the host waits for it alone while the call's later kernels run."""
 
     def __init__(self):
         self.decays: List[_DecayCheck] = []
@@ -206,20 +208,29 @@ class PendingChecks:
         finally:
             _ROUTING.reset(token)
 
-    def run(self, route: Callable[[], Callable[[Any], Any]], args: Any, device_max=None) -> Any:
+    def run(self, route: Callable[[], Callable[[Any], Any]], args: Any, device_max=None,
+            kernels_report: bool = False) -> Any:
         """``route()(args)`` with the checks in their places: ``route`` (which chooses the backend) inside
         :meth:`routing`, then :meth:`start`, the chosen implementation, :meth:`finish`. ``device_max(g, stream)``:
         a reduction of the operators' layer that :meth:`start` enqueues instead of torch's ``amax`` where it returns
-        a reader (``ops/_prepare.positive_max_on_gpu``: for calls whose kernels leave room on every SM)."""
+        a reader (``ops/_prepare.positive_max_on_gpu``: for calls whose kernels leave room on every SM).
+        ``kernels_report``: the caller expects the implementation's kernels to report g's maximum
+        (:func:`decay_report_sink`), so nothing is started before it; a check they leave unsettled is started by
+        :meth:`finish`, after the kernels."""
         with self.routing():
             impl = route()
         self.device_max = device_max
-        self.start()
+        token = _REPORTING.set(self) if kernels_report and self.decays else None
+        if token is None:
+            self.start()
         try:
             out = impl(args)
         except BaseException:
             self.settle()               # the side stream's reads of g end before the caller may free g
             raise
+        finally:
+            if token is not None:
+                _REPORTING.reset(token)
         self.finish()
         return out
 
@@ -252,6 +263,8 @@ class _DecayCheck:
 
 
 _ROUTING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_routing", default=None)
+_REPORTING: contextvars.ContextVar[Optional[PendingChecks]] = contextvars.ContextVar("delta_attn_reporting",
+                                                                                     default=None)
 
 
 def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[float], None]]:
@@ -264,6 +277,25 @@ def decay_top_sink(g: torch.Tensor) -> Optional[Callable[[float], None]]:
         if d.g is g and d.top is None:
             return lambda top: setattr(d, "top", float(top))
     return None
+
+
+def decay_report_sink(g: torch.Tensor) -> Optional[Callable[[Callable[[], float]], None]]:
+    """For a kernel that reads the whole log decay ``g`` of a call that expects its kernels to report
+    (:meth:`PendingChecks.run`'s ``kernels_report``) and writes max(0, g) with NaN read as 0 (the verdict's input):
+    a function to call with the reader of that maximum (a host wait for its copy alone); the check then reads g no
+    more. None where no such check is pending (another call, another tensor, already settled). ``g`` may be the
+    call's tensor or one sharing its storage, shape and dtype (the operator's launcher sees g through its
+    ``torch.library`` op)."""
+    checks = _REPORTING.get()
+    for d in checks.decays if checks is not None else ():
+        if d.top is None and _same_values(d.g, g):
+            return lambda read: setattr(d, "top", read)
+    return None
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)
 
 
 def _start_max_read(x: torch.Tensor, device_max=None) -> Callable[[], float]:

@@ -161,8 +161,8 @@ def test_training_calls_take_the_small_reduction(grad, monkeypatch):
     from delta_attn.ops._prepare import positive_max_on_gpu
     seen, real_run = [], _checks.PendingChecks.run
     monkeypatch.setattr(_checks.PendingChecks, "run",
-                        lambda self, route, args, device_max=None: seen.append(device_max)
-                        or real_run(self, route, args, device_max))
+                        lambda self, route, args, device_max=None, **kw: seen.append(device_max)
+                        or real_run(self, route, args, device_max, **kw))
     q, k, v = (torch.randn(2, 40, H, D) for _ in range(3))
     q.requires_grad_(grad)
     da.kda(q, k, v, -torch.rand(2, 40, H, D), torch.rand(2, 40, H), backend="triton")
@@ -181,6 +181,62 @@ def test_inference_calls_take_the_small_reduction_where_it_fits(fits, monkeypatc
     args = types.SimpleNamespace(q=types.SimpleNamespace(is_cuda=True), v=None, A_log=None, num_seqs=8,
                                  needs_grad=lambda: False)
     assert api._check_reduction(args) is (positive_max_on_gpu if fits else None)
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("top", [0.0, 0.5])
+def test_kernels_that_report_the_maximum_replace_the_reduction(top, view, monkeypatch):
+    """With ``kernels_report`` nothing reduces g: the implementation's kernel hands the check a reader of g's
+    maximum through ``decay_report_sink`` (reached with g or a tensor sharing its storage, as a launcher behind a
+    ``torch.library`` op sees it; not with another tensor, nor outside the call), and the verdict is that reader's
+    value."""
+    reduced = []
+    amax = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: reduced.append(self.numel()) or amax(self, *a,
+                                                                                                          **kw))
+    g = torch.full((4, 3), -0.5)
+    pending = _checks.PendingChecks()
+    _checks.log_decay("g", g, pending=pending)
+
+    def impl(args):
+        assert _checks.decay_report_sink(g.clone()) is None
+        _checks.decay_report_sink(g.view(4, 3) if view else g)(lambda: top)
+        assert _checks.decay_report_sink(g) is None            # reported once
+        return "out"
+
+    if top > 0:
+        with pytest.raises(ValueError, match="^g is a log decay.*0.5"):
+            pending.run(lambda: impl, None, kernels_report=True)
+    else:
+        assert pending.run(lambda: impl, None, kernels_report=True) == "out"
+    assert reduced == [] and _checks.decay_report_sink(g) is None
+
+
+def test_a_check_its_kernels_leave_unreported_is_reduced_after_them(monkeypatch):
+    """With ``kernels_report`` but an implementation that reports nothing (another backend ran), g is reduced after
+    the implementation's work, and a positive g still raises."""
+    events = []
+    amax = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: events.append("reduce") or amax(self, *a, **kw))
+    pending = _checks.PendingChecks()
+    _checks.log_decay("g", torch.tensor([-1.0, 0.25]), pending=pending)
+    with pytest.raises(ValueError, match="^g is a log decay.*0.25"):
+        pending.run(lambda: lambda args: events.append("impl"), None, kernels_report=True)
+    assert events == ["impl", "reduce"]
+
+
+@pytest.mark.parametrize("grad,backend,gluon,expect", [
+    (True, "auto", True, True), (True, "triton", True, True), (True, "cudnn", True, False),
+    (True, "torch", True, False), (False, "auto", True, False), (True, "auto", False, False)])
+def test_training_on_the_gluon_kernels_lets_them_report(grad, backend, gluon, expect, monkeypatch):
+    """``kda``'s api expects the kernels to report g's maximum for a CUDA training call on the Triton backend whose
+    first kernel is the Gluon intra-chunk forward reading g as given (``launch.train_reports_decay``)."""
+    import types
+    from delta_attn.ops.kda import api, launch
+    monkeypatch.setattr(launch, "train_reports_decay", lambda *a: gluon)
+    args = types.SimpleNamespace(q=types.SimpleNamespace(is_cuda=True), v=None, g=None, A_log=None, dt_bias=None,
+                                 lower_bound=None, allow_tf32=False, needs_grad=lambda: grad)
+    assert api._kernels_report(args, backend) is expect
 
 
 def test_a_call_failing_after_the_reduction_raises_its_own_error(monkeypatch):

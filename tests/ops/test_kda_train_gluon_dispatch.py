@@ -227,3 +227,16 @@ def test_only_flagged_launch_redoes_the_flagged_pairs_alone(monkeypatch):
                     assert torch.equal(got, want), (n, c, hv)
                 else:
                     assert bool((got == -7.0).all()), (n, c, hv)
+
+
+@pytest.mark.parametrize("g_dtype,T,domain,expect", [
+    (torch.float32, 5, True, True), (torch.bfloat16, 5, True, True), (torch.float16, 5, True, True),
+    (torch.float64, 5, True, False), (torch.float32, 0, True, False), (torch.float32, 5, False, False)])
+def test_the_intra_forward_reports_g_maximum_where_it_reads_g_as_given(g_dtype, T, domain, expect, monkeypatch):
+    """``launch.train_reports_decay``: the Gluon intra-chunk forward writes g's maximum for the check where it runs
+    and reads g with no cast (a float64 g is cast to float32 first, which could round a tiny positive entry to 0)."""
+    monkeypatch.setattr(launch, "_train_intra_fused_unsupported", lambda *a: None if domain else "outside")
+    q = torch.empty(1, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.empty(1, T, 2, 128, dtype=torch.bfloat16)
+    g = torch.empty(1, T, 2, 128, dtype=g_dtype)
+    assert launch.train_reports_decay(q, v, g, None, None, None, False) is expect

@@ -247,8 +247,9 @@ def test_fit_takes_the_first_tiles_that_fit_shared_memory():
 
 
 def test_compiled_together_runs_launches_in_order_at_the_end():
-    """Launches inside compiled_together run at the block's end, in order; compile_only launches never run;
-    a nested block joins the outer one; a block that raises runs nothing."""
+    """Launches inside compiled_together run at the block's end, in order, with the host steps of in_launch_order
+    in their places; compile_only launches and steps never run; a nested block joins the outer one; a block that
+    raises runs nothing; outside a block a step runs at once."""
     ran = []
 
     class Kernel:
@@ -262,18 +263,24 @@ def test_compiled_together_runs_launches_in_order_at_the_end():
     cand = (_launch.tiles("t", BV=16),)
     with _launch.compiled_together():
         _launch.launch(Kernel("a"), lambda t: (1,), (x,), {}, cand)
+        _launch.in_launch_order(lambda: ran.append("step"))
         with _launch.compiled_together():
             _launch.launch(Kernel("b"), lambda t: (2,), (x,), {}, cand)
         with _launch.compile_only(x.device):
             _launch.launch(Kernel("ahead"), lambda t: (3,), (x.to("meta"),), {}, cand)
+            _launch.in_launch_order(lambda: ran.append("ahead step"))
         assert ran == []
-    assert ran == [("a", (1,), 16), ("b", (2,), 16)]
+    assert ran == [("a", (1,), 16), "step", ("b", (2,), 16)]
     ran.clear()
     with pytest.raises(ValueError):
         with _launch.compiled_together():
             _launch.launch(Kernel("c"), lambda t: (1,), (x,), {}, cand)
+            _launch.in_launch_order(lambda: ran.append("step"))
             raise ValueError
     assert ran == []
+    _launch.in_launch_order(lambda: ran.append("now"))
+    assert ran == ["now"]
+    ran.clear()
     with pytest.raises(RuntimeError, match="inside compiled_together"):
         with _launch.compile_only(x.device):
             pass

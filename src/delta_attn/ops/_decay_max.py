@@ -76,7 +76,14 @@ def start_positive_max(x: torch.Tensor, stream: "torch.cuda.Stream") -> Optional
         partial = torch.empty(programs, dtype=torch.float32, device=x.device)
         _positive_max_kernel[(programs,)](x, partial, x.numel(), per_program, BLOCK=BLOCK, STAGES=STAGES,
                                           num_warps=WARPS)
-        host = torch.empty(programs, dtype=torch.float32, pin_memory=True)
+    return read_max(partial, stream)
+
+
+def read_max(partial: torch.Tensor, stream: "torch.cuda.Stream") -> Callable[[], float]:
+    """Enqueues on ``stream`` the copy of ``partial`` (float32 per-program maxima on the GPU) to pinned memory and
+    returns the function that waits for that copy alone and gives their maximum."""
+    with torch.cuda.stream(stream):
+        host = torch.empty(partial.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(partial, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)

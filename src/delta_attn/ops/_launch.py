@@ -28,7 +28,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -161,7 +161,7 @@ class _Launch:
 
 
 class _Batch(threading.local):
-    pending: Optional[List[_Launch]] = None
+    pending: Optional[List[Union[_Launch, Callable[[], None]]]] = None
     compile_for: Optional[torch.device] = None      # inside compile_only: the device the launches compile for
 
 
@@ -182,9 +182,11 @@ def compiled_together():
         pending = _BATCH.pending
     finally:
         _BATCH.pending = None
-    _fit_concurrently([p for p in pending if p.device.type == "cuda"])
+    _fit_concurrently([p for p in pending if isinstance(p, _Launch) and p.device.type == "cuda"])
     for p in pending:
-        if p.run:
+        if not isinstance(p, _Launch):
+            p()                     # a host step (in_launch_order)
+        elif p.run:
             _run(p)
 
 
@@ -279,6 +281,18 @@ def _run(p: _Launch) -> Tiles:
     p.kernel[p.grid(chosen)](*p.args, **p.fixed, **chosen.kwargs, num_warps=chosen.num_warps,
                              num_stages=chosen.num_stages)
     return chosen
+
+
+def in_launch_order(step: Callable[[], None]) -> None:
+    """``step()`` where a launch made now would run: at once outside :func:`compiled_together`, else at the block's
+    end between the launches made before and after it (work it enqueues on the stream lands between theirs); never
+    inside :func:`compile_only`, where nothing runs."""
+    if _BATCH.compile_for is not None:
+        return
+    if _BATCH.pending is not None:
+        _BATCH.pending.append(step)
+    else:
+        step()
 
 
 def launch(kernel, grid: Callable[[Tiles], tuple], args: tuple, fixed: dict,

@@ -190,7 +190,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                     A_log, dt_bias, lower_bound, allow_tf32, pending)
     return pending.run(lambda: select(_call(args, "kda", backend), backend), args,
-                       _check_reduction(args) if pending.decays else None)
+                       _check_reduction(args) if pending.decays else None,
+                       kernels_report=bool(pending.decays) and _kernels_report(args, backend))
 
 
 def _check_reduction(args: KDAArgs):
@@ -204,6 +205,16 @@ def _check_reduction(args: KDAArgs):
         if check_fits_beside(args.q, args.v, args.A_log, args.num_seqs):
             return positive_max_on_gpu
     return None
+
+
+def _kernels_report(args: KDAArgs, backend: str) -> bool:
+    """Whether the call's first kernel writes g's maximum for the check (``launch.train_reports_decay``): a CUDA
+    training call on the Triton backend (where ``auto`` sends it) whose intra-chunk stage is the Gluon kernel. The
+    host then waits for that kernel alone, with no reduction beside it (docs/PERFORMANCE.md)."""
+    if not (args.needs_grad() and backend in ("auto", "triton") and args.q.is_cuda and package_available("triton")):
+        return False
+    from .launch import train_reports_decay         # imports Triton: only for a CUDA call
+    return train_reports_decay(args.q, args.v, args.g, args.A_log, args.dt_bias, args.lower_bound, args.allow_tf32)
 
 
 def kda_step(q, k, v, g, beta, state=None, *, state_indices=None, num_accepted_tokens=None, scale=None,

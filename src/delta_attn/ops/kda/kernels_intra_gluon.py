@@ -4,15 +4,18 @@ Same inputs and outputs (W, U, QG, KD, AQK, GC, TM), and FLAGS[c, hv] written fo
 chunk's 32-channel K slices fails the Triton kernel's factored range test ``max |G - G_mid| <= FACTOR_MAX`` (the
 same NaN-ignoring maximum: a slice fails when a channel exceeds FACTOR_MAX or every entry is NaN), else 0. The
 Triton kernel's ``ONLY_FLAGGED`` launch then redoes the flagged pairs (what this kernel wrote for them is overwritten).
+With ``GTOP`` on, GMAX[c, hv] = max(0, the chunk's raw g), NaN read as 0: the g <= 0 check's reduction, read on the
+host after this kernel alone (``launch._forward``).
 
 One warpgroup per (chunk, value head); every product is a wgmma with M = the chunk's 64 tokens. Steps (G = the
 cumulative floored log decay per channel, Gm = G - G[BT / 2 - 1], b = beta, qs = scale q / |q|, ks = k / |k|):
 
 0. cp.async of the chunk's q, k (bf16) and g (as given; widened to fp32 when read), by K slices of 32, into shared
    memory (rows past the chunk's end zero-filled); the row norms of q and k from there;
-1. per K slice: G (a channel's 64 tokens in one warp: ``CL``), the range test, QG = qs e^G, KD = ks e^(G_last - G),
-   GC = e^G_last; the bf16 factors ks e^Gm, qs e^Gm, ks e^-Gm to shared memory and Akk += (ks e^Gm)(ks e^-Gm)^T,
-   Aqk += (qs e^Gm)(ks e^-Gm)^T (bf16 wgmmas, fp32 accumulators); ks e^G (bf16) kept for W;
+1. per K slice: G (a channel's 64 tokens in one warp: ``CL``), the range test (with GTOP, g's maximum), QG = qs e^G,
+   KD = ks e^(G_last - G), GC = e^G_last; the bf16 factors ks e^Gm, qs e^Gm, ks e^-Gm to shared memory and
+   Akk += (ks e^Gm)(ks e^-Gm)^T, Aqk += (qs e^Gm)(ks e^-Gm)^T (bf16 wgmmas, fp32 accumulators); ks e^G (bf16) kept
+   for W;
 2. Akk = strict_lower(b_i Akk) and Aqk = strict_lower(Aqk) + diag(qs_i . ks_i) (the diagonal summed in fp32 in
    step 1, as the Triton kernel forms it, not from the bf16 factors), AQK stored; v comes by cp.async meanwhile;
 3. T = (I + Akk)^-1 as the Triton kernel's ``_kda_block_tri_inverse``: the four 16x16 diagonal blocks inverted
@@ -53,10 +56,11 @@ if gluon is not None:
         gl.store(ptr + (i[:, None] * row_stride + j[None, :]), x.to(ptr.dtype.element_ty), mask=mr[:, None])
 
     @gluon.jit
-    def _kda_train_intra_fused_kernel(q, k, v, g, beta, chunk_info, W, U, QG, KD, AQK, GC, TM, FLAGS, scale, H,
-                                      HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+    def _kda_train_intra_fused_kernel(q, k, v, g, beta, chunk_info, W, U, QG, KD, AQK, GC, TM, FLAGS, GMAX, scale,
+                                      H, HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
                                       BC: gl.constexpr, L2NORM: gl.constexpr, FLOOR: gl.constexpr,
-                                      FACTOR_MAX: gl.constexpr, NW: gl.constexpr, GBITS: gl.constexpr):
+                                      FACTOR_MAX: gl.constexpr, NW: gl.constexpr, GBITS: gl.constexpr,
+                                      GTOP: gl.constexpr):
         gl.static_assert(BT == 64 and BC == 16 and BK == 32 and NW == 4, "a warpgroup, 64 tokens, 4 blocks of 16")
         gl.static_assert(K % BK == 0 and V % 64 == 0, "K, V: whole slices")
         NS: gl.constexpr = K // BK                  # K slices
@@ -145,8 +149,11 @@ if gluon is not None:
         aqk = gl.zeros([BT, BT], gl.float32, M64)
         qk = gl.zeros([BT], gl.float32, RV)         # Aqk's diagonal q_i . k_i (D_ii = 1) in fp32
         bad = gl.to_tensor(0)
+        gtop = gl.zeros([BK], gl.float32, gl.SliceLayout(0, CL))    # max(0, raw g) per channel, NaN read as 0
         for s in range(NS):
             graw = g_s.index(s).load(CL).to(gl.float32)
+            if GTOP:
+                gtop = gl.maximum(gtop, gl.max(gl.where(graw != graw, 0.0, graw), 0))
             G = _cum_decay(graw, mrC, CL, FLOOR)
             Gl = _row_at(G, iC, L - 1)
             Gr = _row_at(G, iC, BT // 2 - 1)
@@ -179,6 +186,8 @@ if gluon is not None:
             aqk = warpgroup_mma(faq_s.index(0), knT, aqk, is_async=True)
             akk, aqk = warpgroup_mma_wait(0, deps=[akk, aqk])
         gl.store(FLAGS + c * HV + hv, bad)
+        if GTOP:
+            gl.store(GMAX + c * HV + hv, gl.max(gtop, 0))
         gl.thread_barrier()                         # every warp is done with step 1's buffers (reused below)
 
         # 2. v by cp.async (for step 4); Akk = strict_lower(b_i Akk), Aqk = strict_lower(Aqk) + diag(qk), stored

@@ -23,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import _checks as C
 from ..._outputs import empty
 from ...backends import device_capability
 from .._gluon import KERNELS_TRITON, available as gluon_available, version as gluon_version
-from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, index, launch, next_pow2,
-                       optional, param, sm_count, tiles)
+from .._decay_max import read_max
+from .._launch import (Tiles, cdiv, compile_device, compile_only, compiled_together, halving, in_launch_order, index,
+                       launch, next_pow2, optional, param, sm_count, tiles)
 from .kernels_backward import _kda_bwd_chunk_grads_kernel, _kda_bwd_intra_kernel, _kda_bwd_scan_kernel
 from .kernels_backward_gluon import (BK as FUSED_BWD_BK, BV as FUSED_BWD_BV, WARPS as FUSED_BWD_WARPS,
                                      _kda_bwd_intra_fused_kernel)
@@ -268,6 +270,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
     gluon_first = NC > 0 and train and _train_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec,
                                                                       compile_device(q.device)) is None
+    # the g check's reduction by the Gluon kernel, where the call expects it and the kernel reads g as given
+    report = C.decay_report_sink(g) if gluon_first and _gluon_float(g) is g else None
     if gluon_first:
         g, beta = _gluon_float(g), _gluon_float(beta)
     gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
@@ -281,12 +285,15 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
             out = (W, U, QG, KD, AQK, GC, TM)
             flags = torch.empty(NC, HV, dtype=torch.int32, device=q.device) if gluon_first else None  # all written
             if gluon_first:
+                gmax = torch.empty(NC, HV, dtype=torch.float32, device=q.device) if report else None
                 launch(_kda_train_intra_fused_kernel, lambda t: (NC, HV),
-                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, float(scale), H, HV),
+                       (q, k, v, g, beta, ch.chunk_t) + out + (flags, optional(gmax, g), float(scale), H, HV),
                        dict(K=K, V=V, BT=bt, BK=FUSED_INTRA_BK, BC=FUSED_INTRA_BC, L2NORM=bool(use_qk_l2norm),
                             FLOOR=DECAY_FLOOR, FACTOR_MAX=FACTOR_MAX, NW=FUSED_INTRA_WARPS,
-                            GBITS=8 * g.element_size()),
+                            GBITS=8 * g.element_size(), GTOP=report is not None),
                        (INTRA_FUSED_TILES,))
+                if report is not None:      # its copy to the host, enqueued before the later kernels
+                    in_launch_order(lambda: report(read_max(gmax, torch.cuda.current_stream(q.device))))
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
                    common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
                    dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
@@ -395,6 +402,14 @@ def _train_gluon_unsupported(kernel, q, v, A_log, dt_bias, lower_bound, prec: Pr
 # forward's intra-chunk stage (the Triton kernel then redoing only the pairs it flags); else why not
 _bwd_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kda_bwd_intra_fused_kernel)
 _train_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kda_train_intra_fused_kernel)
+
+
+def train_reports_decay(q, v, g, A_log, dt_bias, lower_bound, allow_tf32: bool) -> bool:
+    """Whether a training call's first kernel, the Gluon intra-chunk forward, reads the whole g as given (no cast)
+    and so writes the g check's maximum for it (``_forward``, ``_checks.decay_report_sink``)."""
+    prec = precision(q.dtype, allow_tf32, q.shape[-1], True)
+    return (q.shape[1] > 0 and _gluon_float(g) is g
+            and _train_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec, q.device) is None)
 
 
 def _gluon_float(t):
