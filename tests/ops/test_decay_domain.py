@@ -225,16 +225,18 @@ def test_a_check_its_kernels_leave_unreported_is_reduced_after_them(monkeypatch)
     assert events == ["impl", "reduce"]
 
 
-@pytest.mark.parametrize("grad,backend,gluon,expect", [
-    (True, "auto", True, True), (True, "triton", True, True), (True, "cudnn", True, False),
-    (True, "torch", True, False), (False, "auto", True, False), (True, "auto", False, False)])
-def test_training_on_the_gluon_kernels_lets_them_report(grad, backend, gluon, expect, monkeypatch):
-    """``kda``'s api expects the kernels to report g's maximum for a CUDA training call on the Triton backend whose
-    first kernel is the Gluon intra-chunk forward reading g as given (``launch.train_reports_decay``)."""
+@pytest.mark.parametrize("grad,backend,cuda,gluon,expect", [
+    (True, "auto", True, True, True), (True, "triton", True, True, True), (True, "triton", False, True, True),
+    (True, "auto", False, True, False), (True, "cudnn", True, True, False), (True, "torch", True, True, False),
+    (False, "auto", True, True, False), (True, "auto", True, False, False)])
+def test_training_on_the_gluon_kernels_lets_them_report(grad, backend, cuda, gluon, expect, monkeypatch):
+    """``kda``'s api expects the kernels to report g's maximum for a training call on the Triton backend (named, or
+    ``auto`` on CUDA) whose first kernel is the Gluon intra-chunk forward reading g as given
+    (``launch.train_reports_decay``)."""
     import types
     from delta_attn.ops.kda import api, launch
     monkeypatch.setattr(launch, "train_reports_decay", lambda *a: gluon)
-    args = types.SimpleNamespace(q=types.SimpleNamespace(is_cuda=True), v=None, g=None, A_log=None, dt_bias=None,
+    args = types.SimpleNamespace(q=types.SimpleNamespace(is_cuda=cuda), v=None, g=None, A_log=None, dt_bias=None,
                                  lower_bound=None, allow_tf32=False, needs_grad=lambda: grad)
     assert api._kernels_report(args, backend) is expect
 

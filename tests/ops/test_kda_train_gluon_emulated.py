@@ -39,8 +39,8 @@ def test_intra_forward_against_triton(B, T, H, HV, decay, cu, l2, cpu):
 
 
 @pytest.mark.parametrize("nan", [False, True])
-def test_intra_forward_positive_decay_reduced_first(nan, cpu):
-    INTRA.test_positive_decay_reduced_before_the_kernels(nan, cpu, INTRA.spy_intra(cpu))
+def test_intra_forward_reports_a_positive_decay(nan, cpu):
+    INTRA.test_positive_decay_reported_by_the_kernel(nan, cpu, INTRA.spy_intra(cpu))
 
 
 @pytest.mark.slow

@@ -79,9 +79,14 @@ def start_positive_max(x: torch.Tensor, stream: "torch.cuda.Stream") -> Optional
     return read_max(partial, stream)
 
 
-def read_max(partial: torch.Tensor, stream: "torch.cuda.Stream") -> Callable[[], float]:
-    """Enqueues on ``stream`` the copy of ``partial`` (float32 per-program maxima on the GPU) to pinned memory and
-    returns the function that waits for that copy alone and gives their maximum."""
+def read_max(partial: torch.Tensor, stream: Optional["torch.cuda.Stream"] = None) -> Callable[[], float]:
+    """Enqueues on ``stream`` (default: the current one) the copy of ``partial`` (float32 per-program maxima on the
+    GPU) to pinned memory and returns the function that waits for that copy alone and gives their maximum (on the
+    CPU: their maximum, read now)."""
+    if partial.device.type != "cuda":
+        top = float(partial.max())
+        return lambda: top
+    stream = stream if stream is not None else torch.cuda.current_stream(partial.device)
     with torch.cuda.stream(stream):
         host = torch.empty(partial.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(partial, non_blocking=True)

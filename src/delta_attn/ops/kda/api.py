@@ -208,12 +208,13 @@ def _check_reduction(args: KDAArgs):
 
 
 def _kernels_report(args: KDAArgs, backend: str) -> bool:
-    """Whether the call's first kernel writes g's maximum for the check (``launch.train_reports_decay``): a CUDA
-    training call on the Triton backend (where ``auto`` sends it) whose intra-chunk stage is the Gluon kernel. The
+    """Whether the call's first kernel writes g's maximum for the check (``launch.train_reports_decay``): a training
+    call on the Triton backend (where ``auto`` sends a CUDA one) whose intra-chunk stage is the Gluon kernel. The
     host then waits for that kernel alone, with no reduction beside it (docs/PERFORMANCE.md)."""
-    if not (args.needs_grad() and backend in ("auto", "triton") and args.q.is_cuda and package_available("triton")):
+    if not (args.needs_grad() and package_available("triton")
+            and (backend == "triton" or (backend == "auto" and args.q.is_cuda))):
         return False
-    from .launch import train_reports_decay         # imports Triton: only for a CUDA call
+    from .launch import train_reports_decay         # imports Triton: only for a call that may run it
     return train_reports_decay(args.q, args.v, args.g, args.A_log, args.dt_bias, args.lower_bound, args.allow_tf32)
 
 

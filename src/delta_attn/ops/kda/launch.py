@@ -293,7 +293,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
                             GBITS=8 * g.element_size(), GTOP=report is not None),
                        (INTRA_FUSED_TILES,))
                 if report is not None:      # its copy to the host, enqueued before the later kernels
-                    in_launch_order(lambda: report(read_max(gmax, torch.cuda.current_stream(q.device))))
+                    in_launch_order(lambda: report(read_max(gmax)))
             launch(_kda_train_intra_kernel, lambda t: (NC, HV),
                    common + out + (optional(flags, q), float(scale), float(lower_bound or 0.0), H, HV),
                    dict(fixed, BC=16, INV_PREC=prec.dot, OP=prec.intra_op, ONLY_FLAGGED=gluon_first),
