@@ -524,9 +524,11 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
                                                           compile_device(dev)) is None
     if gluon_first:
         g, beta = _gluon_float(g), _gluon_float(beta)
-    # du in the work dtype, as FLA keeps it (bf16: half the reverse scan's largest store and the intra-chunk
-    # backward's read; the error rule holds with dv's error about twice the fp32 du's, docs/PERFORMANCE.md)
-    DU = torch.empty(R, HV, V, dtype=prec.work, device=dev)
+    # du in bf16 where the Gluon reverse scan writes it, as FLA keeps it (half the scan's largest store and the
+    # intra-chunk backward's read, docs/PERFORMANCE.md); else fp32: a bf16 du rounds every term of dbeta = v . du,
+    # a sum that may cancel (GPU fuzz seed 285: dbeta 1.5x over the error rule with it)
+    scan_gluon = N > 0 and _scan_fused_unsupported(q, v, compile_device(dev)) is None
+    DU = torch.empty(R, HV, V, dtype=prec.work if scan_gluon else f32, device=dev)
     DH = torch.empty(HS.shape, dtype=prec.work, device=dev)
     DQG = torch.empty(R, HV, K, dtype=f32, device=dev)
     DKD, DW = (torch.empty(R, HV, K, dtype=f32, device=dev) for _ in range(2))
@@ -535,7 +537,7 @@ def train_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, 
     dh0 = empty((N, HV, K, V), f32, dev) if initial_state is not None else None
     with compiled_together():        # the stages' kernels compile concurrently on first use
         # 1. reverse state scan: du and the chunk-end state gradients (Gluon where it runs)
-        if N > 0 and _scan_fused_unsupported(q, v, compile_device(dev)) is None:
+        if scan_gluon:
             launch(_kda_bwd_scan_fused_kernel, lambda t: (V // t.get("BV"), N, HV),
                    (W, QG, KD, AQK, GC, do, optional(dht, q), ch.seq_t, DU, optional(dh0, q), DH, HV),
                    dict(K=K, V=V, BT=bt, USE_DHT=dht is not None, STORE_DH0=dh0 is not None),
