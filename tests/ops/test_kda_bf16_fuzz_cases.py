@@ -3,8 +3,8 @@ a training intermediate, run on the CPU with the GPU's bf16 arithmetic (``gluon_
 Triton kernels on the interpreter, bf16 products and casts rounded as the GPU rounds them), where they reproduce.
 Seed 285 failed while the Triton reverse state scan stored du in bf16 (a bf16 du rounds every term of
 dbeta = v . du, a sum that may cancel); the Gluon reverse scan, whose domain it does not reach, keeps bf16. Seed 997
-was the GPU suite's expected failure on dbeta (KD = k e^(G_last - G) stored in bf16); it passes here, and on the GPU
-since its entry was removed."""
+was the GPU suite's strict expected failure on dbeta (KD = k e^(G_last - G) stored in bf16); it passes here, before
+and after that change, so its entry is removed (to be confirmed on a GPU)."""
 import pytest
 
 import properties
