@@ -229,14 +229,18 @@ def test_only_flagged_launch_redoes_the_flagged_pairs_alone(monkeypatch):
                     assert bool((got == -7.0).all()), (n, c, hv)
 
 
-@pytest.mark.parametrize("g_dtype,T,domain,expect", [
-    (torch.float32, 5, True, True), (torch.bfloat16, 5, True, True), (torch.float16, 5, True, True),
-    (torch.float64, 5, True, False), (torch.float32, 0, True, False), (torch.float32, 5, False, False)])
-def test_the_intra_forward_reports_g_maximum_where_it_reads_g_as_given(g_dtype, T, domain, expect, monkeypatch):
+@pytest.mark.parametrize("g_dtype,T,domain,strided,expect", [
+    (torch.float32, 5, True, False, True), (torch.bfloat16, 5, True, False, True),
+    (torch.float16, 5, True, False, True), (torch.float64, 5, True, False, False),
+    (torch.float32, 5, True, True, False), (torch.float32, 0, True, False, False),
+    (torch.float32, 5, False, False, False)])
+def test_the_intra_forward_reports_g_maximum_where_it_reads_g_as_given(g_dtype, T, domain, strided, expect,
+                                                                         monkeypatch):
     """``launch.train_reports_decay``: the Gluon intra-chunk forward writes g's maximum for the check where it runs
-    and reads g with no cast (a float64 g is cast to float32 first, which could round a tiny positive entry to 0)."""
+    and reads g with no cast (a float64 g is cast to float32 first, which could round a tiny positive entry to 0) and
+    no copy (a strided g is copied first, and the check looks for the tensor it was given)."""
     monkeypatch.setattr(launch, "_train_intra_fused_unsupported", lambda *a: None if domain else "outside")
     q = torch.empty(1, T, 2, 128, dtype=torch.bfloat16)
     v = torch.empty(1, T, 2, 128, dtype=torch.bfloat16)
-    g = torch.empty(1, T, 2, 128, dtype=g_dtype)
+    g = torch.empty(1, T, 2, 256 if strided else 128, dtype=g_dtype)[..., :128]
     assert launch.train_reports_decay(q, v, g, None, None, None, False) is expect

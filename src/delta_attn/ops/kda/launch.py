@@ -405,10 +405,10 @@ _train_intra_fused_unsupported = functools.partial(_train_gluon_unsupported, _kd
 
 
 def train_reports_decay(q, v, g, A_log, dt_bias, lower_bound, allow_tf32: bool) -> bool:
-    """Whether a training call's first kernel, the Gluon intra-chunk forward, reads the whole g as given (no cast)
-    and so writes the g check's maximum for it (``_forward``, ``_checks.decay_report_sink``)."""
+    """Whether a training call's first kernel, the Gluon intra-chunk forward, reads the whole g as given (no cast, no
+    copy: a contiguous g) and so writes the g check's maximum for it (``_forward``, ``_checks.decay_report_sink``)."""
     prec = precision(q.dtype, allow_tf32, q.shape[-1], True)
-    return (q.shape[1] > 0 and _gluon_float(g) is g
+    return (q.shape[1] > 0 and _gluon_float(g) is g and g.is_contiguous()
             and _train_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec, q.device) is None)
 
 
