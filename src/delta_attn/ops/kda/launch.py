@@ -270,8 +270,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale,
     W, QG, KD, U, AQK, GC, TM = _operands(q, v, nc_alloc, bt, prec.work, train)
     gluon_first = NC > 0 and train and _train_intra_fused_unsupported(q, v, A_log, dt_bias, lower_bound, prec,
                                                                       compile_device(q.device)) is None
-    # the g check's reduction by the Gluon kernel, where the call expects it and the kernel reads g as given
-    report = C.decay_report_sink(g) if gluon_first and _gluon_float(g) is g else None
+    # the g check's reduction by the Gluon kernel, where the call expects it (kda's api: train_reports_decay)
+    report = C.decay_report_sink(g) if gluon_first else None
     if gluon_first:
         g, beta = _gluon_float(g), _gluon_float(beta)
     gate_ptrs, gate_kw = _gate_args(A_log, dt_bias, lower_bound, q)
