@@ -1,6 +1,6 @@
-"""The host-side caches of an eager call: the dispatcher's cache of choices, the memoized static checks of the
-decode steps (``_checks.memoized``) and the launch layer's fitted tiles. None may change what a call chooses or
-which input it refuses, nor launch a kernel past the device's shared memory."""
+"""The host-side caches of an eager call: the dispatcher's cache of choices, the memoized static checks of
+``kda`` and the decode steps (``_checks.memoized``) and the launch layer's fitted tiles. None may change what a
+call chooses or which input it refuses, nor launch a kernel past the device's shared memory."""
 import contextlib
 
 import pytest
@@ -67,6 +67,27 @@ def test_memoized_checks_still_refuse_bad_input(op):
         run(use_qk_l2norm=True)
         with pytest.raises(TypeError, match="use_qk_l2norm must be a bool"):
             run(use_qk_l2norm=1)             # 1 == True, but the type is in the signature
+
+
+def test_kda_memoized_checks_still_refuse_bad_input():
+    q, k, v, g, beta, _ = _kda_inputs()
+    run = lambda **kw: da.kda(**{**dict(q=q, k=k, v=v, g=g, beta=beta, backend="torch"), **kw})  # noqa: E731
+    run()
+    run()                                    # the second call takes the remembered signature
+    for _ in range(2):                       # g's values: checked on every call
+        with pytest.raises(ValueError, match="g is a log decay and must be <= 0"):
+            run(g=g.abs() + 0.5)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            run(q=q.reshape(1, 2, 1, 16), k=k.reshape(1, 2, 1, 16), v=v.reshape(1, 2, 1, 16),
+                g=g.reshape(1, 2, 1, 16), beta=beta.reshape(1, 2, 1), cu_seqlens=torch.tensor([0, 3, 2]))
+        for bad, err in ((float("nan"), ValueError), (True, TypeError)):
+            with pytest.raises(err, match="scale"):
+                run(scale=bad)
+        with pytest.raises(ValueError, match="g must have shape"):
+            run(g=g[:, :, :, :8])
+        with pytest.raises(TypeError, match="use_qk_l2norm must be a bool"):
+            run(use_qk_l2norm=1)
+    run(scale=0.5)
 
 
 def test_memoized_skips_only_identical_signatures():

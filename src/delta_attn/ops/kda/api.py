@@ -101,8 +101,9 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
              use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, allow_tf32=False,
              pending: Optional[C.PendingChecks] = None) -> KDAArgs:
     """The validated call; ``pending``: the check of g's range deferred into it (``C.log_decay``)."""
-    scale, lower_bound = _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
-                                   lower_bound)
+    # shapes, dtypes, devices, scalars: once per signature (C.memoized); values (g, cu_seqlens): every call
+    scale, lower_bound = C.memoized("kda", _validate, q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log,
+                                    dt_bias, lower_bound)
     if A_log is None:
         C.log_decay("g", g, RAW_GATE_HINT, pending)
     C.flag("output_final_state", output_final_state)
