@@ -1,6 +1,7 @@
-"""Host (Python) time of one eager decode call, without a GPU.
+"""Host (Python) time of one eager decode or KDA prefill call, without a GPU.
 
-Times ``da.kda_step``, ``da.gated_diag_step`` and ``da.flash_attn_with_kvcache`` at decode shapes on CPU
+Times ``da.kda_step``, ``da.gated_diag_step`` and ``da.flash_attn_with_kvcache`` at decode shapes, and ``da.kda``
+without gradients (a prefill: on the CPU its split kernels, with the g <= 0 check's reduction), on CPU
 tensors with ``backend="auto"`` (the Triton backend, which takes CPU tensors under ``TRITON_INTERPRET=1``),
 with every Triton kernel replaced by a no-op launch: what remains is the library's own host work per call
 (validation, backend dispatch, launch preparation, output allocation), which on a GPU runs before each
@@ -47,7 +48,8 @@ class NoLaunch:
 
 
 def stub_kernels() -> None:
-    for module, names in ((kda_launch, ("_kda_step_kernel",)), (diag_launch, ("_diag_step_kernel",)),
+    for module, names in ((kda_launch, ("_kda_step_kernel", "_kda_infer_intra_kernel", "_kda_fwd_scan_kernel")),
+                          (diag_launch, ("_diag_step_kernel",)),
                           (flash_launch, ("_kvcache_append_kernel", "_kvcache_attn_kernel",
                                           "_kvcache_merge_kernel"))):
         for name in names:
@@ -69,7 +71,10 @@ def cases(cache_len: int, dtype=torch.float16):
     kc, vc = (torch.randn(B, 1, Hk, D, dtype=dtype) for _ in range(2))
     k_cache, v_cache = (torch.zeros(B, cache_len, Hk, D, dtype=dtype) for _ in range(2))
     lens = torch.full((B,), cache_len // 2, dtype=torch.int32)
+    qp, kp, vp = (torch.randn(2, 16, H, K, dtype=dtype) for _ in range(3))     # small: the host path is the same
+    gp, bp = -torch.rand(2, 16, H, K), torch.rand(2, 16, H)
     return [
+        ("kda prefill", lambda: da.kda(qp, kp, vp, gp, bp, use_qk_l2norm=True)),
         ("kda_step", lambda: da.kda_step(q, k, v, g, beta, kda_pool)),
         ("kda_step state_indices", lambda: da.kda_step(q, k, v, g, beta, kda_pool, state_indices=slots)),
         ("gated_diag_step", lambda: da.gated_diag_step(q, k, v, g, diag_pool)),
