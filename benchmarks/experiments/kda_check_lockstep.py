@@ -3,10 +3,11 @@ would cost, against the shipped check (g reduced beside the kernel) and no check
 decays, q/k L2-normed in the kernel; ``do_bench`` medians with the L2 flushed, as kda_prefill.py).
 
 python benchmarks/experiments/kda_check_lockstep.py [--shapes 64x1024,16x2048,8x4096]
-Rows: ``checked`` (da.kda as shipped); ``unchecked`` (no value check); ``unchecked+sync`` (the host waits for the
-call's kernels before returning); ``graph`` (the unchecked call replayed from a CUDA graph: the GPU's time with
-almost no host work); ``graph+sync`` (the replay, then the host waits: the least a check read after the kernel
-can cost under this timer); ``host us`` (the host's time to issue one unchecked call, the GPU kept busy).
+Columns (ms unless named): ``checked`` (da.kda as shipped); ``unchecked`` (no value check); ``unchecked_sync`` (the
+host waits for the call's kernels before returning); ``graph`` (the unchecked call replayed from a CUDA graph: the
+GPU's time with almost no host work); ``graph_sync`` (the replay, then the host waits: the least a check read after
+the kernel can cost under this timer); ``cudnn`` (cuDNN-FE native); ``host_us`` (the host's time in us to issue one
+unchecked call, the GPU kept busy).
 """
 import argparse
 import time

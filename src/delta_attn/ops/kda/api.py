@@ -53,7 +53,7 @@ RAW_GATE_HINT = ("for a raw gate input (any sign) pass A_log (and dt_bias): the 
                  "-exp(A_log) * softplus(g + dt_bias), FLA's use_gate_in_kernel=True")
 
 
-def _validate(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log, dt_bias, lower_bound):
+def _validate(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, lower_bound):
     C.tensor("q", q, 4, shape_doc="(B, T, H, K)")
     C.tensor("k", k, 4, shape_doc="(B, T, H, K)")
     C.tensor("v", v, 4, shape_doc="(B, T, HV, V)")
@@ -102,8 +102,8 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
              pending: Optional[C.PendingChecks] = None) -> KDAArgs:
     """The validated call; ``pending``: the check of g's range deferred into it (``C.log_decay``)."""
     # shapes, dtypes, devices, scalars: once per signature (C.memoized); values (g, cu_seqlens): every call
-    scale, lower_bound = C.memoized("kda", _validate, q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm, A_log,
-                                    dt_bias, lower_bound)
+    scale, lower_bound = C.memoized("kda", _validate, q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias,
+                                    lower_bound)
     if A_log is None:
         C.log_decay("g", g, RAW_GATE_HINT, pending)
     C.flag("output_final_state", output_final_state)
@@ -123,7 +123,7 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
 def _check_step(q, k, v, g, beta, state, state_indices, num_accepted_tokens, scale, use_qk_l2norm, A_log, dt_bias,
                 lower_bound):
     """The checks of a decode step that read no device value. Returns (scale, lower_bound) normalised."""
-    scale, lower_bound = _validate(q, k, v, g, beta, scale, None, use_qk_l2norm, A_log, dt_bias, lower_bound)
+    scale, lower_bound = _validate(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, lower_bound)
     per_slot = (v.shape[2], q.shape[3], v.shape[3])      # (HV, K, V)
     C.decode_step(q, state, per_slot, "(P, HV, K, V)", state_indices, num_accepted_tokens)
     return scale, lower_bound
