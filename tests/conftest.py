@@ -1,5 +1,6 @@
 """Shared test set-up: seeded RNG, the `gpu` marker, the Triton interpreter on CPU-only machines, and a
-one-line count of the skips (and expected failures) by reason at the end of the run."""
+one-line count of the skips (and expected failures) by reason at the end of the run; the long CPU tests of
+tests/slow_cpu.txt run only with --slow."""
 import collections
 import os
 
@@ -42,11 +43,20 @@ def _prop_seed_filter(config, items):
         items[:] = keep
 
 
+def _slow_cpu_ids():
+    """The node ids listed in tests/slow_cpu.txt: CPU tests measured at 8 s or more, run with --slow."""
+    with open(os.path.join(os.path.dirname(__file__), "slow_cpu.txt")) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
     _prop_seed_filter(config, items)
+    slow_cpu = _slow_cpu_ids()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: none is visible (run `pytest -m gpu` on a GPU machine)")
     skip_slow = pytest.mark.skip(reason="long CPU test: run with --slow")
     for item in items:
+        if item.nodeid in slow_cpu:
+            item.add_marker(pytest.mark.slow)
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(skip_slow)
         if "tests/gpu/" in str(item.path).replace(os.sep, "/"):
