@@ -44,7 +44,7 @@ def _prop_seed_filter(config, items):
 
 
 def _slow_cpu_ids():
-    """The node ids listed in tests/slow_cpu.txt: CPU tests measured at 8 s or more, run with --slow."""
+    """The node ids listed in tests/slow_cpu.txt (its header says how they were measured), run with --slow."""
     with open(os.path.join(os.path.dirname(__file__), "slow_cpu.txt")) as f:
         return {line.strip() for line in f if line.strip() and not line.startswith("#")}
 
