@@ -22,8 +22,12 @@ SPEED_KEYS = ("ms", "ms_mean", "ms_std", "tflops", "gbps", "tokens_per_s")
 
 @pytest.fixture(scope="module")
 def crossover_dir(tmp_path_factory):
+    """The tiny CPU crossover end to end, with the reference rows and the peers (each unavailable on a CPU, with its
+    reason). Its Triton-interpreter rows take a minute; test_triton_rows_pass_the_gate_on_the_interpreter runs one
+    case of each instead."""
     out = str(tmp_path_factory.mktemp("bench") / "crossover")
-    assert cli.main(["bench", "crossover", "--device", "cpu", "--tiny", "--out", out]) == 0
+    assert cli.main(["bench", "crossover", "--device", "cpu", "--tiny", "--impls", "torch", "cudnn", "fla",
+                     "--out", out]) == 0
     return out
 
 
@@ -68,6 +72,17 @@ def test_crossover_tiny_writes_every_artifact(crossover_dir):
     for part in ("## Environment", "## Ceilings", "Latency, fwd+bwd", "## Rows that did not run",
                  "delta-attn torch [kda]", "![latency.png](latency.png)"):
         assert part in md, part
+
+
+@pytest.mark.parametrize("op", ["flash", "kda", "diag"])
+def test_triton_rows_pass_the_gate_on_the_interpreter(op):
+    s = Settings(device="cpu", tiny=True, dtypes=("fp16",), warmup_ms=0, rep_ms=0, min_reps=1, max_reps=1)
+    impl = next(i for i in impls.catalogue(op, torch.device("cpu")) if i.name == "delta-attn triton")
+    case = {"op": op, "B": 2, "S": 16, "H": 2, "D": 16, **({"Hk": 2, "causal": True} if op == "flash" else {})}
+    rows = Runner(s, {"copy_gbps": 1.0, "gemm_tflops": 1.0}).run(
+        [Task("crossover", case, impl, ("fwd", "fwd+bwd"), torch.float16)], "test")
+    assert [(r.direction, r.status) for r in rows] == [("fwd", "ok"), ("fwd+bwd", "ok")], [r.note for r in rows]
+    assert all(r.ms > 0 and r.gate["ok"] for r in rows)
 
 
 def test_tiny_crossover_is_a_smoke_test_that_claims_no_crossover(crossover_dir):
