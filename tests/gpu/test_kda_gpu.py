@@ -16,8 +16,6 @@ GPU_CASES = 1000
 
 # Open defects found on the GPU by seed -> what exceeds the error rule; strict, so a fix shows.
 KNOWN = {   # seed: why it fails (strict: a seed that starts passing must leave this list)
-    997: "bf16, two tokens, K 96, V 112: dbeta 3.34e-2 > 3.07e-2 (1.09x), KD = k e^(G_last - G) stored in bf16 "
-         "(on an H100; not reproduced by the CPU emulator: tests/ops/test_kda_bf16_fuzz_cases.py)",
 }
 
 

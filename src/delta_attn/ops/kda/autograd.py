@@ -16,8 +16,8 @@ import torch
 
 from .._launch import eager_or_op
 from .args import KDAArgs
-from .launch import (TRAIN_CHUNK, Saved, decode_step, infer_forward, max_chunks, precision, train_backward,
-                     train_forward)
+from .launch import (TRAIN_CHUNK, Saved, decode_step, infer_forward, kd_dtype, max_chunks, precision,
+                     train_backward, train_forward)
 
 _Opt = Optional[torch.Tensor]
 
@@ -74,9 +74,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, scale, lower_
     work = precision(q.dtype, allow_tf32, q.shape[-1]).work
     f32 = torch.float32
     new = lambda *shape, dtype=work: q.new_empty(*shape, dtype=dtype)      # noqa: E731
-    saved = Saved(W=new(R, HV, K), QG=new(R, HV, K), KD=new(R, HV, K), AQK=new(R, HV, TRAIN_CHUNK),
-                  TM=new(R, HV, TRAIN_CHUNK, dtype=f32), GC=new(nc, HV, K, dtype=f32), HS=new(nc, HV, K, V),
-                  VNEW=new(R, HV, V))
+    saved = Saved(W=new(R, HV, K), QG=new(R, HV, K), KD=new(R, HV, K, dtype=kd_dtype(q, v, work, True)),
+                  AQK=new(R, HV, TRAIN_CHUNK), TM=new(R, HV, TRAIN_CHUNK, dtype=f32), GC=new(nc, HV, K, dtype=f32),
+                  HS=new(nc, HV, K, V), VNEW=new(R, HV, V))
     return [*_fake_outputs(q, v, cu_seqlens, output_final_state), *saved]
 
 

@@ -24,6 +24,17 @@ from .kernels_gate import (_kda_chunk_decay, _kda_chunk_rows, _kda_cumsum, _kda_
 
 
 @triton.jit
+def _kd_dot(kd, x, PREC: tl.constexpr):
+    """kd x with x in the work dtype: a float32 kd (training with the Triton scans, ``launch.kd_dtype``) as the sum
+    of its work-dtype rounding and the rounding's remainder, two products on the same tensor-core path."""
+    hi = kd.to(x.dtype)
+    out = tl.dot(hi, x, input_precision=PREC)
+    if kd.dtype == tl.float32 and x.dtype != tl.float32:
+        out += tl.dot((kd - hi.to(tl.float32)).to(x.dtype), x, input_precision=PREC)
+    return out
+
+
+@triton.jit
 def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV, NCMAX,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
                          BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
@@ -49,7 +60,7 @@ def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV,
             A = tl.load(AQK + (rows * HV + hv)[:, None] * BT + i[None, :], mask=mr[:, None], other=0.0).to(dt)
             do = tl.load(DO + v_off, mask=mrv, other=0.0).to(dt)
             du = tl.dot(tl.trans(A), do, input_precision=PREC)
-            du += tl.dot(tl.load(KD + k_off, mask=mrk, other=0.0), dSd, input_precision=PREC)
+            du += _kd_dot(tl.load(KD + k_off, mask=mrk, other=0.0), dSd, PREC)
             tl.store(DU + v_off, du, mask=mrv)
             dS = dS * gc[:, None] + tl.dot(tl.trans(tl.load(QG + k_off, mask=mrk, other=0.0)), do,
                                            input_precision=PREC)
@@ -63,12 +74,12 @@ def _kda_bwd_scan_kernel(W, QG, KD, AQK, GC, DO, dht, seq_info, DU, DH0, DH, HV,
             do_b = tl.load(DO + vb, mask=mvb, other=0.0).to(dt)
             a_bb = tl.load(AQK + (rb * HV + hv)[:, None] * BT + BR + j[None, :], mask=mb[:, None], other=0.0).to(dt)
             dub = tl.dot(tl.trans(a_bb), do_b, input_precision=PREC)
-            dub += tl.dot(tl.load(KD + kb, mask=mkb, other=0.0), dSd, input_precision=PREC)
+            dub += _kd_dot(tl.load(KD + kb, mask=mkb, other=0.0), dSd, PREC)
             a_aa = tl.load(AQK + (ra * HV + hv)[:, None] * BT + j[None, :], mask=ma[:, None], other=0.0).to(dt)
             a_ba = tl.load(AQK + (rb * HV + hv)[:, None] * BT + j[None, :], mask=mb[:, None], other=0.0).to(dt)
             dua = tl.dot(tl.trans(a_aa), do_a, input_precision=PREC) + tl.dot(tl.trans(a_ba), do_b,
                                                                              input_precision=PREC)
-            dua += tl.dot(tl.load(KD + ka, mask=mka, other=0.0), dSd, input_precision=PREC)
+            dua += _kd_dot(tl.load(KD + ka, mask=mka, other=0.0), dSd, PREC)
             tl.store(DU + va, dua, mask=mva)
             tl.store(DU + vb, dub, mask=mvb)
             dS = dS * gc[:, None] + tl.dot(tl.trans(tl.load(QG + ka, mask=mka, other=0.0)), do_a,

@@ -86,7 +86,7 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
             tl.store(O + v_off, o.to(O.dtype.element_ty), mask=mrv)
             if STORE_H:
                 tl.store(VNEW + v_off, ud, mask=mrv)
-            S = S * gc[:, None] + tl.dot(tl.trans(tl.load(KD + k_off, mask=mrk, other=0.0)), ud,
+            S = S * gc[:, None] + tl.dot(tl.trans(tl.load(KD + k_off, mask=mrk, other=0.0).to(dt)), ud,
                                          input_precision=PREC)
         else:
             # the chunk as two row halves a, b (half the tile memory): Aqk = [[A_aa, 0], [A_ba, A_bb]]
@@ -116,7 +116,8 @@ def _kda_fwd_scan_kernel(W, U, QG, KD, AQK, GC, h0, seq_info, O, VNEW, HS, HT, H
             if STORE_H:
                 tl.store(VNEW + va, uad, mask=mva)
                 tl.store(VNEW + vb, ubd, mask=mvb)
-            S = S * gc[:, None] + tl.dot(tl.trans(tl.load(KD + ka, mask=mka, other=0.0)), uad, input_precision=PREC)
-            S += tl.dot(tl.trans(tl.load(KD + kb, mask=mkb, other=0.0)), ubd, input_precision=PREC)
+            S = S * gc[:, None] + tl.dot(tl.trans(tl.load(KD + ka, mask=mka, other=0.0).to(dt)), uad,
+                                         input_precision=PREC)
+            S += tl.dot(tl.trans(tl.load(KD + kb, mask=mkb, other=0.0).to(dt)), ubd, input_precision=PREC)
     if STORE_FINAL:
         tl.store(HT + st + s_off, S, mask=ms)
