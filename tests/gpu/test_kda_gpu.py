@@ -82,7 +82,9 @@ def test_decode_under_cuda_graph_capture():
 
 
 def test_torch_compile_runs_the_same_kernels():
-    """fullgraph torch.compile of forward + backward gives the eager results bit for bit (same custom ops)."""
+    """fullgraph torch.compile of forward + backward gives the eager results bit for bit (same custom ops). The
+    loss is formed outside the compiled function: Inductor's reduction of it may differ from eager's by a float32
+    ulp, which is not the kernels'."""
     c = properties.KDACase(seed=4, B=1, T=300, cu=(0, 100, 100, 300), H=1, HV=2, K=64, V=64, dtype="bf16",
                        gate="lower_bound", l2=True, h0=True, final=True, decay=None, scale=None, fp32_gb=False,
                        grad=True)
@@ -92,13 +94,13 @@ def test_torch_compile_runs_the_same_kernels():
         o, s = da.kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=kw["cu_seqlens"], A_log=kw["A_log"],
                       dt_bias=kw["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, output_final_state=True,
                       backend="triton")
-        return o.float().square().sum() + s.sum()
+        return o, s
 
     outs = []
     for fn in (f, torch.compile(f, fullgraph=True)):
         leaves = [t.detach().clone().requires_grad_() for t in xs + [kw["initial_state"]]]
-        loss = fn(*leaves)
-        loss.backward()
-        outs.append([loss.detach()] + [t.grad for t in leaves])
+        o, s = fn(*leaves)
+        (o.float().square().sum() + s.sum()).backward()
+        outs.append([o.detach(), s.detach()] + [t.grad for t in leaves])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
