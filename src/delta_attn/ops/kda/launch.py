@@ -70,8 +70,9 @@ class Precision:
 
 def precision(dtype: torch.dtype, allow_tf32: bool, K: int, train: bool = False) -> Precision:
     """bf16: the scans' dots take the bf16-stored intermediates as they are (bf16 tensor-core products; the training
-    backward's du is one of them; the Triton reverse scan's kd dS as two of them, ``kd_dtype``); the forward intra-chunk products (inference and training) on bf16 operands (bf16
-    tensor-core rate; their results are stored in bf16); the UT transform's U and W on fp32 operands in tf32, every K
+    backward's du is one of them; the Triton reverse scan's kd dS as two of them, ``kd_dtype``); the forward
+    intra-chunk products (inference and training) on bf16 operands (bf16 tensor-core rate; their results are stored
+    in bf16); the UT transform's U and W on fp32 operands in tf32, every K
     (with T as a bf16 register operand both came out wrong on the GPU: kernels_intra._kda_apply_ut); tf32 for the fp32
     tiles of the triangular inverse and of the backward's per-chunk products. fp16: exact per-chunk dots (fp16's range
     is too narrow for the UT products). tf32 keeps only fp16's 10-bit mantissa, which doubles fp16's rounding (H200
