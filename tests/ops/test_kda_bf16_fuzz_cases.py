@@ -11,7 +11,7 @@ products (``kernels_backward._kd_dot``)."""
 import pytest
 
 import properties
-from delta_attn.testing import default_floor
+from delta_attn.testing import check, default_floor
 
 E = pytest.importorskip("gluon_emulator")
 
@@ -34,7 +34,7 @@ def test_bf16_dbeta_within_the_bf16_reference_error(monkeypatch):
     xs, kw = properties.kda_inputs(case, "cpu")
     opts = dict(use_qk_l2norm=case.l2, output_final_state=case.final, scale=case.scale)
     with E.triton_bf16_on_cpu(monkeypatch):
-        ours = properties.kda_run("triton", xs, kw, True, case.seed, **opts)[2][4].double()
-    exact, low = (properties.kda_run(b, xs, kw, True, case.seed, **opts)[2][4].double() for b in ("ref64", "ref_low"))
-    err, base = float((ours - exact).abs().max()), float((low - exact).abs().max())
-    assert err <= base + default_floor(exact), f"dbeta error {err:.3e}, bf16 reference {base:.3e}"
+        ours = properties.kda_run("triton", xs, kw, True, case.seed, **opts)[2][4]
+    exact, low = (properties.kda_run(b, xs, kw, True, case.seed, **opts)[2][4] for b in ("ref64", "ref_low"))
+    v = check(ours, exact, low, kind="grad", name="dbeta")
+    assert v.error <= v.baseline + default_floor(exact.double()), v.message
